@@ -1,0 +1,1 @@
+"""GPU/CPU runtime: the only package that imports torch."""
