@@ -1,0 +1,1 @@
+"""The daemon: configuration, CLI, serve loop, connections, the engine thread, systemd glue."""

@@ -1,0 +1,139 @@
+"""`DaemonConfig`: the one frozen configuration of a running daemon, built once from flags + env."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
+DEFAULT_CPU_LANES = 8
+DEFAULT_CUDA_LANES = 16
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_GRID = 256
+DEFAULT_GRACE_S = 10.0
+# Without --max-context a CPU daemon caps the context: each lane's KV is reserved up front.
+DEFAULT_CPU_MAX_CONTEXT = 4096
+# `--cache-budget auto`: this share of the memory left after weights, lanes and workspace.
+AUTO_CACHE_FRACTION = 0.5
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+class ConfigError(ValueError):
+    """A flag or environment value that cannot be used; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    """Everything `prefixd serve` was asked to do. Runtime values are never written back."""
+
+    model: str = "default"  # "default" | FILE.gguf | HF_DIR
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    dtype: str = "bf16"  # "bf16" | "fp32"
+    lanes: int | None = None  # None: DEFAULT_CPU_LANES / DEFAULT_CUDA_LANES
+    socket_path: Path | None = None  # None: prefixd.ipc.paths.default_socket_path()
+    allow_group: str | None = None
+    metrics_addr: str = DEFAULT_METRICS_ADDR  # "" disables the exporter
+    grace_s: float = DEFAULT_GRACE_S
+    cache: bool = True
+    cache_budget_bytes: int | None = None  # None: auto
+    page_size: int = DEFAULT_PAGE_SIZE
+    grid: int = DEFAULT_GRID
+    max_context: int | None = None  # None: the model's, capped on CPU
+    log_level: str = "info"
+
+    @property
+    def num_lanes(self) -> int:
+        if self.lanes is not None:
+            return self.lanes
+        return DEFAULT_CPU_LANES if self.device == "cpu" else DEFAULT_CUDA_LANES
+
+    def resolved_socket_path(self) -> Path:
+        if self.socket_path is not None:
+            return self.socket_path
+        from prefixd.ipc.paths import default_socket_path
+
+        return default_socket_path()
+
+    def resolved_max_context(self, model_max_context: int) -> int:
+        if self.max_context is not None:
+            return min(self.max_context, model_max_context)
+        if self.device == "cpu":
+            return min(DEFAULT_CPU_MAX_CONTEXT, model_max_context)
+        return model_max_context
+
+
+def parse_size(text: str) -> int | None:
+    """"auto" -> None; "4GiB", "512M", "1000000" -> bytes (k/M/G decimal, Ki/Mi/Gi binary)."""
+    if text.strip().lower() == "auto":
+        return None
+    m = _SIZE_RE.match(text)
+    if m is None:
+        raise ConfigError(f"cache budget {text!r}: expected BYTES (e.g. 4GiB, 512M) or auto")
+    unit = (m.group(2) or "").lower().removesuffix("b")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _check(cfg: DaemonConfig) -> DaemonConfig:
+    if cfg.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", cfg.device):
+        raise ConfigError(f"--device {cfg.device!r}: expected cpu or cuda[:N]")
+    if cfg.dtype not in ("bf16", "fp32"):
+        raise ConfigError(f"--dtype {cfg.dtype!r}: expected bf16 or fp32")
+    if cfg.lanes is not None and cfg.lanes < 1:
+        raise ConfigError(f"--lanes {cfg.lanes}: needs at least 1")
+    if cfg.page_size < 1 or cfg.grid < 1 or cfg.grid % cfg.page_size:
+        raise ConfigError(f"--grid {cfg.grid} must be a positive multiple of --page-size {cfg.page_size}")
+    if cfg.grace_s < 0:
+        raise ConfigError(f"--grace {cfg.grace_s}: must be >= 0")
+    if cfg.max_context is not None and cfg.max_context < 2:
+        raise ConfigError(f"--max-context {cfg.max_context}: must be >= 2")
+    if cfg.metrics_addr:
+        from prefixd.metrics.exporter import MetricsAddrError, parse_metrics_addr
+
+        try:
+            parse_metrics_addr(cfg.metrics_addr)
+        except MetricsAddrError as e:
+            raise ConfigError(str(e)) from None
+    return cfg
+
+
+def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonConfig:
+    """Build the config from parsed `serve` flags; PREFIXD_* env fills what flags left unset."""
+    env = dict(os.environ) if env is None else env
+
+    def pick(name: str, env_name: str, default: object) -> object:
+        value = getattr(args, name, None)
+        if value is not None:
+            return value
+        return env.get(env_name, default)
+
+    lanes = pick("lanes", "PREFIXD_LANES", None)
+    socket_text = pick("socket", "PREFIXD_SOCKET", None)
+    budget = pick("cache_budget", "PREFIXD_CACHE_BUDGET", "auto")
+    max_context = pick("max_context", "PREFIXD_MAX_CONTEXT", None)
+    try:
+        cfg = DaemonConfig(
+            model=str(pick("model", "PREFIXD_MODEL", "default")),
+            device=str(pick("device", "PREFIXD_DEVICE", "cpu")),
+            dtype=str(pick("dtype", "PREFIXD_DTYPE", "bf16")),
+            lanes=None if lanes is None else int(lanes),
+            socket_path=None if socket_text in (None, "") else Path(str(socket_text)),
+            allow_group=pick("allow_group", "PREFIXD_ALLOW_GROUP", None) or None,
+            metrics_addr=str(pick("metrics_addr", "PREFIXD_METRICS_ADDR", DEFAULT_METRICS_ADDR)),
+            grace_s=float(pick("grace", "PREFIXD_GRACE_S", DEFAULT_GRACE_S)),
+            cache=not bool(getattr(args, "no_cache", False)) and env.get("PREFIXD_CACHE", "1") != "0",
+            cache_budget_bytes=parse_size(str(budget)),
+            page_size=int(pick("page_size", "PREFIXD_PAGE_SIZE", DEFAULT_PAGE_SIZE)),
+            grid=int(pick("grid", "PREFIXD_GRID", DEFAULT_GRID)),
+            max_context=None if max_context is None else int(max_context),
+            log_level=str(pick("log_level", "PREFIXD_LOG_LEVEL", "info")),
+        )
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"bad number in flags or PREFIXD_* environment: {e}") from None
+    return _check(cfg)

@@ -1,0 +1,53 @@
+"""`MetricsObserver`: the scheduler's `EngineObserver` callbacks written into `Metrics`.
+
+Called from the engine thread; prometheus-client collectors are thread-safe.
+"""
+
+from __future__ import annotations
+
+from prefixd.metrics.collectors import Metrics
+
+
+class MetricsObserver:
+    """Implements `prefixd.scheduler.events.EngineObserver` (structurally); owns no logic."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def on_round(self, duration_s: float, forward_s: float, num_rows: int, lanes_busy: int, waiting: int) -> None:
+        m = self.metrics
+        m.round_duration_s.observe(duration_s)
+        m.lanes_busy.set(lanes_busy)
+        m.requests_waiting.set(waiting)
+
+    def on_admit(self, wait_s: float) -> None:
+        """Queue wait is visible through requests_waiting; nothing else to record."""
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.metrics.ttft_s.observe(ttft_s)
+
+    def on_token_gap(self, itl_s: float) -> None:
+        self.metrics.itl_s.observe(itl_s)
+
+    def on_done(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        m = self.metrics
+        m.requests.labels(finish_reason=finish_reason).inc()
+        m.prompt_tokens.inc(prompt_tokens)
+        m.generation_tokens.inc(completion_tokens)
+
+    def on_lookup(self, result: str, query_tokens: int, hit_tokens: int) -> None:
+        m = self.metrics
+        m.cache_lookups.labels(result=result).inc()
+        m.cache_queries_tokens.inc(query_tokens)
+        m.cache_hits_tokens.inc(hit_tokens)
+
+    def on_eviction(self, reason: str, nbytes: int) -> None:
+        self.metrics.cache_evictions.labels(reason=reason).inc()
+
+    def on_snapshot_copy(self, direction: str, nbytes: int) -> None:
+        self.metrics.snapshot_copy_bytes.labels(direction=direction).inc(nbytes)
+
+    def on_store(self, bytes_held: int, budget_bytes: int) -> None:
+        m = self.metrics
+        m.cache_bytes.set(bytes_held)
+        m.cache_budget_bytes.set(budget_bytes)

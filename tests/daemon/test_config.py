@@ -1,0 +1,63 @@
+"""DaemonConfig from flags and environment."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from prefixd.daemon.config import ConfigError, DaemonConfig, config_from_args, parse_size
+
+
+def _args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**kw)
+
+
+def test_defaults_without_flags_or_env():
+    cfg = config_from_args(_args(), env={})
+    assert cfg == DaemonConfig()
+    assert cfg.num_lanes == 8
+    assert cfg.metrics_addr == "127.0.0.1:9464"
+    assert cfg.resolved_max_context(8192) == 4096
+
+
+def test_flags_win_over_env_and_env_fills_the_rest():
+    env = {"PREFIXD_LANES": "2", "PREFIXD_SOCKET": "/env.sock", "PREFIXD_DTYPE": "fp32"}
+    cfg = config_from_args(_args(lanes=3, no_cache=True, cache_budget="1GiB", metrics_addr=""), env=env)
+    assert cfg.lanes == 3
+    assert cfg.socket_path == Path("/env.sock")
+    assert cfg.dtype == "fp32"
+    assert cfg.cache is False
+    assert cfg.cache_budget_bytes == 1 << 30
+    assert cfg.metrics_addr == ""
+
+
+def test_parse_size_units():
+    assert parse_size("auto") is None
+    assert parse_size("1000") == 1000
+    assert parse_size("512M") == 512_000_000
+    assert parse_size("4GiB") == 4 << 30
+    assert parse_size("1.5Ki") == 1536
+    with pytest.raises(ConfigError, match="cache budget"):
+        parse_size("lots")
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        ({"device": "tpu"}, "--device"),
+        ({"dtype": "fp8"}, "--dtype"),
+        ({"lanes": 0}, "--lanes"),
+        ({"grid": 100, "page_size": 16}, "--grid"),
+        ({"metrics_addr": "nope"}, "HOST:PORT"),
+    ],
+)
+def test_bad_values_name_the_flag(flags, needle):
+    with pytest.raises(ConfigError, match=needle):
+        config_from_args(_args(**flags), env={})
+
+
+def test_bad_number_in_env_is_a_config_error():
+    with pytest.raises(ConfigError, match="PREFIXD_"):
+        config_from_args(_args(), env={"PREFIXD_LANES": "many"})
