@@ -1,0 +1,294 @@
+"""Sampling: exact ids from hand-made logits, seeds, lane independence, HF agreement."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from prefixd.gpu.sampling import (
+    LaneSampler,
+    apply_penalties_and_filters,
+    greedy_token,
+    min_p_filter,
+    pick_token,
+    repetition_penalty,
+    top_k_filter,
+    top_p_filter,
+)
+from prefixd.scheduler.records import SamplingParams
+
+CPU = torch.device("cpu")
+VOCAB = 64
+
+
+def kept(row: torch.Tensor) -> list[int]:
+    return torch.nonzero(torch.isfinite(row)).flatten().tolist()
+
+
+def sampler(params: SamplingParams, history=(), vocab=VOCAB, tok_vocab=VOCAB) -> LaneSampler:
+    return LaneSampler(params, history, vocab_size=vocab, tokenizer_vocab=tok_vocab, device=CPU)
+
+
+def random_rows(n: int, vocab: int = VOCAB, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(vocab, generator=gen) * 3 for _ in range(n)]
+
+
+def no_seen(vocab: int = VOCAB) -> torch.Tensor:
+    return torch.zeros(vocab, dtype=torch.bool)
+
+
+# --- hand-made logits, exact ids ------------------------------------------------------
+
+
+def test_greedy_picks_the_largest_logit():
+    row = torch.zeros(VOCAB)
+    row[[1, 9, 33]] = torch.tensor([2.0, 1.9, 2.5])
+    assert sampler(SamplingParams()).sample(row) == 33
+
+
+def test_greedy_ties_go_to_the_lowest_id():
+    row = torch.full((VOCAB,), -5.0)
+    row[[7, 3, 40]] = 4.0
+    assert greedy_token(row) == 3
+    big = torch.zeros(49152)
+    big[[30001, 30000, 49151]] = 1.0
+    assert greedy_token(big) == 30000
+
+
+def test_greedy_never_picks_a_padded_id():
+    row = torch.zeros(VOCAB)
+    row[60] = 10.0  # beyond the tokenizer's 50 ids
+    row[12] = 1.0
+    assert sampler(SamplingParams(), tok_vocab=50).sample(row) == 12
+
+
+def test_sampling_never_picks_a_padded_id():
+    row = torch.zeros(VOCAB)
+    row[50:] = 30.0  # padded ids carry almost all the mass
+    s = sampler(SamplingParams(temperature=1.0, seed=5), tok_vocab=50)
+    assert all(s.sample(row) < 50 for _ in range(200))
+
+
+def test_top_k_keeps_the_k_largest_ids():
+    row = torch.tensor([1.0, 5.0, 3.0, 4.0, 2.0, 0.0])
+    assert kept(top_k_filter(row, 3)) == [1, 2, 3]
+
+
+def test_top_k_keeps_ties_at_the_edge():
+    row = torch.tensor([1.0, 5.0, 3.0, 3.0, 2.0])
+    assert kept(top_k_filter(row, 2)) == [1, 2, 3]
+
+
+def test_top_p_keeps_ids_until_the_mass_reaches_p():
+    probs = torch.tensor([0.05, 0.5, 0.3, 0.15])
+    row = probs.log()
+    assert kept(top_p_filter(row, 0.45)) == [1]  # 0.5 alone reaches 0.45
+    assert kept(top_p_filter(row, 0.7)) == [1, 2]
+    assert kept(top_p_filter(row, 0.81)) == [1, 2, 3]
+
+
+def test_top_p_on_a_large_peaked_row_keeps_exactly_the_mass_reaching_p():
+    row = torch.full((49152,), -20.0)
+    row[[100, 7, 30000]] = torch.tensor([0.5, 0.3, 0.15]).log()  # the rest: ~1e-4 in all
+    assert kept(top_p_filter(row, 0.6)) == [7, 100]  # probs .526 .316 .158
+    assert kept(top_p_filter(row, 0.85)) == [7, 100, 30000]
+
+
+def test_top_p_on_a_large_flat_row_searches_past_the_first_candidates():
+    row = torch.zeros(4096)
+    row[5] = 1.0
+    out = top_p_filter(row, 0.5)  # needs about half of the 4096 nearly equal ids
+    assert 5 in kept(out)
+    assert 1900 < len(kept(out)) < 2100
+
+
+def test_top_p_always_keeps_the_top_id():
+    row = torch.tensor([0.0, 9.0, 1.0])
+    assert kept(top_p_filter(row, 1e-9)) == [1]
+
+
+def test_min_p_drops_ids_below_a_fraction_of_the_top():
+    probs = torch.tensor([0.4, 0.15, 0.39, 0.06])
+    row = probs.log()
+    assert kept(min_p_filter(row, 0.1)) == [0, 1, 2, 3]  # keeps p >= 0.04
+    assert kept(min_p_filter(row, 0.3)) == [0, 1, 2]  # keeps p >= 0.12
+    assert kept(min_p_filter(row, 0.5)) == [0, 2]  # keeps p >= 0.2
+    assert kept(min_p_filter(row, 0.99)) == [0]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative():
+    row = torch.tensor([2.0, -2.0, 3.0, -1.0])
+    seen = torch.tensor([True, True, False, False])
+    assert torch.equal(repetition_penalty(row, seen, 2.0), torch.tensor([1.0, -4.0, 3.0, -1.0]))
+
+
+def test_repetition_penalty_changes_the_greedy_choice_over_prompt_and_generated():
+    row = torch.zeros(VOCAB)
+    row[[4, 5, 6]] = torch.tensor([3.0, 2.0, 1.9])
+    s = sampler(SamplingParams(repetition_penalty=2.0), history=[4])
+    assert s.sample(row) == 5  # 4 penalised to 1.5 (prompt history)
+    assert s.sample(row) == 6  # 5 penalised to 1.0 (its own generated token)
+    assert s.sample(row) == 4  # 6 penalised to 0.95
+    assert s.sample(row) == 4  # each id is penalised once, however often it occurred
+
+
+def test_pick_token_walks_the_cdf_in_id_order():
+    probs = torch.tensor([0.1, 0.6, 0.3])  # intervals: 0 [0, .1), 1 [.1, .7), 2 [.7, 1)
+    row = probs.log()
+    assert pick_token(row, 0.0) == 0
+    assert pick_token(row, 0.09) == 0
+    assert pick_token(row, 0.11) == 1
+    assert pick_token(row, 0.69) == 1
+    assert pick_token(row, 0.71) == 2
+    assert pick_token(row, 0.999999) == 2
+
+
+def test_pick_token_skips_filtered_ids_at_the_edges():
+    row = torch.tensor([float("-inf"), 0.0, float("-inf")])
+    assert pick_token(row, 0.0) == 1
+    assert pick_token(row, 1.0) == 1  # u * total rounding up to total stays on a live id
+
+
+def test_pick_token_never_returns_a_filtered_id():
+    row = torch.tensor([float("-inf"), 0.0, float("-inf"), 0.0, float("-inf")])
+    assert {pick_token(row, u / 100) for u in range(100)} == {1, 3}
+
+
+def test_temperature_sharpens_the_distribution():
+    row = torch.tensor([1.0, 0.0] + [-30.0] * (VOCAB - 2))
+    hot = sampler(SamplingParams(temperature=100.0, seed=3))
+    cold = sampler(SamplingParams(temperature=0.05, seed=3))
+    hot_tokens = [hot.sample(row) for _ in range(300)]
+    assert [cold.sample(row) for _ in range(300)] == [0] * 300
+    assert len(set(hot_tokens)) > 10
+
+
+def test_filters_compose_in_order():
+    row = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0, -1.0])
+    params = SamplingParams(temperature=0.5, top_k=4, top_p=0.99, min_p=0.01)
+    out = apply_penalties_and_filters(row, params, no_seen(6), 6)
+    # temperature doubles the gaps; top-k keeps 0..3 (probs .865 .117 .016 .002);
+    # top-p 0.99 drops 3 (mass before it .998); min-p 0.01 keeps 2 (.016 >= .0087)
+    assert kept(out) == [0, 1, 2]
+    assert kept(apply_penalties_and_filters(row, replace(params, min_p=0.05), no_seen(6), 6)) == [0, 1]
+    assert kept(apply_penalties_and_filters(row, replace(params, top_p=1.0, min_p=0.0), no_seen(6), 6)) == [0, 1, 2, 3]
+
+
+# --- seeds and lane independence ------------------------------------------------------
+
+PARAMS = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, min_p=0.01, repetition_penalty=1.1)
+
+
+def run_lane(seed: int, rows: list[torch.Tensor]) -> list[int]:
+    s = sampler(replace(PARAMS, seed=seed), history=[1, 2, 3])
+    return [s.sample(r) for r in rows]
+
+
+def test_same_seed_gives_same_tokens():
+    rows = random_rows(40)
+    first = run_lane(1234, rows)
+    assert run_lane(1234, rows) == first
+    assert run_lane(4321, rows) != first
+
+
+def test_lanes_interleaved_in_any_order_match_each_alone():
+    rows = {lane: random_rows(30, seed=lane) for lane in range(3)}
+    alone = {lane: run_lane(100 + lane, rows[lane]) for lane in range(3)}
+    lanes = {
+        lane: sampler(replace(PARAMS, seed=100 + lane), history=[1, 2, 3])
+        for lane in range(3)
+    }
+    got: dict[int, list[int]] = {lane: [] for lane in range(3)}
+    order = [lane for lane in range(3) for _ in range(30)]
+    random.Random(7).shuffle(order)
+    for lane in order:
+        got[lane].append(lanes[lane].sample(rows[lane][len(got[lane])]))
+    assert got == alone
+
+
+def test_every_sample_call_advances_the_generator_once():
+    row = torch.zeros(VOCAB)
+    greedy = sampler(SamplingParams(seed=9))
+    for _ in range(5):
+        greedy.sample(row)
+    assert greedy.num_draws == 5
+    ref = torch.Generator().manual_seed(9)
+    for _ in range(5):
+        torch.rand((), generator=ref, dtype=torch.float64)
+    assert torch.equal(greedy._generator.get_state(), ref.get_state())
+
+
+def test_no_seed_draws_a_fresh_one():
+    a, b = sampler(SamplingParams(temperature=1.0)), sampler(SamplingParams(temperature=1.0))
+    assert a.seed != b.seed
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(top_k=-1),
+        SamplingParams(top_p=0.0),
+        SamplingParams(min_p=1.5),
+        SamplingParams(repetition_penalty=0.0),
+        SamplingParams(seed=-1),
+    ],
+)
+def test_bad_params_raise(params):
+    with pytest.raises(ValueError):
+        sampler(params)
+
+
+def test_wrong_logits_shape_raises():
+    with pytest.raises(ValueError):
+        sampler(SamplingParams()).sample(torch.zeros(VOCAB + 1))
+
+
+# --- agreement with transformers' processors ------------------------------------------
+
+HF_VOCAB = 1000
+
+
+def hf(name: str, *args):
+    from transformers.generation import logits_process as lp
+
+    return getattr(lp, name)(*args)
+
+
+@pytest.mark.parametrize("k", [1, 5, 50, 999])
+def test_top_k_matches_transformers(k):
+    warper = hf("TopKLogitsWarper", k)
+    for row in random_rows(10, HF_VOCAB, seed=k):
+        ref = warper(None, row[None].clone())[0]
+        assert kept(top_k_filter(row, k)) == kept(ref)
+
+
+@pytest.mark.parametrize("p", [0.05, 0.3, 0.7, 0.9, 0.99])
+def test_top_p_matches_transformers(p):
+    warper = hf("TopPLogitsWarper", p)
+    for row in random_rows(10, HF_VOCAB, seed=int(p * 100)):
+        ref = warper(None, row[None].clone())[0]
+        assert kept(top_p_filter(row, p)) == kept(ref)
+
+
+@pytest.mark.parametrize("p", [0.01, 0.1, 0.5, 0.9])
+def test_min_p_matches_transformers(p):
+    warper = hf("MinPLogitsWarper", p)
+    for row in random_rows(10, HF_VOCAB, seed=int(p * 100) + 1):
+        ref = warper(None, row[None].clone())[0]
+        assert kept(min_p_filter(row, p)) == kept(ref)
+
+
+@pytest.mark.parametrize("penalty", [0.7, 1.3, 2.0])
+def test_repetition_penalty_matches_transformers_bitwise(penalty):
+    proc = hf("RepetitionPenaltyLogitsProcessor", penalty)
+    gen = torch.Generator().manual_seed(11)
+    for row in random_rows(5, HF_VOCAB, seed=3):
+        ids = torch.randint(0, HF_VOCAB, (200,), generator=gen)
+        seen = no_seen(HF_VOCAB)
+        seen[ids] = True
+        ref = proc(ids[None], row[None].clone())[0]
+        assert torch.equal(repetition_penalty(row, seen, penalty), ref)
