@@ -1,0 +1,149 @@
+"""Gated DeltaNet math: the causal depthwise conv, the chunked (prefill) form and the step
+(decode) form of the gated delta rule, for one lane at a time.
+
+Per value head the recurrent state S is a (dk, dv) float32 matrix. For each row t:
+
+    S <- S * exp(g_t)                           # decay (g_t <= 0, log space)
+    S <- S + k_t (beta_t (v_t - k_t^T S))^T     # delta-rule write
+    o_t = q_t^T S
+
+The chunked form computes the same recurrence CHUNK rows at a time with a unit-lower-
+triangular (UT) solve inside each chunk. Every chunk is padded to exactly CHUNK rows and
+every lane runs alone, so each op sees the same shapes whatever the chunk's length or the
+other lanes in the round: the bits of a chunk depend only on its own rows and the state at
+its start. The two forms agree to rounding, not to the bit (see docs/runtime.md, Hybrid).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64  # rows per UT block of the chunked form; fixed so its bits never depend on T
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (float32 in, float32 out)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-decay g = -exp(A_log) * softplus(a + dt_bias) and write strength beta = sigmoid(b).
+
+    a, b: (T, Hv) in any dtype; returns two float32 (T, Hv) tensors.
+    """
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())
+
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over new rows, continuing from `conv_state`.
+
+    x: (T, C) new inputs; conv_state: (K-1, C) the previous K-1 inputs (zeros at start);
+    weight: (C, K). Returns (out (T, C) in x's dtype, new conv state (K-1, C)).
+    Taps are summed one by one in a fixed order, so a row's bits depend only on its K inputs
+    (the same in the chunked and the step form).
+    """
+    num_taps = weight.shape[1]
+    num_rows = x.shape[0]
+    window = torch.cat([conv_state.to(torch.float32), x.to(torch.float32)], dim=0)  # (K-1+T, C)
+    w = weight.to(torch.float32)
+    acc = window[0:num_rows] * w[:, 0]
+    for j in range(1, num_taps):
+        acc = acc + window[j:j + num_rows] * w[:, j]
+    new_state = window[num_rows:].to(conv_state.dtype)  # the last K-1 inputs
+    return F.silu(acc).to(x.dtype), new_state
+
+
+def conv_states_after_rows(x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    """Conv state after each row of x: (T, K-1, C), row j = the K-1 inputs ending at row j."""
+    keep = conv_state.shape[0]
+    window = torch.cat([conv_state, x.to(conv_state.dtype)], dim=0)
+    return torch.stack([window[j + 1:j + 1 + keep] for j in range(x.shape[0])])
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if x.shape[0] == rows:
+        return x
+    pad = x.new_zeros((rows - x.shape[0], *x.shape[1:]))
+    return torch.cat([x, pad], dim=0)
+
+
+def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+           beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One UT block. q, k: (H, C, dk); v: (H, C, dv); g, beta: (H, C); state: (H, dk, dv)."""
+    size = q.shape[1]
+    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    gc = g.cumsum(dim=-1)  # (H, C)
+    # decay between rows j <= i; masked before exp so no inf ever appears
+    diff = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~causal, float("-inf"))
+    decay = diff.exp()  # (H, C, C)
+    k_beta = k * beta.unsqueeze(-1)
+    ut = (k_beta @ k.transpose(-1, -2)) * decay  # strictly-lower part is used
+    u = torch.linalg.solve_triangular(ut, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(ut, k_beta * gc.exp().unsqueeze(-1), upper=False,
+                                      unitriangular=True)
+    v_new = u - w @ state  # (H, C, dv)
+    attn = (q @ k.transpose(-1, -2)) * decay  # (H, C, C), diagonal included
+    out = (q * gc.exp().unsqueeze(-1)) @ state + attn @ v_new
+    last = gc[:, -1:]  # (H, 1)
+    k_tail = k * (last - gc).exp().unsqueeze(-1)
+    new_state = state * last.exp().unsqueeze(-1) + k_tail.transpose(-1, -2) @ v_new
+    return out, new_state
+
+
+def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked form over T rows of one lane, starting from `state`.
+
+    q, k: (T, Hv, dk) float32, already L2-normalized (q also scaled by dk^-0.5) and expanded
+    to the value heads; v: (T, Hv, dv) float32; g, beta: (T, Hv) float32; state:
+    (Hv, dk, dv) float32. Returns (out (T, Hv, dv) float32, new state). Blocks of CHUNK rows
+    are counted from row 0 of this call, the last one padded with zero rows (k = 0,
+    beta = 0, g = 0 write nothing and decay nothing).
+    """
+    num_rows = q.shape[0]
+    outs = []
+    for lo in range(0, num_rows, CHUNK):
+        hi = min(lo + CHUNK, num_rows)
+        block = [_pad_rows(t[lo:hi], CHUNK).transpose(0, 1).contiguous()
+                 for t in (q, k, v, g, beta)]
+        out, state = _chunk(*block, state)
+        outs.append(out.transpose(0, 1)[: hi - lo])
+    if not outs:
+        return q.new_zeros((0, v.shape[1], v.shape[2])), state
+    return torch.cat(outs, dim=0), state
+
+
+def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+         beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row per lane, batched: q, k: (B, Hv, dk); v: (B, Hv, dv); g, beta: (B, Hv);
+    state: (B, Hv, dk, dv). Returns (out (B, Hv, dv), new state); all float32.
+
+    Element-wise products and sums over dk only, so a lane's bits do not depend on B.
+    """
+    state = state * g.exp()[..., None, None]
+    read = (state * k.unsqueeze(-1)).sum(dim=-2)  # (B, Hv, dv) = k^T S
+    delta = (v - read) * beta.unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    out = (state * q.unsqueeze(-1)).sum(dim=-2)
+    return out, state
+
+
+def steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+          beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step form over T rows of one lane, keeping every intermediate state.
+
+    Shapes as in `chunked`. Returns (out (T, Hv, dv), states (T, Hv, dk, dv)) where
+    states[j] is the state after row j: the rollback record of a 1+k-row verify.
+    """
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        out, state = step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1],
+                          state.unsqueeze(0))
+        state = state.squeeze(0)
+        outs.append(out[0])
+        states.append(state)
+    return torch.stack(outs), torch.stack(states)

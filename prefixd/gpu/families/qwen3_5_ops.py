@@ -1,0 +1,114 @@
+"""Row-invariant building blocks of the hybrid family: padded linear, norms, partial
+rotary, and a paged KV pool with per-lane causal attention for the full-attention layers.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+MIN_ROWS = 8  # fp32 GEMM picks other kernels (other bits) below a few rows: pad up to this
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) with M padded to MIN_ROWS, so a row's bits never depend on M."""
+    rows = x.shape[0]
+    if rows < MIN_ROWS:
+        x = torch.cat([x, x.new_zeros((MIN_ROWS - rows, x.shape[1]))], dim=0)
+    return F.linear(x, weight, bias)[:rows]
+
+
+def rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm: computed in float32, scaled by (1 + w), cast back to x's dtype."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * weight_plus_one).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm(x) * w * silu(gate) over the last dim (the GDN output norm), result in dtype."""
+    xf = x.to(dtype).float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return ((weight * normed).float() * F.silu(gate.float())).to(dtype)
+
+
+class PartialRope:
+    """Rotary embedding on the first `rotary_dim` dims of each head (rotate-half layout)."""
+
+    def __init__(self, rotary_dim: int, theta: float, device: torch.device) -> None:
+        self.rotary_dim = rotary_dim
+        steps = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device)
+        self.inv_freq = 1.0 / (theta ** (steps / rotary_dim))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq  # (T, rot/2)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]  # (T, 1, rot)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: (T, heads, head_dim)."""
+        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+        half = self.rotary_dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+class PagedKV:
+    """K and V of the full-attention layers in pages.
+
+    kv: (num_full_layers, 2, num_pages, page_size, num_kv_heads, head_dim) in dtype.
+    Row at position p of a lane lives in page page_table[p // page_size], slot p % page_size.
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, *, device: torch.device, dtype: torch.dtype) -> None:
+        self.page_size = page_size
+        self.kv = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
+                              dtype=dtype, device=device)
+        self.bytes_per_page = self.kv[:, :, 0].numel() * self.kv.element_size()
+
+    def write(self, slot: int, page_table: Sequence[int], start: int, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store rows [start, start + len(k)) of one lane; k, v: (T, kv_heads, head_dim)."""
+        pos = torch.arange(start, start + k.shape[0], device=k.device)
+        table = torch.tensor(page_table, dtype=torch.long, device=k.device)
+        pages, offs = table[pos // self.page_size], pos % self.page_size
+        self.kv[slot, 0, pages, offs] = k.to(self.kv.dtype)
+        self.kv[slot, 1, pages, offs] = v.to(self.kv.dtype)
+
+    def read(self, slot: int, page_table: Sequence[int], end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [0, end) of one lane as (end, kv_heads, head_dim) K and V."""
+        used = (end + self.page_size - 1) // self.page_size
+        table = torch.tensor(page_table[:used], dtype=torch.long, device=self.kv.device)
+        k = self.kv[slot, 0].index_select(0, table).flatten(0, 1)[:end]
+        v = self.kv[slot, 1].index_select(0, table).flatten(0, 1)[:end]
+        return k, v
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
+        s = torch.tensor(src, dtype=torch.long, device=self.kv.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.kv.device)
+        self.kv[:, :, d] = self.kv[:, :, s]
+        return len(src) * self.bytes_per_page
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                     scale: float) -> torch.Tensor:
+    """Rows at positions [start, start + T) attend to K/V rows [0, start + T).
+
+    q: (T, H, hd); k, v: (S, KVH, hd) with S = start + T. Math in float32; returns (T, H, hd)
+    float32. Op shapes depend only on (T, S): the same schedule gives the same bits.
+    """
+    rows, heads, hd = q.shape
+    kv_heads = k.shape[1]
+    rep = heads // kv_heads
+    qf = q.float().view(rows, kv_heads, rep, hd).permute(1, 2, 0, 3).reshape(kv_heads, rep * rows, hd)
+    kf, vf = k.float().transpose(0, 1), v.float().transpose(0, 1)  # (KVH, S, hd)
+    scores = (qf @ kf.transpose(1, 2)) * scale  # (KVH, rep*T, S)
+    q_pos = torch.arange(start, start + rows, device=q.device).repeat(rep)
+    k_pos = torch.arange(k.shape[0], device=q.device)
+    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ vf  # (KVH, rep*T, hd)
+    return out.view(kv_heads, rep, rows, hd).permute(2, 0, 1, 3).reshape(rows, heads, hd)

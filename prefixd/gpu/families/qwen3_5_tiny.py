@@ -1,0 +1,51 @@
+"""Random-weight hybrid models for tests and benchmarks.
+
+`tiny_hf_config` gives a small `qwen3_5_text` config.json dict; `make_tiny_hybrid_dir` saves
+a transformers `Qwen3_5ForCausalLM` with random weights (norm weights and gates perturbed so
+every parameter matters) as a Hugging Face directory. transformers is imported lazily: it is
+a test-only dependency of this family.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def tiny_hf_config(**overrides: Any) -> dict[str, Any]:
+    """A small Qwen3.5 text config: 4 layers (3 linear + 1 full), GQA, conv width 4."""
+    fields: dict[str, Any] = {
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    }
+    fields.update(overrides)
+    return fields
+
+
+def make_tiny_hybrid_model(seed: int = 0, **overrides: Any):
+    """A transformers Qwen3_5ForCausalLM (float32, eval) with seeded random weights."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(**tiny_hf_config(**overrides))
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith("dt_bias"):
+                param.add_(0.5 * torch.randn_like(param))
+    return model
+
+
+def make_tiny_hybrid_dir(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Save `make_tiny_hybrid_model(seed, **overrides)` as an HF directory at `path`."""
+    model = make_tiny_hybrid_model(seed, **overrides)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
