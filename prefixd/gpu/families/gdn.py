@@ -22,6 +22,25 @@ import torch.nn.functional as F
 CHUNK = 64  # rows per UT block of the chunked form; fixed so its bits never depend on T
 
 
+# torch's fused silu/sigmoid/softplus compute vector tails with other code (other bits), so a
+# row's value would depend on the tensor's size: build them from exp/log1p/div, which do not.
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x) in float32, bit-identical for an element whatever the tensor's shape."""
+    xf = x.float()
+    return xf / (1.0 + torch.exp(-xf))
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)) in float32 (shape-independent bits)."""
+    return 1.0 / (1.0 + torch.exp(-x.float()))
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + exp(x)), x itself above 20 (as torch's threshold), float32, shape-independent."""
+    xf = x.float()
+    return torch.where(xf > 20.0, xf, torch.log1p(torch.exp(xf)))
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (float32 in, float32 out)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
@@ -33,8 +52,8 @@ def gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.
 
     a, b: (T, Hv) in any dtype; returns two float32 (T, Hv) tensors.
     """
-    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    return g, torch.sigmoid(b.float())
+    g = -a_log.float().exp() * softplus(a.float() + dt_bias.float())
+    return g, sigmoid(b)
 
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
@@ -54,7 +73,7 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
     for j in range(1, num_taps):
         acc = acc + window[j:j + num_rows] * w[:, j]
     new_state = window[num_rows:].to(conv_state.dtype)  # the last K-1 inputs
-    return F.silu(acc).to(x.dtype), new_state
+    return silu(acc).to(x.dtype), new_state
 
 
 def conv_states_after_rows(x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from prefixd.gpu.families import gdn
-from prefixd.gpu.families.qwen3_5_config import LINEAR, HybridConfig
+from prefixd.gpu.families.qwen3_5_config import LINEAR, HybridConfig, register
 from prefixd.gpu.families.qwen3_5_ops import (PagedKV, PartialRope, causal_attention,
                                               gated_rms_norm, linear, rms_norm)
 from prefixd.gpu.families.qwen3_5_state import HybridState, LaneStatePool
@@ -123,7 +122,7 @@ class HybridModel:
                 x = x + self._full_attention(layer, h, spans)
             h = rms_norm(x, layer["ln2"], self.config.rms_norm_eps)
             gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer["down"])
+            x = x + linear((gdn.silu(gate) * up.float()).to(self.dtype), layer["down"])
         return rms_norm(x, self.final_norm, self.config.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -205,7 +204,7 @@ class HybridModel:
         for s in spans:
             out[s.lo:s.hi] = self._attend_lane(layer["slot"], s, q[s.lo:s.hi], k[s.lo:s.hi],
                                                v[s.lo:s.hi])
-        attn = out.to(self.dtype).view(h.shape[0], -1) * torch.sigmoid(gate)
+        attn = (out.view(h.shape[0], -1) * gdn.sigmoid(gate)).to(self.dtype)
         return linear(attn, layer["w_o"], layer.get("b_o"))
 
     def _attend_lane(self, slot: int, span: _Span, q: torch.Tensor, k: torch.Tensor,
@@ -241,3 +240,6 @@ class HybridModel:
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
         return self.kv.copy_pages(src, dst)
+
+
+register()

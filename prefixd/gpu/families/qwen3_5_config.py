@@ -7,7 +7,10 @@ No torch here: this module parses a Hugging Face config.json dict into a frozen
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from prefixd.gpu.config import ModelConfig
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -171,3 +174,39 @@ def hybrid_tensor_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
                 shapes[a + "v_proj.bias"] = (c.num_kv_heads * c.head_dim,)
                 shapes[a + "o_proj.bias"] = (c.hidden_size,)
     return shapes
+
+
+def model_config(config: HybridConfig) -> "ModelConfig":
+    """The runtime-wide ModelConfig of a hybrid model; the HybridConfig rides in extra."""
+    from prefixd.gpu.config import ModelConfig
+
+    c = config
+    return ModelConfig(
+        family="qwen3_5", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_layers=c.num_layers, num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta, rope_scaling=None, max_context=c.max_context,
+        tie_embeddings=c.tie_embeddings, attention_bias=c.attention_bias, qk_norm=True,
+        extra={"hybrid": c},
+    )
+
+
+def hybrid_config(config: "ModelConfig") -> HybridConfig:
+    """The HybridConfig carried by a qwen3_5 ModelConfig."""
+    hybrid = config.extra.get("hybrid")
+    if not isinstance(hybrid, HybridConfig):
+        raise ValueError(f"ModelConfig of family {config.family!r} carries no HybridConfig")
+    return hybrid
+
+
+def register() -> None:
+    """Register `qwen3_5_text` with the runtime's family registry.
+    No GGUF mapping: see docs/runtime.md, Hybrid."""
+    from prefixd.gpu.config import register_family
+
+    register_family(
+        "qwen3_5_text",
+        from_hf=lambda raw: model_config(hybrid_config_from_hf(raw)),
+        tensor_shapes=lambda mc: hybrid_tensor_shapes(hybrid_config(mc)),
+        family="qwen3_5",
+    )

@@ -9,6 +9,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from prefixd.gpu.families.gdn import silu
+
 MIN_ROWS = 8  # fp32 GEMM picks other kernels (other bits) below a few rows: pad up to this
 
 
@@ -32,21 +34,40 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     """RMSNorm(x) * w * silu(gate) over the last dim (the GDN output norm), result in dtype."""
     xf = x.to(dtype).float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return ((weight * normed).float() * F.silu(gate.float())).to(dtype)
+    return ((weight * normed).float() * silu(gate)).to(dtype)
 
 
 class PartialRope:
-    """Rotary embedding on the first `rotary_dim` dims of each head (rotate-half layout)."""
+    """Rotary embedding on the first `rotary_dim` dims of each head (rotate-half layout).
+
+    cos/sin come from a table filled in blocks of _ROPE_BLOCK positions, each block always
+    computed with the same shape, so a position's angles never depend on the batch.
+    """
+
+    _ROPE_BLOCK = 1024
 
     def __init__(self, rotary_dim: int, theta: float, device: torch.device) -> None:
         self.rotary_dim = rotary_dim
+        self.device = device
         steps = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device)
         self.inv_freq = 1.0 / (theta ** (steps / rotary_dim))
+        self._cos = torch.empty(0, rotary_dim, device=device)
+        self._sin = torch.empty(0, rotary_dim, device=device)
+
+    def _table(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        while self._cos.shape[0] < end:
+            lo = self._cos.shape[0]
+            pos = torch.arange(lo, lo + self._ROPE_BLOCK, dtype=torch.float32, device=self.device)
+            freqs = pos[:, None] * self.inv_freq  # (block, rot/2)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self._cos = torch.cat([self._cos, emb.cos()])
+            self._sin = torch.cat([self._sin, emb.sin()])
+        return self._cos, self._sin
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq  # (T, rot/2)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]  # (T, 1, rot)
+        """cos, sin of shape (T, 1, rotary_dim) in dtype for integer `positions` (T,)."""
+        cos, sin = self._table(int(positions.max()) + 1)
+        return cos[positions].to(dtype)[:, None, :], sin[positions].to(dtype)[:, None, :]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (T, heads, head_dim)."""

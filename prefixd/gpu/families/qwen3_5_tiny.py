@@ -49,3 +49,31 @@ def make_tiny_hybrid_dir(path: Path, seed: int = 0, **overrides: Any) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
     return path
+
+
+def random_tensors(config, *, seed: int = 0, dtype=None, scale: float = 0.02) -> dict:
+    """Random weights for a HybridConfig without transformers (tests and benches).
+
+    Matrices ~ N(0, scale), norm weights ~ N(0, 0.1) (zero-centred norms), A_log and
+    dt_bias in the ranges transformers initialises them to.
+    """
+    import torch
+
+    from prefixd.gpu.families.qwen3_5_config import hybrid_tensor_shapes
+
+    gen = torch.Generator().manual_seed(seed)
+    dtype = dtype or torch.float32
+    out = {}
+    for name, shape in sorted(hybrid_tensor_shapes(config).items()):
+        if name.endswith("A_log"):
+            w = torch.empty(shape).uniform_(0.01, 16, generator=gen).log()
+        elif name.endswith("dt_bias"):
+            w = 1.0 + 0.5 * torch.randn(shape, generator=gen)
+        elif name.endswith("linear_attn.norm.weight"):  # the gated norm is not zero-centred
+            w = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith("norm.weight"):
+            w = 0.1 * torch.randn(shape, generator=gen)
+        else:
+            w = scale * torch.randn(shape, generator=gen)
+        out[name] = w.to(dtype)
+    return out
