@@ -1,0 +1,309 @@
+"""Admission: the FIFO wait queue, where a waiting stream may resume, and which seat it takes."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol, Sequence
+
+from prefixd.scheduler.device import Device
+from prefixd.scheduler.events import EngineObserver
+from prefixd.scheduler.lanes import Lane, PageTables, match_rows, pages_for
+from prefixd.scheduler.planner import Schedule, plan_schedule
+from prefixd.scheduler.store import PrefixStore, Snapshot, make_key
+from prefixd.scheduler.streams import Stream
+
+
+class ScheduleLike(Protocol):
+    """What admission needs from a prefill schedule (`planner.Schedule` provides it)."""
+
+    @property
+    def cuts(self) -> tuple[int, ...]: ...
+
+
+class WaitQueue:
+    """Streams waiting for a lane, in arrival order."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Stream] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Stream]:
+        return iter(list(self._queue))
+
+    def push(self, stream: Stream) -> None:
+        self._queue.append(stream)
+
+    def remove(self, stream: Stream) -> bool:
+        try:
+            self._queue.remove(stream)
+        except ValueError:
+            return False
+        return True
+
+
+def starts_below(starts: Sequence[int], cut: int) -> tuple[int, ...]:
+    return tuple(s for s in starts if s < cut)
+
+
+def resident_resume(lane: Lane, stream: Stream, schedule: ScheduleLike, *, invariant_rows: bool) -> int:
+    """Rows `stream` may reuse in place from resident `lane` (0: none).
+
+    Invariant families resume at any identity-equal row; others only at the lane's captured
+    cut, when it is also a cut of the stream's own schedule with the same starts below it.
+    At least the prompt's last row is always computed again, for its logits.
+    """
+    req = stream.req
+    images = tuple(im.identity for im in req.images)
+    k = match_rows(lane, stream.key_tokens, req.namespace, req.frame, images)
+    limit = min(k, stream.num_prompt - 1)
+    if invariant_rows:
+        return limit
+    cut = lane.state_cut
+    if cut is None or cut == 0 or cut > limit or cut not in schedule.cuts:
+        return 0
+    if starts_below(lane.starts, cut) != starts_below(req.chunk_starts, cut):
+        return 0
+    return cut
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentMatch:
+    lane: Lane
+    rows: int
+
+
+def best_resident(
+    lanes: Sequence[Lane], stream: Stream, schedule: ScheduleLike, *, invariant_rows: bool
+) -> ResidentMatch | None:
+    """The resident lane `stream` extends furthest, or None."""
+    best: ResidentMatch | None = None
+    for lane in lanes:
+        if not lane.resident:
+            continue
+        rows = resident_resume(lane, stream, schedule, invariant_rows=invariant_rows)
+        if rows > 0 and (best is None or rows > best.rows):
+            best = ResidentMatch(lane, rows)
+    return best
+
+
+def free_seat(lanes: Sequence[Lane]) -> Lane | None:
+    """The lowest free lane, or None."""
+    for lane in lanes:
+        if lane.free:
+            return lane
+    return None
+
+
+def resident_victims(lanes: Sequence[Lane], spare: Sequence[Lane]) -> list[Lane]:
+    """Resident lanes in eviction order: least recently used first, lanes in `spare` last."""
+    residents = [lane for lane in lanes if lane.resident]
+    return sorted(residents, key=lambda lane: (lane in spare, lane.last_used))
+
+
+@dataclass(frozen=True, slots=True)
+class Seating:
+    """A stream seated this step; `first` is its first token when a full hit sampled it."""
+
+    stream: Stream
+    first: int | None = None
+    logits: object | None = None
+
+
+class Admitter:
+    """Seats waiting streams on lanes: resident continuation, store hit, or cold.
+
+    Owns the wait queue; may evict resident lanes (publishing them first) and ask the store
+    for room. Never runs a forward: a full-prompt hit samples from the stored logits row.
+    """
+
+    def __init__(
+        self,
+        *,
+        lanes: list[Lane],
+        tables: PageTables,
+        device: Device,
+        store: PrefixStore | None,
+        schedules: dict[int, Schedule],
+        observer: EngineObserver,
+        clock: Callable[[], float],
+        grid: int,
+        headroom_rows: int,
+        max_context: int,
+        cache: bool,
+    ) -> None:
+        self.lanes = lanes
+        self.tables = tables
+        self.device = device
+        self.store = store
+        self.schedules = schedules
+        self.observer = observer
+        self.clock = clock
+        self.grid = grid
+        self.headroom_rows = headroom_rows
+        self.max_context = max_context
+        self.cache = cache
+        self.invariant_rows = device.info.invariant_rows
+        self.page_size = device.info.page_size
+        self.waiting = WaitQueue()
+
+    def reuse_allowed(self, stream: Stream) -> bool:
+        return self.cache and stream.req.cache and stream.key is not None
+
+    def admit(self) -> list[Seating]:
+        """Seat waiting streams FIFO; a stream whose resident lane exists goes first."""
+        seated = []
+        for stream in self.waiting:
+            match = self._resident_match(stream)
+            if match is not None:
+                seated.append(self._place(stream, match.lane, match.rows, "resident", None))
+        for stream in self.waiting:
+            seating = self._try_seat(stream)
+            if seating is None:
+                break
+            seated.append(seating)
+        return seated
+
+    def forget(self, stream: Stream) -> None:
+        """A waiting stream left: drop its pinned hit."""
+        self.waiting.remove(stream)
+        if stream.hit is not None and self.store is not None:
+            self.store.unpin(stream.hit)
+        stream.hit = None
+
+    def _resident_match(self, stream: Stream) -> ResidentMatch | None:
+        if not self.reuse_allowed(stream):
+            return None
+        schedule = self.schedules[stream.stream_id]
+        match = best_resident(self.lanes, stream, schedule, invariant_rows=self.invariant_rows)
+        if match is None:
+            return None
+        need = self._pages_to_seat(stream, match.rows) + self.tables.cow_pages_needed(match.lane, match.rows)
+        if not self.free_pages(need, spare=(match.lane,)):
+            return None
+        return match
+
+    def _try_seat(self, stream: Stream) -> Seating | None:
+        lane = free_seat(self.lanes)
+        if lane is None:
+            others = [s for s in self.waiting if s is not stream]
+            victims = resident_victims(self.lanes, spare=[v for v in self.lanes if self._wanted(v, others)])
+            if not victims:
+                return None
+            lane = victims[0]
+            self.evict_resident(lane)
+        if stream.hit is None and self.store is not None and self.reuse_allowed(stream):
+            stream.hit = self.store.lookup(stream.key, self.schedules[stream.stream_id])
+            if stream.hit is not None:
+                self.store.pin(stream.hit)
+        hit = stream.hit
+        rows = hit.rows if hit is not None else 0
+        need = self._pages_to_seat(stream, rows)
+        need += 1 if hit is not None and rows % self.page_size else 0  # copy of a borrowed tail page
+        if not self.free_pages(need, spare=(lane,)):
+            return None
+        result = "hit" if hit is not None else "miss" if self.reuse_allowed(stream) else "off"
+        return self._place(stream, lane, rows, result, hit)
+
+    def _wanted(self, lane: Lane, waiting: list[Stream]) -> bool:
+        """True if some waiting stream would continue resident `lane`."""
+        for stream in waiting:
+            if lane.resident and self.reuse_allowed(stream):
+                schedule = self.schedules[stream.stream_id]
+                if resident_resume(lane, stream, schedule, invariant_rows=self.invariant_rows) > 0:
+                    return True
+        return False
+
+    def _pages_to_seat(self, stream: Stream, resume: int) -> int:
+        """Fresh pages to hold the prompt and the decode headroom when `resume` rows are reused."""
+        rows = min(stream.num_prompt + min(self.headroom_rows, stream.req.max_tokens), self.max_context)
+        return max(0, pages_for(rows, self.page_size) - pages_for(resume, self.page_size))
+
+    def free_pages(self, need: int, spare: Sequence[Lane]) -> bool:
+        """Make `need` pages free: ask the store, then evict resident lanes (LRU), never `spare`."""
+        allocator = self.tables.allocator
+        if allocator.can_allocate(need):
+            return True
+        if self.store is not None:
+            self.store.make_room(need)
+        for victim in resident_victims(self.lanes, spare=spare):
+            if allocator.can_allocate(need) or victim in spare:
+                break
+            self.evict_resident(victim)
+            if self.store is not None and not allocator.can_allocate(need):
+                self.store.make_room(need)
+        return allocator.can_allocate(need)
+
+    def evict_resident(self, lane: Lane) -> None:
+        """Free a resident lane; an invariant family's rows are published to the store first."""
+        if self.store is not None and self.invariant_rows and lane.num_rows > 0:
+            key, _ = make_key(lane.ids, namespace=lane.namespace, frame=lane.frame, images=lane.images,
+                              lookahead=self.device.info.lookahead)
+            if key is not None and key.has_rows(lane.num_rows):
+                n = lane.num_rows
+                schedule = plan_schedule(n, starts_below(lane.starts, n), self.grid)
+                self.store.publish(key, schedule, n, lane.pages, Snapshot(), prefilled_upto=n)
+        self.tables.release(lane)
+
+    def _place(self, stream: Stream, lane: Lane, resume: int, result: str, hit: object | None) -> Seating:
+        """Bind `stream` to `lane`, reusing `resume` rows (the lane's own, or `hit`'s pages)."""
+        req = stream.req
+        self.waiting.remove(stream)
+        if result == "resident":
+            self._continue_resident(stream, lane)
+        else:
+            self.tables.release(lane)
+            self._restore(lane, stream, hit)
+        copied = self.tables.rewind(lane, resume)
+        if copied:
+            self.observer.on_snapshot_copy("restore", copied)
+        lane.stream = stream
+        lane.namespace, lane.frame = req.namespace, req.frame
+        lane.images = tuple(im.identity for im in req.images)
+        lane.starts = req.chunk_starts
+        if not self.tables.grow(lane, stream.num_prompt):
+            raise RuntimeError(f"lane {lane.index}: pages checked free for admission are gone")
+        stream.lane = lane.index
+        stream.admit_s = self.clock()
+        stream.cache_result = result
+        stream.cached_tokens = resume
+        stream.prefilled_tokens = stream.num_prompt - resume
+        stream.chunks = self.schedules[stream.stream_id].chunks(resume)
+        self.device.start_stream(lane.index, req.sampling, history=req.tokens)
+        self.observer.on_admit(stream.admit_s - stream.submit_s)
+        if result != "off":
+            self.observer.on_lookup(result, stream.num_prompt, resume)
+        if resume == stream.num_prompt:  # a full hit: the first token comes from the stored logits row
+            logits = hit.snapshot.logits if hit is not None and hit.snapshot is not None else None
+            if logits is None:
+                raise RuntimeError(f"stream {stream.stream_id}: a hit on the whole prompt without a logits row")
+            return Seating(stream, self.device.sample(lane.index, logits), logits)
+        return Seating(stream)
+
+    def _continue_resident(self, stream: Stream, lane: Lane) -> None:
+        lane.resident = False
+        if not self.invariant_rows:
+            copied = self.device.restore(lane.index, lane.cut_state)
+            self.observer.on_snapshot_copy("restore", copied)
+        if self.store is not None:
+            self.store.note_latest(stream.key)
+
+    def _restore(self, lane: Lane, stream: Stream, hit: object | None) -> None:
+        """Start `lane` from `hit` (borrowed pages + snapshot state) or from zero."""
+        stream.hit = None
+        if hit is None:
+            self.device.reset_lane(lane.index)
+            return
+        self.tables.allocator.incref(hit.pages)
+        lane.pages.extend(hit.pages)
+        lane.num_borrowed = len(hit.pages)
+        lane.ids.extend(stream.key_tokens[: hit.rows])
+        lane.prefilled_upto = hit.rows
+        lane.restored = hit
+        state = hit.snapshot.state if hit.snapshot is not None else None
+        if state is None:
+            self.device.reset_lane(lane.index)
+        else:
+            self.observer.on_snapshot_copy("restore", self.device.restore(lane.index, state))

@@ -1,0 +1,66 @@
+"""The scheduler's one frozen config, and the store budget derived from it speed-first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefixd.scheduler.device import DeviceInfo
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """How the engine schedules lanes and rounds.
+
+    `max_context` None means the device's; a larger value than the device's is clamped.
+    `cache_budget_bytes` None means the store may use the whole KV pool.
+    """
+
+    num_lanes: int = 8
+    grid: int = 256  # prefill chunk length G
+    round_row_budget: int = 512
+    max_context: int | None = None
+    cache: bool = True
+    cache_budget_bytes: int | None = None
+    decode_headroom_rows: int = 16  # decode rows a stream must find room for when admitted
+
+    def __post_init__(self) -> None:
+        if self.num_lanes <= 0:
+            raise ValueError(f"num_lanes must be positive, got {self.num_lanes}")
+        if self.grid <= 0:
+            raise ValueError(f"grid must be positive, got {self.grid}")
+        if self.round_row_budget <= 0:
+            raise ValueError(f"round_row_budget must be positive, got {self.round_row_budget}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context must be at least 2, got {self.max_context}")
+        if self.cache_budget_bytes is not None and self.cache_budget_bytes < 0:
+            raise ValueError(f"cache_budget_bytes must be >= 0, got {self.cache_budget_bytes}")
+        if self.decode_headroom_rows < 0:
+            raise ValueError(f"decode_headroom_rows must be >= 0, got {self.decode_headroom_rows}")
+
+    def context_for(self, info: DeviceInfo) -> int:
+        """The max context the engine enforces on `info`'s device."""
+        if self.max_context is None:
+            return info.max_context
+        return min(self.max_context, info.max_context)
+
+    def check_device(self, info: DeviceInfo) -> None:
+        """Raise ValueError if this config cannot run on `info`'s device."""
+        if self.num_lanes > info.num_lanes:
+            raise ValueError(f"{self.num_lanes} lanes asked, the device has {info.num_lanes}")
+
+
+def store_budget_bytes(info: DeviceInfo, config: SchedulerConfig) -> int:
+    """Bytes the prefix store may hold, split speed-first.
+
+    Weights, every lane's live state and the prefill workspace (G rows per lane) come off
+    `cache_budget_bytes` first; the store gets the rest. Without a budget the store may use
+    the whole KV pool (pages are also bounded by the pool itself).
+    """
+    if config.cache_budget_bytes is None:
+        return info.num_pages * info.kv_bytes_per_page
+    reserved = (
+        info.weights_bytes
+        + config.num_lanes * info.lane_state_bytes
+        + config.num_lanes * config.grid * info.workspace_bytes_per_row
+    )
+    return max(0, config.cache_budget_bytes - reserved)

@@ -1,0 +1,302 @@
+"""The engine: streams in, lane rounds out.
+
+One `step()` is one lane round: `_schedule()` (drop cancels, admit, plan) ->
+`device.run_round()` -> `_postprocess()` (append tokens, keep cuts, finish streams).
+Single-threaded: the daemon calls it from one engine thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Callable
+
+from prefixd.scheduler.admission import Admitter
+from prefixd.scheduler.config import SchedulerConfig, store_budget_bytes
+from prefixd.scheduler.device import Device
+from prefixd.scheduler.events import EngineObserver, NullObserver
+from prefixd.scheduler.lanes import Lane, PageTables, pages_for
+from prefixd.scheduler.pages import PageAllocator
+from prefixd.scheduler.planner import Schedule, plan_schedule
+from prefixd.scheduler.records import DeviceRows, LaneResult, RoundPlan, RoundResult
+from prefixd.scheduler.rounds import PlannedWork, plan_round
+from prefixd.scheduler.store import PrefixStore, Snapshot, make_key
+from prefixd.scheduler.streams import DoneEvent, Stream, StreamRequest, TokenEvent, validate_request
+
+Event = TokenEvent | DoneEvent
+OUT_OF_PAGES_NOTE = "stopped early: no KV pages left for another row"
+
+
+class Engine:
+    """Schedules streams onto lanes and runs lane rounds on `device`.
+
+    `store_factory(allocator=, page_size=, kv_bytes_per_page=, budget_bytes=, invariant_rows=,
+    clock=)` builds the prefix store when `config.cache` (default `PrefixStore`); returning None
+    leaves only resident lanes.
+    """
+
+    def __init__(
+        self,
+        device: Device,
+        config: SchedulerConfig,
+        *,
+        observer: EngineObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        store_factory: Callable[..., PrefixStore | None] | None = None,
+    ) -> None:
+        info = device.info
+        config.check_device(info)
+        self.device = device
+        self.info = info
+        self.config = config
+        self.observer: EngineObserver = observer if observer is not None else NullObserver()
+        self.clock = clock
+        self.max_context = config.context_for(info)
+        self.allocator = PageAllocator(info.num_pages)
+        self.tables = PageTables(self.allocator, device, info.page_size)
+        self.lanes = [Lane(i) for i in range(config.num_lanes)]
+        self.store: PrefixStore | None = None
+        if config.cache:
+            self.store = (store_factory or PrefixStore)(
+                allocator=self.allocator,
+                page_size=info.page_size,
+                kv_bytes_per_page=info.kv_bytes_per_page,
+                budget_bytes=store_budget_bytes(info, config),
+                invariant_rows=info.invariant_rows,
+                clock=clock,
+            )
+        self._streams: dict[int, Stream] = {}
+        self._schedules: dict[int, Schedule] = {}
+        self._seq = itertools.count()
+        self._tick = itertools.count(1)
+        self.admitter = Admitter(
+            lanes=self.lanes, tables=self.tables, device=device, store=self.store,
+            schedules=self._schedules, observer=self.observer, clock=clock, grid=config.grid,
+            headroom_rows=config.decode_headroom_rows, max_context=self.max_context, cache=config.cache,
+        )
+
+    # -- public API -------------------------------------------------------------------
+
+    def submit(self, req: StreamRequest) -> None:
+        """Queue `req`; raises RequestError on bad input (nothing is queued then)."""
+        validate_request(req, vocab_size=self.info.vocab_size, max_context=self.max_context)
+        if req.stream_id in self._streams:
+            raise ValueError(f"stream id {req.stream_id} is already in use")
+        stream = Stream(req=req, submit_s=self.clock(), seq=next(self._seq))
+        if self.config.cache and req.cache:
+            stream.key, stream.note = make_key(
+                req.tokens, cache_key=req.cache_key, namespace=req.namespace, frame=req.frame,
+                images=[im.identity for im in req.images], lookahead=self.info.lookahead,
+            )
+        self._streams[req.stream_id] = stream
+        self._schedules[req.stream_id] = plan_schedule(len(req.tokens), req.chunk_starts, self.config.grid)
+        self.admitter.waiting.push(stream)
+
+    def cancel(self, stream_id: int) -> bool:
+        """Mark a stream cancelled; it leaves its lane (or the queue) by the end of the next step().
+
+        Returns False if no such stream is waiting or running.
+        """
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return False
+        stream.cancelled = True
+        return True
+
+    def step(self) -> list[Event]:
+        """Run one lane round; returns the token and done events it produced, in order."""
+        t0 = self.clock()
+        events: list[Event] = []
+        planned = self._schedule(events)
+        plan = RoundPlan(tuple(p.work for p in planned))
+        forward_s = 0.0
+        if planned:
+            result = self.device.run_round(plan)
+            forward_s = result.forward_s
+            self._postprocess(planned, result, events)
+        self._report_store()
+        busy = sum(1 for lane in self.lanes if lane.busy)
+        self.observer.on_round(self.clock() - t0, forward_s, plan.num_rows, busy, len(self.admitter.waiting))
+        return events
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running or waiting."""
+        return not self._streams
+
+    def status(self) -> dict:
+        """Lanes (busy/resident/free), waiting count, pages free/used, store stats."""
+        lanes = []
+        for lane in self.lanes:
+            state = "busy" if lane.busy else "resident" if lane.resident else "free"
+            entry: dict = {"lane": lane.index, "state": state, "rows": lane.num_rows, "pages": len(lane.pages)}
+            if lane.stream is not None:
+                entry["stream_id"] = lane.stream.stream_id
+            lanes.append(entry)
+        out = {
+            "lanes": lanes,
+            "lanes_busy": sum(1 for lane in self.lanes if lane.busy),
+            "lanes_resident": sum(1 for lane in self.lanes if lane.resident),
+            "waiting": len(self.admitter.waiting),
+            "pages_free": self.allocator.num_free,
+            "pages_used": self.allocator.num_used,
+            "page_size": self.info.page_size,
+            "max_context": self.max_context,
+        }
+        if self.store is not None:
+            out["store"] = dataclasses.asdict(self.store.stats())
+        return out
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if lanes, streams, the store and page refcounts disagree."""
+        self.allocator.check_integrity()
+        held = [0] * self.info.num_pages
+        for lane in self.lanes:
+            for p in lane.pages:
+                held[p] += 1
+            if lane.busy and lane.resident:
+                raise RuntimeError(f"lane {lane.index} is both busy and resident")
+            if len(lane.pages) < pages_for(lane.num_rows, self.info.page_size):
+                raise RuntimeError(f"lane {lane.index}: {lane.num_rows} rows but {len(lane.pages)} pages")
+            if lane.free and lane.pages:
+                raise RuntimeError(f"free lane {lane.index} holds pages {lane.pages}")
+            stream = lane.stream
+            if stream is not None and (stream.lane != lane.index or self._streams.get(stream.stream_id) is not stream):
+                raise RuntimeError(f"lane {lane.index} and its stream disagree")
+        extra = [self.allocator.refcount(p) - held[p] for p in range(self.info.num_pages)]
+        store_pages = 0
+        if self.store is not None:
+            self.store.check_integrity()
+            store_pages = self.store.stats().pages
+        if any(x not in (0, 1) for x in extra) or sum(extra) != store_pages:
+            bad = [p for p, x in enumerate(extra) if x not in (0, 1)]
+            raise RuntimeError(f"page refcounts disagree with lanes + store ({store_pages} pages): {bad or extra}")
+        running = sum(1 for lane in self.lanes if lane.busy)
+        if running + len(self.admitter.waiting) != len(self._streams):
+            raise RuntimeError(f"{len(self._streams)} streams, {running} running, {len(self.admitter.waiting)} waiting")
+
+    # -- schedule ---------------------------------------------------------------------
+
+    def _schedule(self, events: list[Event]) -> list[PlannedWork]:
+        self._drop_cancelled(events)
+        for seating in self.admitter.admit():
+            if seating.first is not None:
+                self._emit(seating.stream, seating.first, seating.logits, events)
+        busy = sorted((lane for lane in self.lanes if lane.busy), key=lambda lane: lane.stream.seq)
+        decoding = [lane for lane in busy if not lane.stream.prefilling]
+        prefilling = [lane for lane in busy if lane.stream.prefilling]
+        _, planned = plan_round(
+            decoding,
+            prefilling,
+            page_size=self.info.page_size,
+            row_budget=self.config.round_row_budget,
+            room_for_row=self._room_for_row,
+            cuts_of=lambda s: self._schedules[s.stream_id].cuts,
+            keep_cuts_of=self._keeps_cuts,
+        )
+        if not planned and busy:
+            # Every busy lane decodes and none found a page: end the newest so the rest go on.
+            self._finish(decoding[-1].stream, "length", events, note=OUT_OF_PAGES_NOTE, keep=False)
+            return self._schedule(events)
+        return planned
+
+    def _room_for_row(self, lane: Lane) -> bool:
+        rows = lane.num_rows + 1
+        need = self.tables.pages_needed(lane, rows)
+        return need == 0 or (self.admitter.free_pages(need, spare=()) and self.tables.grow(lane, rows))
+
+    def _keeps_cuts(self, stream: Stream) -> bool:
+        return self.admitter.reuse_allowed(stream) and (self.store is not None or not self.info.invariant_rows)
+
+    def _drop_cancelled(self, events: list[Event]) -> None:
+        for stream in [s for s in self._streams.values() if s.cancelled]:
+            if stream.lane is None:
+                self.admitter.forget(stream)
+                self._done(stream, "cancelled", events)
+            else:
+                self._finish(stream, "cancelled", events)
+
+    # -- postprocess ------------------------------------------------------------------
+
+    def _postprocess(self, planned: list[PlannedWork], result: RoundResult, events: list[Event]) -> None:
+        by_lane = result.by_lane()
+        for p in planned:
+            lane, stream, work = p.lane, p.stream, p.work
+            res = by_lane.get(lane.index)
+            end = work.start + len(work.tokens)
+            if work.prefill:
+                lane.ids.extend(stream.key_tokens[work.start : end])
+                lane.prefilled_upto = end
+                stream.next_chunk += 1
+                if p.cut is not None and self._keeps_cuts(stream):
+                    self._keep_cut(lane, stream, p.cut, res)
+            else:
+                lane.ids.extend(work.tokens)
+                lane.prefilled_upto = end if self.info.invariant_rows else lane.prefilled_upto
+            if work.sample_rows:
+                if res is None or len(res.sampled) != len(work.sample_rows):
+                    raise RuntimeError(f"lane {lane.index}: the device sampled {res} for rows {work.sample_rows}")
+                self._emit(stream, res.sampled[0], res.logits if stream.req.want_logits else None, events)
+
+    def _keep_cut(self, lane: Lane, stream: Stream, cut: int, res: LaneResult | None) -> None:
+        """A prefill chunk ended at a cut: capture the lane's state and publish the rows below it."""
+        if self.store is None and cut != stream.num_prompt:
+            return  # without a store only the prompt's last cut is resumed (in place)
+        state = None
+        if self.info.lane_state_bytes:
+            state = self.device.capture(lane.index)
+            self.observer.on_snapshot_copy("save", state.nbytes)
+        if cut == stream.num_prompt and not self.info.invariant_rows:
+            lane.state_cut, lane.cut_state = cut, state
+        if self.store is not None:
+            logits = res.logits if res is not None else None
+            self.store.publish(stream.key, self._schedules[stream.stream_id], cut, lane.pages,
+                               Snapshot(state=state, logits=logits), prefilled_upto=lane.prefilled_upto,
+                               restored=lane.restored)
+
+    def _emit(self, stream: Stream, token: int, logits: DeviceRows | None, events: list[Event]) -> None:
+        now = self.clock()
+        if stream.first_token_s is None:
+            stream.first_token_s = now
+            self.observer.on_first_token(now - stream.submit_s)
+        else:
+            self.observer.on_token_gap(now - stream.last_token_s)
+        stream.last_token_s = now
+        stream.generated.append(token)
+        events.append(TokenEvent(stream.stream_id, (token,), logits))
+        if token in stream.req.stop_ids:
+            self._finish(stream, "stop", events)
+        elif len(stream.generated) >= stream.req.max_tokens or stream.num_prompt + len(stream.generated) >= self.max_context:
+            self._finish(stream, "length", events)
+
+    def _finish(self, stream: Stream, reason: str, events: list[Event], note: str | None = None, keep: bool = True) -> None:
+        """End a running stream; its lane stays resident when it may keep, else is freed."""
+        lane = self.lanes[stream.lane]
+        lane.stream = None
+        if lane.restored is not None and self.store is not None:
+            self.store.unpin(lane.restored)
+        lane.restored = None
+        if keep and self.admitter.reuse_allowed(stream) and not stream.prefilling:
+            lane.resident = True
+            lane.last_used = next(self._tick)
+        else:
+            self.tables.release(lane)
+        if note is not None:
+            stream.note = note
+        self._done(stream, reason, events)
+
+    def _done(self, stream: Stream, reason: str, events: list[Event]) -> None:
+        del self._streams[stream.stream_id]
+        del self._schedules[stream.stream_id]
+        usage = stream.usage(self.clock())
+        events.append(DoneEvent(stream.stream_id, reason, usage, stream.note))
+        self.observer.on_done(reason, usage.prompt_tokens, usage.completion_tokens)
+
+    def _report_store(self) -> None:
+        if self.store is None:
+            return
+        for ev in self.store.drain_evictions():
+            self.observer.on_eviction(ev.reason, ev.nbytes)
+        stats = self.store.stats()
+        self.observer.on_store(stats.bytes, stats.budget_bytes)

@@ -1,0 +1,161 @@
+"""Lanes: seats in the batched forward, each with its page table and the identity of its rows.
+
+A lane's page table maps rows to pages, P rows a page:
+
+    rows   0 ........ P-1 | P ....... 2P-1 | 2P ... num_rows-1 .. |
+    pages  pages[0]       | pages[1]       | pages[2] (partial)   |
+           <- borrowed (read-only) ->|<- the lane's own ------->|
+
+Pages borrowed from the store are never written: a write inside one copies it first.
+Pages the lane allocated it may keep appending to even when the store also holds them,
+because a holder only reads rows below the cut it took them at. A rewind below the rows
+written copies a partial page that someone else still holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from prefixd.scheduler.device import Device
+from prefixd.scheduler.pages import PageAllocator
+from prefixd.scheduler.records import ImageIdentity
+from prefixd.scheduler.streams import Stream
+
+
+def pages_for(rows: int, page_size: int) -> int:
+    return -(-rows // page_size)
+
+
+@dataclass(eq=False)
+class Lane:
+    """One seat. `ids` are the identity tokens of the rows whose KV is written."""
+
+    index: int
+    pages: list[int] = field(default_factory=list)
+    num_borrowed: int = 0  # leading pages shared read-only from the store
+    ids: list[int] = field(default_factory=list)
+    namespace: str = ""
+    frame: int = 0
+    images: tuple[ImageIdentity, ...] = ()
+    prefilled_upto: int = 0  # rows [0, prefilled_upto) came from the prefill form
+    starts: tuple[int, ...] = ()  # chunk starts of the pass that prefilled those rows
+    cuts: tuple[int, ...] = ()  # cuts of that pass's schedule
+    stream: Stream | None = None
+    resident: bool = False
+    last_used: int = 0
+    restored: object | None = None  # the store hit this lane resumed from (pinned while busy)
+    state_cut: int | None = None  # the cut `cut_state` was captured at (non-invariant families)
+    cut_state: object | None = None  # DeviceState at `state_cut`
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ids)
+
+    @property
+    def busy(self) -> bool:
+        return self.stream is not None
+
+    @property
+    def free(self) -> bool:
+        return self.stream is None and not self.resident
+
+
+def match_rows(lane: Lane, key: Sequence[int], namespace: str, frame: int, images: Sequence[ImageIdentity]) -> int:
+    """How many leading rows of `lane` carry the identity a request with `key` would give them."""
+    if namespace != lane.namespace or frame != lane.frame:
+        return 0
+    k = 0
+    limit = min(len(key), lane.num_rows)
+    while k < limit and key[k] == lane.ids[k]:
+        k += 1
+    for image in set(images) ^ set(lane.images):  # an image on one side only cuts the match at its start
+        k = min(k, max(image.at, 0))
+    return k
+
+
+class PageTables:
+    """Grows, rewinds and releases lanes' page tables against the shared allocator."""
+
+    def __init__(self, allocator: PageAllocator, device: Device, page_size: int) -> None:
+        self.allocator = allocator
+        self.device = device
+        self.page_size = page_size
+
+    def pages_needed(self, lane: Lane, rows: int) -> int:
+        """Fresh pages `lane` needs so its table covers rows [0, rows)."""
+        return max(0, pages_for(rows, self.page_size) - len(lane.pages))
+
+    def grow(self, lane: Lane, rows: int) -> bool:
+        """Extend `lane`'s table to cover rows [0, rows); False (nothing taken) if pages are short."""
+        need = self.pages_needed(lane, rows)
+        if need == 0:
+            return True
+        fresh = self.allocator.allocate(need)
+        if fresh is None:
+            return False
+        lane.pages.extend(fresh)
+        return True
+
+    def rewind(self, lane: Lane, row: int) -> int:
+        """Forget rows [row, ...) of `lane` and make row `row` writable; returns bytes copied.
+
+        Needs one free page when the page holding `row` must be copied (`cow_pages_needed`);
+        raises if none is free.
+        """
+        if row > lane.num_rows:
+            raise RuntimeError(f"lane {lane.index}: rewind to row {row} past its {lane.num_rows} rows")
+        must_copy = self.cow_pages_needed(lane, row)
+        keep = pages_for(row, self.page_size)
+        self.allocator.decref(lane.pages[keep:])
+        del lane.pages[keep:]
+        del lane.ids[row:]
+        lane.prefilled_upto = min(lane.prefilled_upto, row)
+        lane.cuts = tuple(c for c in lane.cuts if c <= row)
+        if lane.state_cut is not None and lane.state_cut > row:
+            lane.state_cut, lane.cut_state = None, None
+        lane.num_borrowed = min(lane.num_borrowed, keep)
+        copied = self._copy_last_page(lane) if must_copy else 0
+        if must_copy or row % self.page_size == 0:
+            lane.num_borrowed = min(lane.num_borrowed, row // self.page_size)
+        return copied
+
+    def cow_pages_needed(self, lane: Lane, row: int) -> int:
+        """1 if writing at `row` (<= lane's rows) must first copy the page holding it, else 0."""
+        if row % self.page_size == 0 or row > lane.num_rows:
+            return 0
+        idx = row // self.page_size
+        if idx >= len(lane.pages):
+            return 0
+        if idx < lane.num_borrowed:
+            return 1  # borrowed from the store: never written
+        # Overwriting rows that another holder may read needs a private copy; appending does not.
+        overwrite = row < lane.num_rows
+        return 1 if overwrite and self.allocator.refcount(lane.pages[idx]) > 1 else 0
+
+    def _copy_last_page(self, lane: Lane) -> int:
+        fresh = self.allocator.allocate(1)
+        if fresh is None:
+            raise RuntimeError(f"lane {lane.index}: no free page for a copy-on-write")
+        old = lane.pages[-1]
+        copied = self.device.copy_pages([old], fresh)
+        self.allocator.decref([old])
+        lane.pages[-1] = fresh[0]
+        return copied
+
+    def release(self, lane: Lane) -> None:
+        """Drop every page and the identity of `lane`'s rows."""
+        self.allocator.decref(lane.pages)
+        lane.pages.clear()
+        lane.ids.clear()
+        lane.num_borrowed = 0
+        lane.prefilled_upto = 0
+        lane.starts = ()
+        lane.cuts = ()
+        lane.images = ()
+        lane.namespace = ""
+        lane.frame = 0
+        lane.resident = False
+        lane.restored = None
+        lane.state_cut = None
+        lane.cut_state = None

@@ -1,0 +1,145 @@
+"""Stream requests, their validation, the events the engine emits, and a stream's live state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prefixd.scheduler.records import DeviceRows, ImageRows, SamplingParams
+
+
+class RequestError(Exception):
+    """Bad client input; becomes `{code, message}` on the wire.
+
+    Codes: "invalid_token", "context_overflow", "bad_request".
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRequest:
+    """One generation request. `cache_key`, when given, replaces `tokens` as the reuse identity."""
+
+    stream_id: int
+    tokens: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_ids: frozenset[int] = frozenset()
+    chunk_starts: tuple[int, ...] = ()
+    namespace: str = ""
+    frame: int = 0
+    cache: bool = True
+    cache_key: tuple[int, ...] | None = None
+    images: tuple[ImageRows, ...] = ()
+    want_logits: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    prefilled_tokens: int
+    completion_tokens: int
+    cache: str  # "miss" | "hit" | "resident" | "off"
+    ttft_s: float
+    total_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """Tokens sampled for a stream this round; `logits` rows match `ids` when asked for."""
+
+    stream_id: int
+    ids: tuple[int, ...]
+    logits: DeviceRows | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DoneEvent:
+    """A stream ended. finish_reason: "stop" | "length" | "cancelled" | "error"."""
+
+    stream_id: int
+    finish_reason: str
+    usage: Usage
+    note: str | None = None
+
+
+def validate_request(req: StreamRequest, *, vocab_size: int, max_context: int) -> None:
+    """Raise RequestError if `req` cannot be served as sent."""
+    n = len(req.tokens)
+    if n == 0:
+        raise RequestError("bad_request", "the prompt is empty")
+    if n > max_context - 1:
+        raise RequestError(
+            "context_overflow",
+            f"the prompt has {n} tokens; the context holds {max_context}, so at most {max_context - 1} fit",
+        )
+    for t in req.tokens:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise RequestError("invalid_token", f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
+    if req.max_tokens <= 0:
+        raise RequestError("bad_request", f"max_tokens must be positive, got {req.max_tokens}")
+    prev = 0
+    for s in req.chunk_starts:
+        if not prev < s < n:
+            raise RequestError("bad_request", f"chunk_starts must be increasing and inside (0, {n}), got {list(req.chunk_starts)}")
+        prev = s
+    for image in req.images:
+        ident = image.identity
+        if ident.tokens <= 0 or ident.at < 0 or ident.at + ident.tokens > n:
+            raise RequestError("bad_request", f"image rows [{ident.at}, {ident.at + ident.tokens}) are outside the prompt")
+
+
+@dataclass(eq=False)
+class Stream:
+    """A stream's live state inside the engine (mutable; engine-private)."""
+
+    req: StreamRequest
+    submit_s: float
+    seq: int  # admission order
+    lane: int | None = None
+    admit_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+    next_chunk: int = 0
+    generated: list[int] = field(default_factory=list)
+    cache_result: str = "off"
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    cancelled: bool = False
+    note: str | None = None
+    key: object | None = None  # store.ReuseKey of the prompt; None: may not reuse or keep
+    hit: object | None = None  # a pinned store.Hit found while waiting, used when seated
+
+    @property
+    def stream_id(self) -> int:
+        return self.req.stream_id
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.req.tokens)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.next_chunk < len(self.chunks)
+
+    @property
+    def key_tokens(self) -> tuple[int, ...]:
+        """The prompt's reuse identity tokens."""
+        return self.req.cache_key if self.req.cache_key is not None else self.req.tokens
+
+    def usage(self, now_s: float) -> Usage:
+        ttft = (self.first_token_s - self.submit_s) if self.first_token_s is not None else 0.0
+        return Usage(
+            prompt_tokens=self.num_prompt,
+            cached_tokens=self.cached_tokens,
+            prefilled_tokens=self.prefilled_tokens,
+            completion_tokens=len(self.generated),
+            cache=self.cache_result,
+            ttft_s=ttft,
+            total_s=now_s - self.submit_s,
+        )

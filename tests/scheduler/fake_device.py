@@ -1,0 +1,201 @@
+"""A Device in plain Python for scheduler tests.
+
+KV pages really hold what was written: each row stores its token id, and a row's "logits"
+are a hash of the tokens read back through the lane's page table (plus, for a non-invariant
+family, the lane's recurrent state). A wrong page table, a missed copy-on-write or a
+restore of the wrong state therefore changes the sampled tokens.
+
+Non-invariant mode imitates a recurrent family: the state after a prefill chunk hashes the
+whole chunk, a decode row hashes its one token with another tag, so rows are reproduced only
+when computed with the same chunking.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from prefixd.scheduler.device import DeviceInfo
+from prefixd.scheduler.records import LaneResult, RoundPlan, RoundResult, SamplingParams
+
+
+def _h(*parts: object) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "big")
+
+
+@dataclass(frozen=True)
+class FakeRows:
+    """Logits rows: one hash per row stands in for a float32 row."""
+
+    values: tuple[int, ...]
+    row_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.values) * self.row_bytes
+
+
+@dataclass(frozen=True)
+class FakeState:
+    value: int
+    nbytes: int
+
+
+def make_info(
+    *,
+    num_lanes: int = 8,
+    num_pages: int = 64,
+    page_size: int = 4,
+    max_context: int = 64,
+    vocab_size: int = 1000,
+    invariant_rows: bool = True,
+    lane_state_bytes: int | None = None,
+) -> DeviceInfo:
+    return DeviceInfo(
+        num_lanes=num_lanes,
+        num_pages=num_pages,
+        page_size=page_size,
+        max_context=max_context,
+        vocab_size=vocab_size,
+        kv_bytes_per_page=1024,
+        lane_state_bytes=(0 if invariant_rows else 256) if lane_state_bytes is None else lane_state_bytes,
+        logits_row_bytes=vocab_size * 4,
+        weights_bytes=10_000,
+        workspace_bytes_per_row=8,
+        invariant_rows=invariant_rows,
+    )
+
+
+@dataclass
+class _Sampler:
+    seed: int
+    greedy: bool
+    count: int = 0
+
+
+@dataclass
+class FakeDevice:
+    info: DeviceInfo = field(default_factory=make_info)
+    plans: list[RoundPlan] = field(default_factory=list)
+    copied_bytes: int = 0  # copy_pages + restore
+    resets: list[int] = field(default_factory=list)
+    starts: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (lane, history)
+
+    def __post_init__(self) -> None:
+        p = self.info.page_size
+        self.pool: list[list[int | None]] = [[None] * p for _ in range(self.info.num_pages)]
+        self.state: list[int] = [0] * self.info.num_lanes
+        self.samplers: dict[int, _Sampler] = {}
+
+    # -- Device protocol --------------------------------------------------------------
+
+    def start_stream(self, lane: int, sampling: SamplingParams, history: Sequence[int]) -> None:
+        self.samplers[lane] = _Sampler(seed=sampling.seed or 0, greedy=sampling.greedy)
+        self.starts.append((lane, tuple(history)))
+
+    def run_round(self, plan: RoundPlan) -> RoundResult:
+        self.plans.append(plan)
+        lanes = [w.lane for w in plan.lanes]
+        if len(set(lanes)) != len(lanes):
+            raise AssertionError(f"a lane appears twice in {plan}")
+        results = []
+        for work in plan.lanes:
+            values = self._forward(work)
+            sampled = tuple(self._pick(work.lane, values[i]) for i in work.sample_rows)
+            logits = FakeRows(tuple(values[i] for i in work.logits_rows), self.info.logits_row_bytes) if work.logits_rows else None
+            results.append(LaneResult(lane=work.lane, sampled=sampled, logits=logits))
+        return RoundResult(tuple(results), forward_s=0.0)
+
+    def sample(self, lane: int, logits: FakeRows, row: int = 0) -> int:
+        return self._pick(lane, logits.values[row])
+
+    def capture(self, lane: int) -> FakeState:
+        return FakeState(self.state[lane], self.info.lane_state_bytes)
+
+    def restore(self, lane: int, state: FakeState) -> int:
+        self.state[lane] = state.value
+        self.copied_bytes += state.nbytes
+        return state.nbytes
+
+    def reset_lane(self, lane: int) -> None:
+        self.state[lane] = 0
+        self.resets.append(lane)
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
+        for s, d in zip(src, dst, strict=True):
+            self.pool[d] = list(self.pool[s])
+        nbytes = len(src) * self.info.kv_bytes_per_page
+        self.copied_bytes += nbytes
+        return nbytes
+
+    # -- the fake model ---------------------------------------------------------------
+
+    def _forward(self, work) -> list[int]:
+        p = self.info.page_size
+        end = work.start + len(work.tokens)
+        if len(work.page_table) < -(-end // p):
+            raise AssertionError(f"lane {work.lane}: page table {work.page_table} does not cover {end} rows")
+        for i, tok in enumerate(work.tokens):
+            pos = work.start + i
+            self.pool[work.page_table[pos // p]][pos % p] = tok
+        if not self.info.invariant_rows:
+            tag = "chunk" if work.prefill else "step"
+            self.state[work.lane] = _h(self.state[work.lane], tag, work.tokens)
+        values = []
+        for i in range(len(work.tokens)):
+            context = self.read(work.page_table, work.start + i + 1)
+            values.append(_h(context, self.state[work.lane]) if not self.info.invariant_rows else _h(context))
+        return values
+
+    def read(self, page_table: Sequence[int], rows: int) -> tuple[int, ...]:
+        """The token ids stored in rows [0, rows) through `page_table`."""
+        p = self.info.page_size
+        out = []
+        for pos in range(rows):
+            tok = self.pool[page_table[pos // p]][pos % p]
+            if tok is None:
+                raise AssertionError(f"row {pos} read before it was written (page {page_table[pos // p]})")
+            out.append(tok)
+        return tuple(out)
+
+    def _pick(self, lane: int, value: int) -> int:
+        sampler = self.samplers[lane]
+        if sampler.greedy:
+            return value % self.info.vocab_size
+        sampler.count += 1
+        return _h(value, sampler.seed, sampler.count) % self.info.vocab_size
+
+
+def reference_tokens(prompt: Sequence[int], max_tokens: int, vocab_size: int = 1000) -> list[int]:
+    """What greedy decoding of `prompt` yields on an invariant fake device (no stops)."""
+    seq = list(prompt)
+    out = []
+    for _ in range(max_tokens):
+        tok = _h(tuple(seq)) % vocab_size
+        out.append(tok)
+        seq.append(tok)
+    return out
+
+
+def run_until_idle(engine, max_steps: int = 10_000) -> list:
+    """Step `engine` until idle (checking integrity after every round); returns all events."""
+    events = []
+    for _ in range(max_steps):
+        if engine.idle:
+            return events
+        events.extend(engine.step())
+        engine.check_integrity()
+    raise AssertionError(f"engine not idle after {max_steps} steps")
+
+
+def tokens_by_stream(events) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for ev in events:
+        if hasattr(ev, "ids"):
+            out.setdefault(ev.stream_id, []).extend(ev.ids)
+    return out
+
+
+def done_by_stream(events) -> dict:
+    return {ev.stream_id: ev for ev in events if hasattr(ev, "finish_reason")}
