@@ -1,0 +1,168 @@
+"""Row-invariant paged attention: fixed blocks, fixed order, fixed combine.
+
+A query row at position p attends keys 0..p of its own lane, read from the KV pool through
+the lane's page table. Keys are cut into blocks of `block` rows aligned to absolute
+positions (block j holds positions [j*B, (j+1)*B)). For every (row, block):
+
+    s   = q . k                    one bmm of shape (M, D) x (D, B), M padded to >= 16
+    m   = max over the row's keys  (exact whatever the order)
+    p   = exp(s - m), 0 where masked
+    l_j = sum_B p,  a_j = p @ v    fixed length B, one bmm of shape (M, B) x (B, D)
+    out = (sum_j a_j) / (sum_j l_j) sums over blocks in ascending j, sequential (cumsum)
+
+Blocks past a row's position are fully masked and add exactly 0, so a row gets the same
+bits whether it is prefilled in one chunk, in pieces, decoded alone or beside other lanes
+padded to more blocks. Math is fp32; K/V are read from the pool (compute dtype), so a row
+prefilled now and a row decoded later see identical keys.
+
+Rows of a round are grouped into tiles: all short (decode/verify) lanes share one tile,
+padded to the longest; a prefill lane gets tiles of `tile_rows` rows, each seeing only the
+blocks up to its last row, so memory stays O(tile_rows * context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from prefixd.gpu.linear import MIN_FP32_ROWS
+
+DEFAULT_BLOCK = 64
+TILE_ROWS = 128
+DECODE_ROWS = 8
+
+
+@dataclass(frozen=True)
+class AttentionSpan:
+    """One lane's rows in a round: rows [row, row + length) at positions [start, start + length)."""
+
+    row: int
+    start: int
+    length: int
+    page_table: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AttentionTile:
+    """Index tensors for one batched attention call, built once per round for every layer."""
+
+    num_lanes: int
+    rows: int  # query rows per lane (padded)
+    num_blocks: int
+    q_index: torch.Tensor  # (num_lanes * rows,) into q with a zero row appended
+    out_index: torch.Tensor  # (num_lanes * rows,) into out with a scratch row appended
+    page_index: torch.Tensor  # (num_lanes * num_blocks * block // page_size,)
+    masked: torch.Tensor  # (num_lanes, 1, num_blocks, rows * group, block) bool
+
+
+def block_size(page_size: int) -> int:
+    """Smallest multiple of the page size that is at least DEFAULT_BLOCK."""
+    return page_size * -(-DEFAULT_BLOCK // page_size)
+
+
+def _padded_rows(length: int, group: int) -> int:
+    rows = length
+    while rows * group < MIN_FP32_ROWS:
+        rows += 1
+    return rows
+
+
+def _tile(pieces: Sequence[tuple[AttentionSpan, int, int]], *, total_rows: int, group: int,
+          page_size: int, block: int, device: torch.device) -> AttentionTile:
+    """One tile over (span, first, count): rows [first, first + count) of each span."""
+    rows = _padded_rows(max(c for _, _, c in pieces), group)
+    ends = [s.start + f + c for s, f, c in pieces]
+    num_blocks = -(-max(ends) // block)
+    pages_per_lane = num_blocks * block // page_size
+    q_index, out_index, qpos, page_index = [], [], [], []
+    for (span, first, count), end in zip(pieces, ends):
+        real = list(range(span.row + first, span.row + first + count))
+        q_index += real + [total_rows] * (rows - count)
+        out_index += real + [total_rows] * (rows - count)
+        positions = list(range(span.start + first, end))
+        qpos += positions + [end - 1] * (rows - count)
+        table = list(span.page_table[:pages_per_lane])
+        if len(table) * page_size < end:
+            raise ValueError(f"page table of {len(span.page_table)} pages cannot hold row {end - 1}")
+        page_index += table + [table[0]] * (pages_per_lane - len(table))
+    nl = len(pieces)
+    qp = torch.tensor(qpos, dtype=torch.long, device=device).view(nl, rows, 1, 1)
+    kpos = torch.arange(num_blocks * block, device=device).view(1, 1, 1, -1)
+    masked = (kpos > qp).expand(nl, rows, group, num_blocks * block)
+    masked = masked.reshape(nl, rows * group, num_blocks, block).permute(0, 2, 1, 3)
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return AttentionTile(nl, rows, num_blocks, as_long(q_index), as_long(out_index),
+                         as_long(page_index), masked.unsqueeze(1).contiguous())
+
+
+def plan_attention(spans: Sequence[AttentionSpan], *, total_rows: int, group: int, page_size: int,
+                   device: torch.device, tile_rows: int = TILE_ROWS,
+                   decode_rows: int = DECODE_ROWS) -> list[AttentionTile]:
+    """Tiles covering every row of every span; `total_rows` is the round's row count."""
+    block = block_size(page_size)
+    short = [(s, 0, s.length) for s in spans if 0 < s.length <= decode_rows]
+    tiles = []
+    if short:
+        tiles.append(_tile(short, total_rows=total_rows, group=group, page_size=page_size,
+                           block=block, device=device))
+    for s in spans:
+        if s.length <= decode_rows:
+            continue
+        for first in range(0, s.length, tile_rows):
+            count = min(tile_rows, s.length - first)
+            tiles.append(_tile([(s, first, count)], total_rows=total_rows, group=group,
+                               page_size=page_size, block=block, device=device))
+    return tiles
+
+
+def _gather(pool: torch.Tensor, tile: AttentionTile, block: int) -> torch.Tensor:
+    """(lanes, kv_heads, blocks, block, D) fp32 keys or values of a tile's lanes."""
+    _, page_size, kvh, d = pool.shape
+    pages = pool.index_select(0, tile.page_index)  # (lanes * pages, P, kvh, D)
+    view = pages.view(tile.num_lanes, tile.num_blocks, block, kvh, d).permute(0, 3, 1, 2, 4)
+    out = torch.empty(view.shape, dtype=torch.float32, device=pool.device)
+    out.copy_(view)
+    return out
+
+
+def attend_tile(q_ext: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                tile: AttentionTile) -> torch.Tensor:
+    """Attention output (lanes * rows, heads * D) fp32 for one tile; q_ext is pre-scaled."""
+    _, page_size, kvh, d = k_pool.shape
+    heads = q_ext.shape[1]
+    group = heads // kvh
+    nl, rows, nb = tile.num_lanes, tile.rows, tile.num_blocks
+    block = tile.masked.shape[-1]
+    m_rows = rows * group
+    q = q_ext.index_select(0, tile.q_index).view(nl, rows, kvh, group, d)
+    q = q.permute(0, 2, 1, 3, 4).reshape(nl, kvh, 1, m_rows, d)
+    q = q.expand(nl, kvh, nb, m_rows, d).reshape(-1, m_rows, d)
+    k = _gather(k_pool, tile, block).view(-1, block, d)
+    v = _gather(v_pool, tile, block).view(-1, block, d)
+    s = torch.bmm(q, k.transpose(1, 2)).view(nl, kvh, nb, m_rows, block)
+    s.masked_fill_(tile.masked, float("-inf"))
+    m = s.amax(dim=(2, 4), keepdim=True)  # every row sees position 0: m is finite
+    p = torch.exp(s - m)
+    l = p.sum(dim=-1)  # (nl, kvh, nb, m_rows)
+    a = torch.bmm(p.view(-1, m_rows, block), v).view(nl, kvh, nb, m_rows, d)
+    # cumsum adds blocks strictly in order: trailing all-masked blocks add exact zeros.
+    a = a.cumsum(dim=2)[:, :, -1]
+    l = l.cumsum(dim=2)[:, :, -1]
+    o = (a / l.unsqueeze(-1)).view(nl, kvh, rows, group, d)
+    return o.permute(0, 2, 1, 3, 4).reshape(nl * rows, heads * d)
+
+
+def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+           tiles: Sequence[AttentionTile]) -> torch.Tensor:
+    """(R, heads * D) fp32 attention of pre-scaled fp32 q (R, heads, D) over the pool.
+
+    Rows no tile covers come back as zeros.
+    """
+    r, heads, d = q.shape
+    q_ext = torch.cat([q, q.new_zeros(1, heads, d)], dim=0)
+    out = q.new_zeros(r + 1, heads * d)
+    for tile in tiles:
+        out.index_copy_(0, tile.out_index, attend_tile(q_ext, k_pool, v_pool, tile))
+    return out[:r]

@@ -1,0 +1,86 @@
+"""The family registry: which model code runs a checkpoint's `config.family`.
+
+A family turns a Checkpoint into a `FamilyModel`. Built in: llama, qwen2, qwen3
+(`prefixd.gpu.model.LlamaModel`). Families in other modules register themselves with
+`register` when imported; `_PLUGINS` lists the modules imported on a miss.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Protocol
+
+import torch
+
+from prefixd.gpu.kv_pool import KVPool
+
+
+class FamilyModel(Protocol):
+    """What the runner needs from a model family.
+
+    Attention layers keep K/V in the runner's KVPool (`num_kv_layers` of them, indexed
+    0..num_kv_layers-1 in the family's layer order). Anything else a lane carries between
+    rounds (recurrent and conv state) is the family's lane state, one per lane, created by
+    `new_lane_states` and touched only by forward, capture, restore and reset.
+    """
+
+    config: Any  # ModelConfig
+    dtype: torch.dtype
+    num_kv_layers: int
+    invariant_rows: bool  # True: every row's bits are invariant (decode == prefill)
+    lane_state_bytes: int  # bytes of one lane's state (0: attention only)
+    workspace_bytes_per_row: int
+
+    def new_lane_states(self, num_lanes: int) -> None:
+        """Allocate zeroed state for lanes 0..num_lanes-1."""
+
+    def padded_rows(self, n: int) -> int:
+        """Rows to compute so that each of n rows has its invariant bits (>= n)."""
+
+    def forward(self, inputs: Any, kv: KVPool) -> torch.Tensor:
+        """Run a round (`model.RoundInputs`): writes K/V of every real row, advances the
+        state of every lane in it, returns final-normed fp32 hidden (padded_rows, hidden)."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 (n, vocab) logits of final-normed hidden rows."""
+
+    def capture(self, lane: int) -> Any:
+        """A copy of the lane's state (an object with `nbytes`)."""
+
+    def restore(self, lane: int, state: Any) -> int:
+        """Overwrite the lane's state with a capture; returns bytes copied."""
+
+    def reset(self, lane: int) -> None:
+        """Zero the lane's state."""
+
+
+Builder = Callable[[Any, torch.device, torch.dtype, str], FamilyModel]
+
+_BUILDERS: dict[str, Builder] = {}
+_PLUGINS = {"qwen3_5": "prefixd.gpu.families.qwen3_5"}
+
+
+def register(family: str, builder: Builder) -> None:
+    """Make `builder(checkpoint, device, dtype, mode)` the model code for `family`."""
+    _BUILDERS[family] = builder
+
+
+def build_family(checkpoint: Any, device: torch.device, dtype: torch.dtype,
+                 mode: str = "invariant") -> FamilyModel:
+    """The FamilyModel for `checkpoint.config.family`; ValueError when none is registered."""
+    family = checkpoint.config.family
+    if family not in _BUILDERS and family in _PLUGINS:
+        importlib.import_module(_PLUGINS[family])
+    if family not in _BUILDERS:
+        raise ValueError(f"no model code for family {family!r}; have {sorted(_BUILDERS)}")
+    return _BUILDERS[family](checkpoint, device, dtype, mode)
+
+
+def _register_builtins() -> None:
+    from prefixd.gpu.model import build_llama
+
+    for name in ("llama", "qwen2", "qwen3"):
+        register(name, build_llama)
+
+
+_register_builtins()

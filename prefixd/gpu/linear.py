@@ -1,0 +1,47 @@
+"""Row-invariant linear layers.
+
+A row of `x @ W.T` must have the same bits whatever the number of rows M in the call.
+On this project's CPUs (MKL, oneDNN) bf16 GEMMs are invariant for every M, fp32 GEMMs are
+not below M = 12 (the last M % 4 rows of a small call take another kernel); bmm behaves
+the same. So fp32 calls are padded to at least `MIN_FP32_ROWS` rows. docs/runtime.md has
+the probe. CUDA uses the same padding; its invariance is checked by the CUDA tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MIN_FP32_ROWS = 16
+
+
+def invariant_rows(n: int, dtype: torch.dtype) -> int:
+    """The number of rows to run so that each of n rows gets its invariant bits."""
+    if dtype == torch.float32:
+        return max(n, MIN_FP32_ROWS)
+    return max(n, 1)
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with zero rows appended up to `rows` (x itself when it already has them)."""
+    if x.shape[0] >= rows:
+        return x
+    pad = x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))
+    return torch.cat([x, pad], dim=0)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 (M, out) = x (M, in) @ weight.T (+ bias), the GEMM in weight's dtype.
+
+    x must already hold `invariant_rows(M, weight.dtype)` rows; the bias is added in fp32
+    outside the GEMM so its bits do not depend on a fused epilogue.
+    """
+    out = F.linear(x.to(weight.dtype), weight).float()
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+def fuse(weights: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate projections that read the same input into one (sum(out), in) weight."""
+    return torch.cat(weights, dim=0).contiguous()

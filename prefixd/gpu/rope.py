@@ -1,0 +1,74 @@
+"""Rotary position embeddings from a precomputed fp32 table.
+
+The table is computed once per process for every position up to its size, so a position's
+cos/sin bits never depend on which other positions a round holds (row invariance).
+Layout follows Hugging Face: the head's first half pairs with its second half.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from prefixd.gpu.config import ModelConfig, RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """(head_dim // 2,) fp32 inverse frequencies, with linear or llama3 scaling applied."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv
+    if scaling.kind == "linear":
+        return inv / scaling.factor
+    if scaling.kind != "llama3":
+        raise ValueError(f"unsupported rope scaling {scaling.kind!r}")
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    old = scaling.original_max_position
+    low_wavelen = old / scaling.low_freq_factor
+    high_wavelen = old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+class RopeTable:
+    """cos/sin for positions [0, size), grown by doubling when a round goes past it."""
+
+    def __init__(self, config: ModelConfig, *, device: torch.device, size: int | None = None,
+                 rotary_dim: int | None = None) -> None:
+        self.rotary_dim = rotary_dim or config.head_dim
+        self.inv_freq = inverse_frequencies(self.rotary_dim, config.rope_theta, config.rope_scaling)
+        self.device = device
+        self._build(max(16, size or config.max_context))
+
+    def _build(self, size: int) -> None:
+        pos = torch.arange(size, dtype=torch.int64).to(torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]  # (size, rotary_dim/2)
+        self.cos = freqs.cos().to(self.device)
+        self.sin = freqs.sin().to(self.device)
+        self.size = size
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (rows, 1, rotary_dim/2) fp32, for a (rows,) position tensor."""
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        if top > self.size:
+            size = self.size
+            while size < top:
+                size *= 2
+            self._build(size)
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate fp32 x (rows, heads, head_dim) on its first rotary_dim features."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if 2 * half < x.shape[-1]:
+        parts.append(x[..., 2 * half :])
+    return torch.cat(parts, dim=-1)

@@ -1,0 +1,177 @@
+"""ModelRunner: the torch implementation of `prefixd.scheduler.device.Device`.
+
+One `run_round` is one batched forward: the plan's lanes are concatenated into one row
+batch, every row's K/V goes into its lane's pages, attention reads only through each
+lane's page table, and the lm_head runs only on rows that are sampled or returned.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from prefixd.gpu.attention import AttentionSpan, plan_attention
+from prefixd.gpu.families import build_family
+from prefixd.gpu.kv_pool import KVPool
+from prefixd.gpu.model import RoundInputs
+from prefixd.gpu.sampling import LaneSampler
+from prefixd.scheduler.device import DeviceInfo
+from prefixd.scheduler.records import (LaneResult, LaneWork, RoundPlan, RoundResult,
+                                       SamplingParams)
+
+
+class ModelRunner:
+    """Runs rounds for `num_lanes` lanes over a pool of `num_pages` KV pages."""
+
+    def __init__(self, checkpoint: Any, *, device: torch.device, dtype: torch.dtype, num_lanes: int,
+                 num_pages: int, page_size: int = 16, mode: str = "invariant") -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.tokenizer = checkpoint.tokenizer
+        self.config = config = checkpoint.config
+        self.model = build_family(checkpoint, self.device, dtype, mode)
+        self.model.new_lane_states(num_lanes)
+        self.kv = KVPool(num_layers=self.model.num_kv_layers, num_pages=num_pages, page_size=page_size,
+                         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                         device=self.device, dtype=dtype)
+        self.info = DeviceInfo(
+            num_lanes=num_lanes, num_pages=num_pages, page_size=page_size,
+            max_context=config.max_context, vocab_size=config.vocab_size,
+            kv_bytes_per_page=self.kv.bytes_per_page, lane_state_bytes=self.model.lane_state_bytes,
+            logits_row_bytes=4 * config.vocab_size, weights_bytes=int(checkpoint.weights_bytes),
+            workspace_bytes_per_row=self.model.workspace_bytes_per_row,
+            invariant_rows=self.model.invariant_rows)
+        self._samplers: dict[int, LaneSampler] = {}
+
+    # Device protocol -------------------------------------------------------------------
+    def start_stream(self, lane: int, sampling: SamplingParams, history: Sequence[int]) -> None:
+        self._check_lane(lane)
+        vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
+        self._samplers[lane] = LaneSampler(sampling, history, vocab_size=self.config.vocab_size,
+                                           tokenizer_vocab=min(vocab, self.config.vocab_size),
+                                           device=self.device)
+
+    def run_round(self, plan: RoundPlan) -> RoundResult:
+        if not plan.lanes:
+            return RoundResult(lanes=())
+        with torch.inference_mode():
+            inputs = self._inputs(plan)
+            t0 = time.perf_counter()
+            hidden = self.model.forward(inputs, self.kv)
+            wanted, where = self._wanted_rows(plan, inputs)
+            logits = self.model.logits(hidden.index_select(0, wanted)) if where else None
+            forward_s = time.perf_counter() - t0
+            return RoundResult(lanes=tuple(self._lane_result(w, logits, where) for w in plan.lanes),
+                               forward_s=forward_s)
+
+    def sample(self, lane: int, logits: torch.Tensor, row: int = 0) -> int:
+        return self._sampler(lane).sample(logits[row])
+
+    def capture(self, lane: int) -> Any:
+        self._check_lane(lane)
+        return self.model.capture(lane)
+
+    def restore(self, lane: int, state: Any) -> int:
+        self._check_lane(lane)
+        return self.model.restore(lane, state)
+
+    def reset_lane(self, lane: int) -> None:
+        self._check_lane(lane)
+        self.model.reset(lane)
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
+        return self.kv.copy_pages(src, dst)
+
+    def kv_rows(self, layer: int, page_table: Sequence[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V (n, kv_heads, head_dim) of attention layer `layer`, for tests."""
+        return self.kv.rows(layer, page_table, n)
+
+    # Round assembly ---------------------------------------------------------------------
+    def _check_lane(self, lane: int) -> None:
+        if not 0 <= lane < self.info.num_lanes:
+            raise ValueError(f"lane {lane} outside [0, {self.info.num_lanes})")
+
+    def _sampler(self, lane: int) -> LaneSampler:
+        if lane not in self._samplers:
+            raise RuntimeError(f"lane {lane} samples before start_stream")
+        return self._samplers[lane]
+
+    def _inputs(self, plan: RoundPlan) -> RoundInputs:
+        p = self.info.page_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans = []
+        seen = set()
+        for w in plan.lanes:
+            self._check_work(w, seen)
+            pos = range(w.start, w.start + len(w.tokens))
+            spans.append(AttentionSpan(len(tokens), w.start, len(w.tokens), tuple(w.page_table)))
+            tokens += w.tokens
+            positions += pos
+            slots += [w.page_table[i // p] * p + i % p for i in pos]
+        n = len(tokens)
+        padded = self.model.padded_rows(n)
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        group = self.config.num_heads // self.config.num_kv_heads
+        return RoundInputs(
+            tokens=as_long(tokens + [0] * (padded - n)), positions=as_long(positions + [0] * (padded - n)),
+            num_rows=n, slots=as_long(slots), spans=tuple(spans),
+            lanes=tuple(w.lane for w in plan.lanes), prefill=tuple(w.prefill for w in plan.lanes),
+            tiles=tuple(plan_attention(spans, total_rows=padded, group=group, page_size=p,
+                                       device=self.device)),
+            images=tuple(self._images(plan, spans)))
+
+    def _check_work(self, w: LaneWork, seen: set[int]) -> None:
+        self._check_lane(w.lane)
+        if w.lane in seen:
+            raise ValueError(f"lane {w.lane} appears twice in one round")
+        seen.add(w.lane)
+        if not w.tokens or w.start < 0:
+            raise ValueError(f"lane {w.lane}: empty work or negative start {w.start}")
+        end = w.start + len(w.tokens)
+        if len(w.page_table) * self.info.page_size < end:
+            raise ValueError(f"lane {w.lane}: {len(w.page_table)} pages cannot hold row {end - 1}")
+        if any(not 0 <= pg < self.info.num_pages for pg in w.page_table):
+            raise ValueError(f"lane {w.lane}: page id outside [0, {self.info.num_pages})")
+        if any(not 0 <= t < self.config.vocab_size for t in w.tokens):
+            raise ValueError(f"lane {w.lane}: token id outside [0, {self.config.vocab_size})")
+        for r in (*w.sample_rows, *w.logits_rows):
+            if not 0 <= r < len(w.tokens):
+                raise ValueError(f"lane {w.lane}: row {r} outside its {len(w.tokens)} rows")
+
+    def _images(self, plan: RoundPlan, spans: list[AttentionSpan]):
+        """(round row indices, fp32 rows) for image rows overlapping this round's rows."""
+        for w, span in zip(plan.lanes, spans):
+            for image in w.images:
+                at = image.identity.at
+                lo, hi = max(at, w.start), min(at + image.identity.tokens, w.start + len(w.tokens))
+                if lo >= hi:
+                    continue
+                rows = torch.as_tensor(np.asarray(image.rows, dtype=np.float32))
+                if rows.shape != (image.identity.tokens, self.config.hidden_size):
+                    raise ValueError(f"lane {w.lane}: image rows {tuple(rows.shape)} != "
+                                     f"({image.identity.tokens}, {self.config.hidden_size})")
+                idx = torch.arange(span.row + lo - w.start, span.row + hi - w.start, device=self.device)
+                yield idx, rows[lo - at : hi - at].to(self.device)
+
+    def _wanted_rows(self, plan: RoundPlan, inputs: RoundInputs) -> tuple[torch.Tensor, dict]:
+        """Round rows that need logits, and (lane, row) -> index into them."""
+        where: dict[tuple[int, int], int] = {}
+        rows: list[int] = []
+        for w, span in zip(plan.lanes, inputs.spans):
+            for r in sorted(set(w.sample_rows) | set(w.logits_rows)):
+                where[(w.lane, r)] = len(rows)
+                rows.append(span.row + r)
+        return torch.tensor(rows, dtype=torch.long, device=self.device), where
+
+    def _lane_result(self, w: LaneWork, logits: torch.Tensor | None, where: dict) -> LaneResult:
+        sampled = tuple(self._sampler(w.lane).sample(logits[where[(w.lane, r)]]) for r in w.sample_rows)
+        rows = None
+        if w.logits_rows:
+            idx = torch.tensor([where[(w.lane, r)] for r in w.logits_rows], device=self.device)
+            rows = logits.index_select(0, idx)
+        return LaneResult(lane=w.lane, sampled=sampled, logits=rows)
