@@ -129,8 +129,9 @@ class Stream:
 
     @property
     def key_tokens(self) -> tuple[int, ...]:
-        """The prompt's reuse identity tokens."""
-        return self.req.cache_key if self.req.cache_key is not None else self.req.tokens
+        """The prompt's reuse identity tokens (the prompt's own when the key does not line up)."""
+        key = self.req.cache_key
+        return key if key is not None and len(key) == len(self.req.tokens) else self.req.tokens
 
     def usage(self, now_s: float) -> Usage:
         ttft = (self.first_token_s - self.submit_s) if self.first_token_s is not None else 0.0
