@@ -35,6 +35,8 @@ def _ensure_private_dir(directory: Path) -> bool:
     st = directory.lstat()
     if not stat.S_ISDIR(st.st_mode):
         raise SocketPathError(f"{directory} is not a directory")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise SocketPathError(f"{directory} belongs to uid {st.st_uid}; choose another --socket")
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o002 and not mode & stat.S_ISVTX:
         raise SocketPathError(f"{directory} is writable by everyone; choose another --socket")

@@ -1,0 +1,230 @@
+"""`EngineHost`: runs the single-threaded scheduler Engine in its own thread.
+
+    event loop                         engine thread
+    ----------                         -------------
+    submit/cancel/call ── commands ──▶ drained before every step()
+    per-stream receive  ◀── batches ── after every step(), one call_soon_threadsafe
+
+The event loop never blocks on a forward: every engine call crosses the command queue, and
+the engine thread sleeps on a condition while it has nothing to run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+import anyio
+import numpy as np
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+log = logging.getLogger("prefixd.engine")
+T = TypeVar("T")
+
+DEFAULT_EVENT_BUFFER = 1024  # events queued per stream before its client counts as not reading
+
+
+@dataclass(frozen=True, slots=True)
+class StreamTokens:
+    """Tokens of one round for one stream, with the sha256 of each logits row when asked."""
+
+    stream_id: int
+    ids: tuple[int, ...]
+    logits_sha256: tuple[str, ...] | None = None
+
+
+class EngineFailed(RuntimeError):
+    """The engine thread stopped on an error; every open stream ends with finish_reason error."""
+
+
+def logits_sha256(rows: Any) -> tuple[str, ...]:
+    """Hex sha256 of each row's float32 bytes (rows: a (n, vocab) float32 array-like)."""
+    if hasattr(rows, "detach"):  # device tensors come back to host memory first
+        rows = rows.detach().cpu()
+    array = np.ascontiguousarray(np.asarray(rows, dtype=np.float32))
+    if array.ndim == 1:
+        array = array[None, :]
+    return tuple(hashlib.sha256(row.tobytes()).hexdigest() for row in array)
+
+
+class EngineHost:
+    """Owns the engine thread and routes each stream's events to a bounded memory stream.
+
+    `on_overflow(stream_id)` is called in the event loop when a stream's buffer is full
+    (its client does not read); the stream is then cancelled in the engine and its receive
+    side sees the end of stream.
+    """
+
+    def __init__(self, engine: Any, *, event_buffer: int = DEFAULT_EVENT_BUFFER,
+                 on_overflow: Callable[[int], None] | None = None) -> None:
+        self.engine = engine
+        self._event_buffer = event_buffer
+        self._on_overflow = on_overflow
+        self._cond = threading.Condition()
+        self._commands: deque[Callable[[], None]] = deque()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sinks: dict[int, MemoryObjectSendStream[Any]] = {}
+        self.failure: BaseException | None = None
+        self.failed = anyio.Event()
+
+    # -- lifecycle (event loop) -------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="prefixd-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Let the thread finish its current step and pending commands, then join it."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await anyio.to_thread.run_sync(self._thread.join)
+        for sink in self._sinks.values():
+            sink.close()
+        self._sinks.clear()
+
+    @property
+    def num_open_streams(self) -> int:
+        return len(self._sinks)
+
+    # -- calls (event loop) -----------------------------------------------------------------
+
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps; its exception is re-raised here."""
+        if self.failure is not None:
+            raise EngineFailed(f"engine stopped: {self.failure!r}")
+        if self._stopping:
+            raise EngineFailed("engine is shutting down")
+        assert self._loop is not None, "EngineHost.start() was not awaited"
+        future: asyncio.Future[T] = self._loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except Exception as e:  # handed to the awaiting task, which decides
+                self._post(_set_exception, future, e)
+            else:
+                self._post(_set_result, future, result)
+
+        self._push(run)
+        return await future
+
+    async def submit(self, request: Any) -> MemoryObjectReceiveStream[Any]:
+        """Submit a StreamRequest; returns the stream of its StreamTokens ending with its DoneEvent.
+
+        Raises the engine's RequestError for a bad request (nothing is left registered).
+        """
+        stream_id = request.stream_id
+        if stream_id in self._sinks:
+            raise ValueError(f"stream {stream_id} is already open")
+        send, receive = anyio.create_memory_object_stream[Any](self._event_buffer)
+        self._sinks[stream_id] = send
+        try:
+            await self.call(lambda engine: engine.submit(request))
+        except BaseException:
+            self._drop(stream_id)
+            receive.close()
+            raise
+        return receive
+
+    def cancel_nowait(self, stream_id: int) -> None:
+        """Ask the engine to cancel a stream; its DoneEvent (cancelled) still arrives."""
+        self._push(lambda: self.engine.cancel(stream_id))
+
+    # -- engine thread ----------------------------------------------------------------------
+
+    def _push(self, command: Callable[[], None]) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and self.engine.idle and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping and not self._commands:
+                        return
+                    commands, self._commands = self._commands, deque()
+                for command in commands:
+                    command()
+                if not self.engine.idle and not self._stopping:
+                    events = self.engine.step()
+                    if events:
+                        self._post(self._dispatch, [_host_event(e) for e in events])
+        except BaseException as e:  # noqa: BLE001 - reported to the loop, which shuts down
+            log.exception("engine thread stopped")
+            self._post(self._fail, e)
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        loop = self._loop
+        assert loop is not None
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            log.debug("event loop closed; dropping %s", getattr(fn, "__name__", fn))
+
+    # -- delivery (event loop) --------------------------------------------------------------
+
+    def _dispatch(self, events: list[Any]) -> None:
+        for event in events:
+            sink = self._sinks.get(event.stream_id)
+            if sink is None:
+                continue
+            try:
+                sink.send_nowait(event)
+            except anyio.WouldBlock:
+                self._overflow(event.stream_id)
+                continue
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self._drop(event.stream_id)
+                self.cancel_nowait(event.stream_id)
+                continue
+            if not isinstance(event, StreamTokens):
+                self._drop(event.stream_id)
+
+    def _overflow(self, stream_id: int) -> None:
+        self._drop(stream_id)
+        self.cancel_nowait(stream_id)
+        if self._on_overflow is not None:
+            self._on_overflow(stream_id)
+
+    def _drop(self, stream_id: int) -> None:
+        sink = self._sinks.pop(stream_id, None)
+        if sink is not None:
+            sink.close()
+
+    def _fail(self, error: BaseException) -> None:
+        self.failure = error
+        for stream_id in list(self._sinks):
+            self._drop(stream_id)
+        self.failed.set()
+
+
+def _host_event(event: Any) -> Any:
+    """Engine events as the loop sees them: tokens with digests instead of device rows."""
+    ids = getattr(event, "ids", None)
+    if ids is None:
+        return event  # a DoneEvent passes through unchanged
+    rows = getattr(event, "logits", None)
+    return StreamTokens(event.stream_id, tuple(ids), None if rows is None else logits_sha256(rows))
+
+
+def _set_result(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,110 @@
+"""Builds what `serve` runs: checkpoint -> ModelRunner (the Device) -> Engine, plus the tokenizer.
+
+The daemon only wires: loading and compute live in `prefixd.gpu`, scheduling in
+`prefixd.scheduler`. torch objects are made by `prefixd.gpu` from the config's strings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from prefixd.daemon.config import AUTO_CACHE_FRACTION, DaemonConfig
+
+_DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """A loaded model ready to serve: the engine (single-threaded), its tokenizer, a summary."""
+
+    engine: Any  # prefixd.scheduler.engine.Engine
+    tokenizer: Any  # prefixd.gpu.tokenizer.Tokenizer
+    model_info: dict[str, Any]
+    decoder_factory: Callable[[], Any] | None = None  # None: prefixd.gpu.tokenizer.StreamDecoder
+
+
+def plan_num_pages(cfg: DaemonConfig, *, kv_bytes_per_page: int, max_context: int,
+                   available_bytes: int | None) -> int:
+    """KV pool pages: every lane can reach `max_context`, plus the pages the cache may hold.
+
+    With an explicit --cache-budget the store gets budget // page bytes pages; with `auto`
+    it gets AUTO_CACHE_FRACTION of `available_bytes` (host memory left after loading), and
+    without that figure as many pages again as the lanes reserve.
+    """
+    lane_pages = cfg.num_lanes * math.ceil(max_context / cfg.page_size)
+    if not cfg.cache:
+        return lane_pages
+    if cfg.cache_budget_bytes is not None:
+        store_pages = cfg.cache_budget_bytes // kv_bytes_per_page
+    elif available_bytes is not None:
+        spare = int(available_bytes * AUTO_CACHE_FRACTION) - lane_pages * kv_bytes_per_page
+        store_pages = max(0, spare // kv_bytes_per_page)
+    else:
+        store_pages = lane_pages
+    return lane_pages + store_pages
+
+
+def kv_bytes_per_page(model_config: Any, cfg: DaemonConfig) -> int:
+    """K and V of one page for every layer (an upper bound for families with fewer KV layers)."""
+    per_row = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
+    return per_row * _DTYPE_BYTES[cfg.dtype] * cfg.page_size
+
+
+def mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable from /proc/meminfo, or None where it cannot be read."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def load_runtime(cfg: DaemonConfig, *, observer: Any,
+                 progress: Callable[[str, int, int], None] | None = None) -> Runtime:
+    """Load the model named by `cfg.model` and build the engine around it (blocking)."""
+    from prefixd.gpu.loading import load_checkpoint
+    from prefixd.gpu.runner import ModelRunner
+    from prefixd.scheduler.config import SchedulerConfig
+    from prefixd.scheduler.engine import Engine
+
+    device, dtype = _torch_device_dtype(cfg)
+    checkpoint = load_checkpoint(cfg.model, device=device, dtype=dtype, progress=progress)
+    max_context = cfg.resolved_max_context(checkpoint.config.max_context)
+    available = mem_available_bytes() if cfg.device == "cpu" else None
+    num_pages = plan_num_pages(
+        cfg, kv_bytes_per_page=kv_bytes_per_page(checkpoint.config, cfg),
+        max_context=max_context, available_bytes=available,
+    )
+    runner = ModelRunner(checkpoint, device=device, dtype=dtype, num_lanes=cfg.num_lanes,
+                         num_pages=num_pages, page_size=cfg.page_size)
+    sched = SchedulerConfig(num_lanes=cfg.num_lanes, grid=cfg.grid, max_context=max_context,
+                            cache=cfg.cache, cache_budget_bytes=cfg.cache_budget_bytes)
+    engine = Engine(runner, sched, observer=observer)
+    info = runner.info
+    model_info = {
+        "name": Path(str(checkpoint.path)).name,
+        "source": checkpoint.source,
+        "family": checkpoint.config.family,
+        "vocab_size": info.vocab_size,
+        "hidden_size": checkpoint.config.hidden_size,
+        "max_context": engine.max_context,
+        "device": cfg.device,
+        "dtype": cfg.dtype,
+        "lanes": cfg.num_lanes,
+        "page_size": info.page_size,
+        "num_pages": info.num_pages,
+        "weights_bytes": info.weights_bytes,
+    }
+    return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info)
+
+
+def _torch_device_dtype(cfg: DaemonConfig) -> tuple[Any, Any]:
+    # prefixd.gpu's loader and runner take torch objects; the name lookup is all that happens here.
+    import torch
+
+    return torch.device(cfg.device), {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]

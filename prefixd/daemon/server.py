@@ -1,0 +1,263 @@
+"""The serve loop: startup() -> main_loop() -> shutdown(), anyio on uvloop.
+
+Signal handlers only set flags; every task lives in a task group; cancellation is
+re-raised; cleanup is shielded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import anyio
+import anyio.abc
+
+import prefixd
+from prefixd.daemon.config import DaemonConfig
+from prefixd.daemon.connection import Connection, Services
+from prefixd.daemon.engine_host import EngineHost
+from prefixd.daemon.listener import PeerPolicy, bind_listening_socket, peer_cred
+from prefixd.daemon.requests import RequestBuilder
+from prefixd.daemon.runtime import Runtime, load_runtime
+from prefixd.daemon.systemd import Notifier, take_activation_socket
+from prefixd.ipc.framing import Limits
+from prefixd.ipc.transport import FramedStream
+from prefixd.metrics import Metrics, MetricsExporter, MetricsObserver, parse_metrics_addr
+
+log = logging.getLogger("prefixd.server")
+_CANCEL_FLUSH_S = 5.0
+SEND_TIMEOUT_S = 30.0  # a client that takes no bytes for this long is disconnected  # after the grace period: time for cancelled streams to send their done
+
+RuntimeFactory = Callable[[DaemonConfig, Any], Runtime]
+
+
+def _default_factory(cfg: DaemonConfig, observer: Any) -> Runtime:
+    from prefixd.gpu.loading import stderr_progress
+
+    return load_runtime(cfg, observer=observer, progress=stderr_progress())
+
+
+class Server:
+    """One daemon. `run()` returns the process exit code."""
+
+    def __init__(self, cfg: DaemonConfig, *, runtime_factory: RuntimeFactory = _default_factory,
+                 env: dict[str, str] | None = None, out: Any = None) -> None:
+        self.cfg = cfg
+        self._factory = runtime_factory
+        self._env = os.environ if env is None else env
+        self._out = sys.stderr if out is None else out
+        self.notifier = Notifier(self._env)
+        self.metrics = Metrics()
+        self.limits = Limits()
+        self.socket_path: Path | None = None
+        self.metrics_port: int | None = None
+        self._owns_socket_file = False
+        self._exporter: MetricsExporter | None = None
+        self._listener: anyio.abc.SocketListener | None = None
+        self._host: EngineHost | None = None
+        self._runtime: Runtime | None = None
+        self._connections: set[Connection] = set()
+        self._stream_ids = itertools.count(1)
+        self._started_s = time.monotonic()
+        self.should_exit = False
+        self.exit_code = 0
+        self._exit_event: anyio.Event | None = None
+        self.listening = anyio.Event()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        self._exit_event = anyio.Event()
+        try:
+            await self.startup()
+            await self.main_loop()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.shutdown()
+        return self.exit_code
+
+    async def startup(self) -> None:
+        self._listener = await self._open_listener()
+        self.notifier.status("loading model")
+        self._out.write(f"prefixd: loading model {self.cfg.model} on {self.cfg.device} ({self.cfg.dtype})\n")
+        observer = MetricsObserver(self.metrics)
+        self._runtime = await anyio.to_thread.run_sync(self._factory, self.cfg, observer)
+        self._host = EngineHost(self._runtime.engine)
+        await self._host.start()
+        addr = parse_metrics_addr(self.cfg.metrics_addr)
+        if addr is not None:
+            self._exporter = MetricsExporter(self.metrics.registry, addr)
+            self.metrics_port = self._exporter.port
+
+    async def main_loop(self) -> None:
+        assert self._listener is not None and self._exit_event is not None and self._host is not None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watch_signals, tg.cancel_scope)
+            tg.start_soon(self._watch_engine)
+            if self.notifier.watchdog_interval_s is not None:
+                tg.start_soon(self._watchdog, self.notifier.watchdog_interval_s)
+            async with anyio.create_task_group() as conns:
+                conns.start_soon(self._accept_loop, conns)
+                self._announce()
+                await self._exit_event.wait()
+                self.notifier.stopping()
+                await self._stop_accepting()
+                await self._drain(self.cfg.grace_s)
+                conns.cancel_scope.cancel()
+            tg.cancel_scope.cancel()
+
+    async def shutdown(self) -> None:
+        await self._stop_accepting()
+        if self._host is not None:
+            await self._host.stop()
+        if self._exporter is not None:
+            self._exporter.close()
+            self._exporter = None
+
+    def request_exit(self, code: int = 0) -> None:
+        """Ask the daemon to stop gracefully (what SIGTERM does)."""
+        self.should_exit = True
+        self.exit_code = self.exit_code or code
+        if self._exit_event is not None:
+            self._exit_event.set()
+
+    # -- tasks ------------------------------------------------------------------------------
+
+    async def _watch_signals(self, scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if self.should_exit:
+                    log.warning("second %s: stopping now", signal.Signals(signum).name)
+                    self._out.write("prefixd: stopping now\n")
+                    await self._drain(0.0)
+                    scope.cancel()
+                    return
+                self._out.write(f"prefixd: {signal.Signals(signum).name}: stopping (grace {self.cfg.grace_s:g}s)\n")
+                self.request_exit(0)
+
+    async def _watch_engine(self) -> None:
+        assert self._host is not None
+        await self._host.failed.wait()
+        self._out.write(f"prefixd: engine failed: {self._host.failure!r}\n")
+        self.request_exit(1)
+
+    async def _watchdog(self, interval_s: float) -> None:
+        while True:
+            self.notifier.watchdog()
+            await anyio.sleep(interval_s)
+
+    async def _accept_loop(self, conns: anyio.abc.TaskGroup) -> None:
+        assert self._listener is not None
+        policy = PeerPolicy.for_this_process(self.cfg.allow_group)
+        while True:
+            try:
+                stream = await self._listener.accept()
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                return
+            raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+            cred = peer_cred(raw)
+            if not policy.allows(cred):
+                log.warning("refused a peer: pid %d uid %d gid %d", cred.pid, cred.uid, cred.gid)
+                await stream.aclose()
+                continue
+            conns.start_soon(self._serve_connection, stream)
+
+    async def _serve_connection(self, stream: anyio.abc.SocketStream) -> None:
+        framed = FramedStream(stream, self.limits, send_timeout_s=SEND_TIMEOUT_S)
+        connection = Connection(framed, self._services())
+        self._connections.add(connection)
+        try:
+            await connection.serve()
+        finally:
+            self._connections.discard(connection)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    async def _open_listener(self) -> anyio.abc.SocketListener:
+        activated = take_activation_socket(self._env)
+        if activated is not None:
+            name = activated.getsockname()
+            self.socket_path = Path(name) if isinstance(name, str) and name else None
+            activated.setblocking(False)
+            return await anyio.abc.SocketListener.from_socket(activated)
+        path = self.cfg.resolved_socket_path()
+        sock: socket.socket = bind_listening_socket(path, group_gid=self._group_gid())
+        self.socket_path = path
+        self._owns_socket_file = True
+        sock.setblocking(False)
+        return await anyio.abc.SocketListener.from_socket(sock)
+
+    def _group_gid(self) -> int | None:
+        policy = PeerPolicy.for_this_process(self.cfg.allow_group)
+        return policy.allowed_gid
+
+    def _announce(self) -> None:
+        where = str(self.socket_path) if self.socket_path else "the activation socket"
+        self._out.write(f"prefixd: listening on {where}\n")
+        if self.socket_path:
+            self._out.write(f"prefixd: chat with it: prefixd chat --socket {self.socket_path}\n")
+        if self.metrics_port is not None:
+            self._out.write(f"prefixd: metrics on {self.cfg.metrics_addr.rpartition(':')[0]}:{self.metrics_port}\n")
+        self._out.flush()
+        self.notifier.ready(f"listening on {where}")
+        self.listening.set()
+
+    async def _stop_accepting(self) -> None:
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            await listener.aclose()
+            if self._owns_socket_file and self.socket_path is not None:
+                self.socket_path.unlink(missing_ok=True)
+
+    async def _drain(self, grace_s: float) -> None:
+        """Let in-flight streams finish within `grace_s`, then cancel the rest and flush."""
+        with anyio.move_on_after(grace_s):
+            while any(c.num_streams for c in self._connections):
+                await anyio.sleep(0.05)
+        for connection in list(self._connections):
+            connection.cancel_streams()
+        with anyio.move_on_after(_CANCEL_FLUSH_S):
+            while any(c.num_streams for c in self._connections):
+                await anyio.sleep(0.02)
+
+    def _services(self) -> Services:
+        assert self._host is not None and self._runtime is not None
+        return Services(
+            host=self._host,
+            builder=RequestBuilder(self._runtime.tokenizer, self._runtime.model_info, self.limits,
+                                   self._runtime.decoder_factory),
+            hello_reply=self._hello_reply,
+            status_extra=self._status_extra,
+            shutting_down=lambda: self.should_exit,
+            next_stream_id=lambda: next(self._stream_ids),
+        )
+
+    def _hello_reply(self) -> dict[str, Any]:
+        assert self._runtime is not None
+        return {"version": 1, "server": f"prefixd {prefixd.__version__}", "model": dict(self._runtime.model_info),
+                "limits": self.limits.to_wire()}
+
+    def _status_extra(self) -> dict[str, Any]:
+        assert self._runtime is not None
+        return {
+            "server": f"prefixd {prefixd.__version__}",
+            "model": dict(self._runtime.model_info),
+            "connections": len(self._connections),
+            "uptime_s": time.monotonic() - self._started_s,
+            "socket": str(self.socket_path) if self.socket_path else None,
+            "shutting_down": self.should_exit,
+        }
+
+
+def serve(cfg: DaemonConfig) -> int:
+    """Run a daemon in the foreground until SIGTERM/SIGINT; returns the exit code."""
+    logging.basicConfig(level=cfg.log_level.upper(), format="prefixd %(levelname)s %(name)s: %(message)s")
+    server = Server(cfg)
+    return anyio.run(server.run, backend="asyncio", backend_options={"use_uvloop": True})

@@ -1,0 +1,174 @@
+"""A byte tokenizer and a predictable plain-Python device for daemon tests.
+
+Token ids: 0 = end of text, 1 and 2 unused, 3 + b for byte b. The device writes every row's
+token into its pages and, after a row at position p, samples the letter "a".."z" number
+p % 26 (so the text a prompt of n tokens continues with is known), or token 0 right after
+a row holding the byte "!" (a stop id test hook). An optional per-round delay paces
+streams so tests can act while they run; no test asserts on time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from prefixd.daemon.runtime import Runtime
+from prefixd.scheduler.device import DeviceInfo
+from prefixd.scheduler.records import LaneResult, RoundPlan, RoundResult, SamplingParams
+
+EOS = 0
+VOCAB = 259
+
+
+def letter_after(position: int) -> str:
+    return chr(ord("a") + position % 26)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    ids: tuple[int, ...]
+    message_starts: tuple[int, ...]
+    text: str
+
+
+class ByteTokenizer:
+    vocab_size = VOCAB
+    bos_id = None
+    eos_id = EOS
+    stop_ids = frozenset({EOS})
+    add_bos = False
+    chat_template = None
+
+    def encode(self, text: str, *, add_special: bool = False) -> list[int]:
+        return [b + 3 for b in text.encode()]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id - 3]) if 3 <= token_id < VOCAB else b""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: Any = None) -> Rendered:
+        text, starts = "", []
+        for m in messages:
+            starts.append(len(text.encode()))
+            text += f"<{m['role']}>{m['content']}\n"
+        if add_generation_prompt:
+            starts.append(len(text.encode()))
+            text += "<assistant>"
+        return Rendered(tuple(self.encode(text)), tuple(starts), text)
+
+
+class ByteDecoder:
+    """UTF-8-safe incremental decode over ByteTokenizer ids."""
+
+    def __init__(self, tokenizer: ByteTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._pending = b""
+
+    def push(self, ids: Sequence[int]) -> str:
+        data = self._pending + b"".join(self.tokenizer.token_bytes(i) for i in ids)
+        for cut in range(len(data), max(len(data) - 4, -1), -1):
+            try:
+                text = data[:cut].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            self._pending = data[cut:]
+            return text
+        self._pending = data
+        return ""
+
+    def flush(self) -> str:
+        data, self._pending = self._pending, b""
+        return data.decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class FakeState:
+    nbytes: int = 0
+
+
+class LetterDevice:
+    """Implements prefixd.scheduler.device.Device with predictable sampled letters."""
+
+    def __init__(self, *, num_lanes: int = 4, num_pages: int = 256, page_size: int = 4,
+                 max_context: int = 256, round_delay_s: float = 0.0) -> None:
+        self.info = DeviceInfo(
+            num_lanes=num_lanes, num_pages=num_pages, page_size=page_size, max_context=max_context,
+            vocab_size=VOCAB, kv_bytes_per_page=1024, lane_state_bytes=0, logits_row_bytes=VOCAB * 4,
+            weights_bytes=10_000, workspace_bytes_per_row=8, invariant_rows=True,
+        )
+        self.pool = np.full((num_pages, page_size), -1, dtype=np.int64)
+        self.round_delay_s = round_delay_s
+        self.gate = threading.Event()
+        self.gate.set()
+        self.rounds = 0
+
+    def start_stream(self, lane: int, sampling: SamplingParams, history: Sequence[int]) -> None:
+        return None
+
+    def run_round(self, plan: RoundPlan) -> RoundResult:
+        self.gate.wait()
+        if self.round_delay_s:
+            time.sleep(self.round_delay_s)
+        self.rounds += 1
+        p = self.info.page_size
+        results = []
+        for work in plan.lanes:
+            for i, tok in enumerate(work.tokens):
+                pos = work.start + i
+                self.pool[work.page_table[pos // p], pos % p] = tok
+            sampled = tuple(self._next(work.start + r, work.tokens[r]) for r in work.sample_rows)
+            logits = None
+            if work.logits_rows:
+                logits = np.stack([self._row(work.start + r) for r in work.logits_rows])
+            results.append(LaneResult(lane=work.lane, sampled=sampled, logits=logits))
+        return RoundResult(tuple(results))
+
+    def _next(self, position: int, token: int) -> int:
+        if token == ord("!") + 3:
+            return EOS
+        return ord(letter_after(position)) + 3
+
+    def _row(self, position: int) -> np.ndarray:
+        row = np.zeros(VOCAB, dtype=np.float32)
+        row[position % VOCAB] = 1.0
+        return row
+
+    def sample(self, lane: int, logits: Any, row: int = 0) -> int:
+        return int(np.argmax(logits[row]))
+
+    def capture(self, lane: int) -> FakeState:
+        return FakeState()
+
+    def restore(self, lane: int, state: FakeState) -> int:
+        return 0
+
+    def reset_lane(self, lane: int) -> None:
+        return None
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
+        for s, d in zip(src, dst, strict=True):
+            self.pool[d] = self.pool[s]
+        return len(src) * self.info.kv_bytes_per_page
+
+
+def fake_runtime_factory(device: LetterDevice, *, cache: bool = True):
+    """A Server runtime factory over the real Engine and `device`."""
+    from prefixd.scheduler.config import SchedulerConfig
+    from prefixd.scheduler.engine import Engine
+
+    def factory(cfg: Any, observer: Any) -> Runtime:
+        config = SchedulerConfig(num_lanes=device.info.num_lanes, grid=8, round_row_budget=64, cache=cache)
+        engine = Engine(device, config, observer=observer)
+        tokenizer = ByteTokenizer()
+        info = {"name": "letters", "family": "fake", "vocab_size": VOCAB, "max_context": engine.max_context,
+                "hidden_size": 4}
+        return Runtime(engine=engine, tokenizer=tokenizer, model_info=info,
+                       decoder_factory=lambda: ByteDecoder(tokenizer))
+
+    return factory

@@ -1,0 +1,137 @@
+"""The daemon through its real socket: requests, streaming, stops, cancel, status, metrics."""
+
+from __future__ import annotations
+
+import os
+import stat
+import urllib.request
+
+import anyio
+import pytest
+
+from prefixd.ipc.client import AsyncClient
+from prefixd.ipc.errors import ClientError
+from tests.daemon.fakes import ByteTokenizer, letter_after
+from tests.daemon.harness import running_server, wait_idle
+
+TOK = ByteTokenizer()
+
+
+def expected_letters(n_prompt: int, count: int) -> str:
+    return "".join(letter_after(n_prompt - 1 + i) for i in range(count))
+
+
+async def test_generate_streams_tokens_and_done_with_usage(tmp_path):
+    async with running_server(tmp_path) as server:
+        async with await AsyncClient.connect(server.socket_path) as client:
+            result = await client.generate(prompt="hello", max_tokens=5).collect()
+        assert result.text == expected_letters(5, 5)
+        assert result.ids == tuple(TOK.encode(expected_letters(5, 5)))
+        assert result.finish_reason == "length"
+        assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (5, 5)
+        assert result.usage.prefilled_tokens == 5
+        await wait_idle(server)
+
+
+async def test_socket_and_directory_permissions(tmp_path):
+    async with running_server(tmp_path) as server:
+        assert stat.S_IMODE(os.lstat(server.socket_path).st_mode) == 0o600
+        assert stat.S_IMODE(os.lstat(server.socket_path.parent).st_mode) == 0o700
+    assert not server.socket_path.exists()
+
+
+async def test_stop_string_truncates_text_and_finishes_with_stop(tmp_path):
+    async with running_server(tmp_path) as server:
+        async with await AsyncClient.connect(server.socket_path) as client:
+            # a 3-token prompt continues "cdefg..."; stop at "ef"
+            result = await client.generate(prompt="abc", max_tokens=20, stop=["ef"]).collect()
+        assert result.finish_reason == "stop"
+        assert result.text == "cd"
+        assert result.usage.completion_tokens == len(result.ids)
+        assert TOK.decode(result.ids).startswith("cdef")
+        await wait_idle(server)
+
+
+async def test_stop_id_from_the_tokenizer_ends_the_stream(tmp_path):
+    async with running_server(tmp_path) as server:
+        async with await AsyncClient.connect(server.socket_path) as client:
+            result = await client.generate(prompt="hi!", max_tokens=20).collect()
+        assert result.finish_reason == "stop"
+        assert result.ids == (0,)
+        assert result.text == ""
+
+
+async def test_chat_messages_use_message_starts_as_chunk_starts(tmp_path):
+    async with running_server(tmp_path) as server:
+        messages = [{"role": "user", "content": "hey"}]
+        async with await AsyncClient.connect(server.socket_path) as client:
+            tokens = await client.tokenize(messages=messages, add_special=False)
+            result = await client.generate(messages=messages, max_tokens=3).collect()
+        rendered = TOK.render_chat(messages)
+        assert tokens.ids == rendered.ids
+        assert tokens.message_starts == rendered.message_starts
+        assert result.text == expected_letters(len(rendered.ids), 3)
+
+
+async def test_cancel_ends_the_stream_with_cancelled_and_frees_the_lane(tmp_path):
+    async with running_server(tmp_path) as server:
+        server.device.round_delay_s = 0.002
+        async with await AsyncClient.connect(server.socket_path) as client:
+            async with client.generate(prompt="x", max_tokens=100000) as stream:
+                first = await stream.__anext__()
+                assert first.ids
+                await stream.cancel()
+                events = [e async for e in stream]
+            assert events[-1].finish_reason == "cancelled"
+            with pytest.raises(ClientError) as err:
+                await client.cancel(12345)
+            assert err.value.code == "not_found"
+        status = await wait_idle(server)
+        assert status["lanes_busy"] == 0
+
+
+async def test_status_reports_lanes_model_and_connections(tmp_path):
+    async with running_server(tmp_path) as server:
+        async with await AsyncClient.connect(server.socket_path) as client:
+            status = await client.status()
+            hello = await client.hello()
+        assert status["model"]["name"] == "letters"
+        assert status["connections"] == 1
+        assert len(status["lanes"]) == 4
+        assert status["waiting"] == 0
+        assert hello.version == 1 and hello.model["vocab_size"] == 259
+
+
+async def test_detokenize_and_logits_digests(tmp_path):
+    async with running_server(tmp_path) as server:
+        async with await AsyncClient.connect(server.socket_path) as client:
+            assert await client.detokenize(TOK.encode("héllo")) == "héllo"
+            result = await client.generate(tokens=[10, 11], max_tokens=2, logits=True).collect()
+        assert result.logits_sha256 is not None and len(result.logits_sha256) == 2
+        import hashlib
+
+        import numpy as np
+
+        def digest(position: int) -> str:
+            row = np.zeros(259, dtype=np.float32)
+            row[position] = 1.0
+            return hashlib.sha256(row.tobytes()).hexdigest()
+
+        assert result.logits_sha256 == (digest(1), digest(2))
+
+
+async def test_metrics_endpoint_exposes_the_names_after_a_request(tmp_path):
+    async with running_server(tmp_path) as server:
+        async with await AsyncClient.connect(server.socket_path) as client:
+            await client.generate(prompt="abc", max_tokens=4).collect()
+        await wait_idle(server)
+        url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+        body = await anyio.to_thread.run_sync(lambda: urllib.request.urlopen(url, timeout=10).read().decode())
+    assert 'prefixd_requests_total{finish_reason="length"} 1.0' in body
+    assert "prefixd_prompt_tokens_total 3.0" in body
+    assert "prefixd_generation_tokens_total 4.0" in body
+    assert "prefixd_time_to_first_token_seconds_count 1.0" in body
+    assert "prefixd_inter_token_latency_seconds_count 3.0" in body
+    for name in ("prefixd_round_duration_seconds_count", "prefixd_lanes_busy", "prefixd_requests_waiting",
+                 "prefixd_prefix_cache_queries_tokens_total", "prefixd_prefix_cache_bytes"):
+        assert name in body
