@@ -1,0 +1,269 @@
+"""Runtime benchmark: prefill and decode throughput of the round runner beside llama.cpp.
+
+    python bench/runtime.py            # the full table (minutes; run it on an idle machine)
+    python bench/runtime.py --quick    # a smoke run with small sizes
+
+Prints one markdown table: prefill tok/s at 512/2048/4096 prompt tokens, single-lane
+decode tok/s at 4K context, aggregate decode tok/s at 8 lanes, each beside llama.cpp
+(llama-cpp-python, when importable) on the same GGUF file and thread count, measured in
+the same run; medians of several repeats. Every runner mode that exists gets a column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import random
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.common import (  # noqa: E402
+    LlamaCppBaseline,
+    fmt_rate,
+    fmt_ratio,
+    markdown_table,
+    print_machine,
+    rate,
+    time_calls,
+)
+from prefixd.scheduler.records import LaneWork, RoundPlan, SamplingParams  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Sizes:
+    prefill: tuple[int, ...]  # prompt lengths for prefill tok/s
+    decode_context: int  # context of the single-lane decode
+    lanes: int  # lanes decoding together
+    lane_context: int  # context of each of those lanes
+    decode_steps: int  # decode rounds per timing
+    repeats: int
+
+    @property
+    def longest(self) -> int:
+        return max(*self.prefill, self.decode_context + self.decode_steps)
+
+    @property
+    def lane_rows(self) -> int:
+        return self.lane_context + self.decode_steps
+
+
+FULL = Sizes(prefill=(512, 2048, 4096), decode_context=4096, lanes=8, lane_context=512, decode_steps=32, repeats=3)
+QUICK = Sizes(prefill=(128, 256), decode_context=256, lanes=8, lane_context=64, decode_steps=8, repeats=2)
+
+
+def prompt_tokens(n: int, vocab: int, seed: int = 0) -> list[int]:
+    """Deterministic pseudo-text: ids above the special-token range."""
+    rng = random.Random(seed)
+    return [rng.randrange(32, vocab) for _ in range(n)]
+
+
+class Measure:
+    """The four measurements, for one engine (a runner mode or llama.cpp)."""
+
+    def prefill(self, tokens: Sequence[int]) -> None: ...
+    def start_decode(self, contexts: dict[int, Sequence[int]]) -> None: ...
+    def decode(self, contexts: dict[int, Sequence[int]], steps: int) -> None: ...
+
+
+class RunnerMeasure(Measure):
+    def __init__(self, checkpoint, *, device: torch.device, dtype: torch.dtype, mode: str, sizes: Sizes, grid: int):
+        from prefixd.gpu.runner import ModelRunner
+
+        page_size = 16
+        big = math.ceil(sizes.longest / page_size)
+        small = math.ceil(sizes.lane_rows / page_size)
+        self.runner = ModelRunner(
+            checkpoint,
+            device=device,
+            dtype=dtype,
+            num_lanes=sizes.lanes,
+            num_pages=big + (sizes.lanes - 1) * small,
+            page_size=page_size,
+            mode=mode,
+        )
+        self.page_size = page_size
+        self.tables = [tuple(range(big))] + [
+            tuple(range(big + i * small, big + (i + 1) * small)) for i in range(sizes.lanes - 1)
+        ]
+        self.grid = grid
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.last: dict[int, int] = {}
+
+    def _pages(self, lane: int, rows: int) -> tuple[int, ...]:
+        return self.tables[lane][: math.ceil(rows / self.page_size)]
+
+    def _prefill_lanes(self, prompts: dict[int, Sequence[int]]) -> None:
+        """Prefill every lane chunk by chunk (grid rows), lanes side by side in each round."""
+        for lane, tokens in prompts.items():
+            self.runner.start_stream(lane, SamplingParams(), tokens)
+        num_rounds = max(math.ceil(len(t) / self.grid) for t in prompts.values())
+        for r in range(num_rounds):
+            work = []
+            for lane, tokens in prompts.items():
+                chunk = tuple(tokens[r * self.grid : (r + 1) * self.grid])
+                if not chunk:
+                    continue
+                start = r * self.grid
+                last = start + len(chunk) == len(tokens)
+                work.append(
+                    LaneWork(lane, start, chunk, self._pages(lane, start + len(chunk)), True,
+                             sample_rows=(len(chunk) - 1,) if last else ())
+                )
+            self._run(work)
+        self.sync()
+
+    def _run(self, work: list[LaneWork]) -> None:
+        for result in self.runner.run_round(RoundPlan(tuple(work))).lanes:
+            if result.sampled:
+                self.last[result.lane] = result.sampled[-1]
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self._prefill_lanes({0: tokens})
+
+    def start_decode(self, contexts: dict[int, Sequence[int]]) -> None:
+        self._prefill_lanes(contexts)
+        self.first = dict(self.last)
+
+    def decode(self, contexts: dict[int, Sequence[int]], steps: int) -> None:
+        tokens = dict(self.first)  # every repeat decodes the same rows over the same context
+        for step in range(steps):
+            work = []
+            for lane, ctx in contexts.items():
+                pos = len(ctx) + step
+                work.append(LaneWork(lane, pos, (tokens[lane],), self._pages(lane, pos + 1), False, sample_rows=(0,)))
+            self._run(work)
+            tokens.update(self.last)
+        self.sync()
+
+
+class LlamaCppMeasure(Measure):
+    def __init__(self, model_path: str, *, threads: int, sizes: Sizes):
+        n_ctx = max(sizes.longest, sizes.lanes * sizes.lane_rows) + 64
+        self.llama = LlamaCppBaseline(model_path, threads=threads, n_ctx=256 * math.ceil(n_ctx / 256), num_seqs=sizes.lanes)
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.llama.clear()
+        self.llama.prefill(tokens)
+
+    def start_decode(self, contexts: dict[int, Sequence[int]]) -> None:
+        self.llama.clear()
+        for seq, ctx in contexts.items():
+            self.llama.prefill(ctx, seq=seq)
+
+    def decode(self, contexts: dict[int, Sequence[int]], steps: int) -> None:
+        for seq, ctx in contexts.items():
+            self.llama.truncate(seq, len(ctx))
+        for step in range(steps):
+            self.llama.decode([(seq, len(ctx) + step, ctx[-1]) for seq, ctx in contexts.items()])
+
+
+def measure_all(m: Measure, sizes: Sizes, vocab: int) -> dict[str, float]:
+    """tok/s per row label."""
+    out: dict[str, float] = {}
+    for n in sizes.prefill:
+        tokens = prompt_tokens(n, vocab, seed=n)
+        out[f"prefill {n} tok"] = rate(n, time_calls(lambda: m.prefill(tokens), sizes.repeats, warmup=0))
+    for label, contexts in decode_cases(sizes, vocab):
+        m.start_decode(contexts)
+        steps = sizes.decode_steps
+        times = time_calls(lambda: m.decode(contexts, steps), sizes.repeats, warmup=1)
+        out[label] = rate(len(contexts) * steps, times)
+    return out
+
+
+def decode_cases(sizes: Sizes, vocab: int) -> list[tuple[str, dict[int, list[int]]]]:
+    lanes = {lane: prompt_tokens(sizes.lane_context, vocab, seed=100 + lane) for lane in range(sizes.lanes)}
+    return [
+        (f"decode 1 lane @ {sizes.decode_context} ctx", {0: prompt_tokens(sizes.decode_context, vocab, seed=1)}),
+        (f"decode 1 lane @ {sizes.lane_context} ctx", {0: lanes[0]}),
+        (f"decode {sizes.lanes} lanes @ {sizes.lane_context} ctx (aggregate)", lanes),
+    ]
+
+
+def run_engines(args: argparse.Namespace, sizes: Sizes) -> tuple[dict[str, dict[str, float]], list[str], dict[str, str]]:
+    from prefixd.gpu.loading import load_checkpoint
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    checkpoint = load_checkpoint(args.model, device=device, dtype=dtype)
+    vocab = checkpoint.tokenizer.vocab_size
+    results: dict[str, dict[str, float]] = {}
+    notes: list[str] = []
+    versions = {"model": str(checkpoint.path), "dtype": args.dtype, "grid": str(args.grid)}
+    for mode in args.modes.split(","):
+        try:
+            m = RunnerMeasure(checkpoint, device=device, dtype=dtype, mode=mode, sizes=sizes, grid=args.grid)
+        except (ValueError, NotImplementedError) as exc:
+            notes.append(f"prefixd mode {mode!r} not available: {exc}")
+            continue
+        m._prefill_lanes({0: prompt_tokens(min(2 * args.grid, sizes.longest), vocab)})  # warm-up: allocator, kernels
+        results[f"prefixd {mode}"] = measure_all(m, sizes, vocab)
+        del m
+        gc.collect()
+    if args.no_llama_cpp:
+        notes.append("llama.cpp skipped (--no-llama-cpp)")
+    elif str(checkpoint.path).endswith(".gguf") and args.device == "cpu":
+        try:
+            llama = LlamaCppMeasure(str(checkpoint.path), threads=torch.get_num_threads(), sizes=sizes)
+        except ImportError:
+            notes.append("llama.cpp skipped: llama-cpp-python is not importable (pip install llama-cpp-python)")
+        else:
+            versions["llama-cpp-python"] = llama.llama.version
+            llama.prefill(prompt_tokens(min(2 * args.grid, sizes.longest), vocab))  # warm-up
+            results["llama.cpp"] = measure_all(llama, sizes, vocab)
+    else:
+        notes.append("llama.cpp skipped: it is compared on the CPU with a GGUF model only")
+    return results, notes, versions
+
+
+def render(results: dict[str, dict[str, float]], sizes: Sizes) -> str:
+    engines = list(results)
+    ours = [e for e in engines if e.startswith("prefixd")]
+    theirs = results.get("llama.cpp")
+    labels = list(next(iter(results.values()))) if results else []
+    headers = ["tok/s", *engines, *(f"{e.removeprefix('prefixd ')} / llama.cpp" for e in ours if theirs)]
+    rows = []
+    for label in labels:
+        row: list[object] = [label, *(fmt_rate(results[e].get(label)) for e in engines)]
+        if theirs:
+            row += [fmt_ratio(results[e].get(label), theirs.get(label)) for e in ours]
+        rows.append(row)
+    lines = [markdown_table(headers, rows), ""]
+    for e in engines:
+        single = results[e].get(f"decode 1 lane @ {sizes.lane_context} ctx")
+        agg = results[e].get(f"decode {sizes.lanes} lanes @ {sizes.lane_context} ctx (aggregate)")
+        lines.append(f"- {e}: {sizes.lanes}-lane aggregate / single lane at {sizes.lane_context} ctx = {fmt_ratio(agg, single)}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, fewer repeats (a smoke run)")
+    parser.add_argument("--model", default="default", help='"default", a .gguf path or a HF directory')
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--modes", default="invariant,fast", help="runner modes to measure, comma separated")
+    parser.add_argument("--grid", type=int, default=256, help="prefill chunk rows per round")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--no-llama-cpp", action="store_true")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    if args.repeats:
+        sizes = Sizes(sizes.prefill, sizes.decode_context, sizes.lanes, sizes.lane_context, sizes.decode_steps, args.repeats)
+    results, notes, versions = run_engines(args, sizes)
+    print_machine(versions)
+    print(render(results, sizes))
+    for note in notes:
+        print(f"- {note}")
+    print(f"- medians of {sizes.repeats} repeats; decode: {sizes.decode_steps} rounds per repeat, greedy")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
