@@ -167,9 +167,10 @@ class Admitter:
         return seated
 
     def forget(self, stream: Stream) -> None:
-        """A waiting stream left: drop its pinned hit."""
+        """A waiting stream left: let go of its hit's pages and pin."""
         self.waiting.remove(stream)
-        if stream.hit is not None and self.store is not None:
+        if stream.hit is not None:
+            self.tables.allocator.decref(stream.hit.pages)
             self.store.unpin(stream.hit)
         stream.hit = None
 
@@ -194,10 +195,8 @@ class Admitter:
                 return None
             lane = victims[0]
             self.evict_resident(lane)
-        if stream.hit is None and self.store is not None and self.reuse_allowed(stream):
-            stream.hit = self.store.lookup(stream.key, self.schedules[stream.stream_id])
-            if stream.hit is not None:
-                self.store.pin(stream.hit)
+        if not stream.looked_up and self.store is not None and self.reuse_allowed(stream):
+            self._look_up(stream)
         hit = stream.hit
         rows = hit.rows if hit is not None else 0
         need = self._pages_to_seat(stream, rows)
@@ -206,6 +205,16 @@ class Admitter:
             return None
         result = "hit" if hit is not None else "miss" if self.reuse_allowed(stream) else "off"
         return self._place(stream, lane, rows, result, hit)
+
+    def _look_up(self, stream: Stream) -> None:
+        """Ask the store once per stream; a hit's pages are held (and its entry pinned) from now
+        on, so making room for the stream cannot evict what it resumes from."""
+        stream.looked_up = True
+        hit = self.store.lookup(stream.key, self.schedules[stream.stream_id])
+        if hit is not None:
+            self.tables.allocator.incref(hit.pages)
+            self.store.pin(hit)
+            stream.hit = hit
 
     def _wanted(self, lane: Lane, waiting: list[Stream]) -> bool:
         """True if some waiting stream would continue resident `lane`."""
@@ -279,7 +288,7 @@ class Admitter:
             logits = hit.snapshot.logits if hit is not None and hit.snapshot is not None else None
             if logits is None:
                 raise RuntimeError(f"stream {stream.stream_id}: a hit on the whole prompt without a logits row")
-            return Seating(stream, self.device.sample(lane.index, logits), logits)
+            return Seating(stream, self.device.sample(lane.index, logits), logits if req.want_logits else None)
         return Seating(stream)
 
     def _continue_resident(self, stream: Stream, lane: Lane) -> None:
@@ -296,8 +305,7 @@ class Admitter:
         if hit is None:
             self.device.reset_lane(lane.index)
             return
-        self.tables.allocator.incref(hit.pages)
-        lane.pages.extend(hit.pages)
+        lane.pages.extend(hit.pages)  # the stream's references pass to the lane
         lane.num_borrowed = len(hit.pages)
         lane.ids.extend(stream.key_tokens[: hit.rows])
         lane.prefilled_upto = hit.rows

@@ -152,6 +152,9 @@ class Engine:
         """Raise RuntimeError if lanes, streams, the store and page refcounts disagree."""
         self.allocator.check_integrity()
         held = [0] * self.info.num_pages
+        for stream in self.admitter.waiting:
+            for p in stream.hit.pages if stream.hit is not None else ():
+                held[p] += 1
         for lane in self.lanes:
             for p in lane.pages:
                 held[p] += 1

@@ -87,10 +87,11 @@ def validate_request(req: StreamRequest, *, vocab_size: int, max_context: int) -
         if not prev < s < n:
             raise RequestError("bad_request", f"chunk_starts must be increasing and inside (0, {n}), got {list(req.chunk_starts)}")
         prev = s
-    for image in req.images:
-        ident = image.identity
-        if ident.tokens <= 0 or ident.at < 0 or ident.at + ident.tokens > n:
-            raise RequestError("bad_request", f"image rows [{ident.at}, {ident.at + ident.tokens}) are outside the prompt")
+    end = 0
+    for ident in sorted((im.identity for im in req.images), key=lambda i: i.at):
+        if ident.tokens <= 0 or ident.at < end or ident.at + ident.tokens > n:
+            raise RequestError("bad_request", f"image rows [{ident.at}, {ident.at + ident.tokens}) overlap another image or leave the prompt")
+        end = ident.at + ident.tokens
 
 
 @dataclass(eq=False)
@@ -113,7 +114,8 @@ class Stream:
     cancelled: bool = False
     note: str | None = None
     key: object | None = None  # store.ReuseKey of the prompt; None: may not reuse or keep
-    hit: object | None = None  # a pinned store.Hit found while waiting, used when seated
+    hit: object | None = None  # a pinned store.Hit (pages held) found while waiting
+    looked_up: bool = False
 
     @property
     def stream_id(self) -> int:

@@ -1,0 +1,180 @@
+"""The engine wired to the prefix store: lookups, restores, keeps at cuts, full hits, eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixd.scheduler.config import SchedulerConfig
+from prefixd.scheduler.engine import Engine
+from prefixd.scheduler.events import NullObserver
+from prefixd.scheduler.streams import DoneEvent, StreamRequest
+from tests.scheduler.fake_device import FakeDevice, done_by_stream, make_info, run_until_idle, tokens_by_stream
+
+_engines: list[Engine] = []
+
+
+@pytest.fixture(autouse=True)
+def _integrity_after_each_test():
+    _engines.clear()
+    yield
+    for engine in _engines:
+        engine.check_integrity()
+
+
+class Recorder(NullObserver):
+    def __init__(self):
+        self.lookups, self.evictions, self.copies = [], [], []
+
+    def on_lookup(self, result, query_tokens, hit_tokens):
+        self.lookups.append((result, query_tokens, hit_tokens))
+
+    def on_eviction(self, reason, nbytes):
+        self.evictions.append((reason, nbytes))
+
+    def on_snapshot_copy(self, direction, nbytes):
+        self.copies.append((direction, nbytes))
+
+
+def make(num_lanes=1, grid=4, budget=16, cache=True, cache_budget_bytes=None, observer=None, **info_kw):
+    device = FakeDevice(make_info(**info_kw))
+    cfg = SchedulerConfig(num_lanes=num_lanes, grid=grid, round_row_budget=budget, cache=cache,
+                          cache_budget_bytes=cache_budget_bytes)
+    engine = Engine(device, cfg, observer=observer)
+    _engines.append(engine)
+    return engine, device
+
+
+def req(sid, tokens, max_tokens=3, **kw) -> StreamRequest:
+    return StreamRequest(stream_id=sid, tokens=tuple(tokens), max_tokens=max_tokens, **kw)
+
+
+def turn(engine, r) -> tuple[list[int], DoneEvent]:
+    engine.submit(r)
+    events = run_until_idle(engine)
+    return tokens_by_stream(events)[r.stream_id], done_by_stream(events)[r.stream_id]
+
+
+def cold(r, **info_kw) -> list[int]:
+    engine, _ = make(cache=False, **info_kw)
+    return turn(engine, r)[0]
+
+
+SYSTEM = list(range(10, 20))
+OTHER = list(range(500, 506))
+
+
+def test_an_evicted_resident_lane_is_published_and_restored_from_the_store():
+    rec = Recorder()
+    engine, device = make(observer=rec)
+    out1, _ = turn(engine, req(1, SYSTEM, max_tokens=2))  # lane holds 11 rows
+    turn(engine, req(2, OTHER))  # takes the only seat: lane published first
+    prompt = SYSTEM + out1 + [1, 2, 3]
+    out3, done3 = turn(engine, req(3, prompt))
+    assert (done3.usage.cache, done3.usage.cached_tokens, done3.usage.prefilled_tokens) == ("hit", 11, 4)
+    assert rec.lookups[-1] == ("hit", 15, 11)
+    assert rec.copies == [("restore", 1024)]  # the tail page of row 11 is copied before writing
+    assert out3 == cold(req(3, prompt))
+
+
+def test_a_whole_prompt_hit_samples_its_first_token_without_a_forward():
+    engine, device = make()
+    out1, _ = turn(engine, req(1, SYSTEM))
+    turn(engine, req(2, OTHER))
+    num_plans = len(device.plans)
+    out3, done3 = turn(engine, req(3, SYSTEM, want_logits=True))
+    assert (done3.usage.cache, done3.usage.cached_tokens, done3.usage.prefilled_tokens) == ("hit", 10, 0)
+    assert out3 == out1
+    first_plan = device.plans[num_plans]
+    assert [(w.start, w.prefill, w.tokens) for w in first_plan.lanes] == [(10, False, (out1[0],))]
+
+
+def test_keeps_happen_at_the_cuts_the_pass_prefilled():
+    engine, _ = make(budget=4)
+    engine.submit(req(1, range(100, 112), max_tokens=5))
+    engine.step()
+    engine.step()
+    assert engine.status()["store"]["entries"] == 2  # cuts 4 and 8
+    engine.cancel(1)
+    engine.step()
+    assert engine.status()["store"]["entries"] == 2
+    _, done = turn(engine, req(2, list(range(100, 110)) + [7, 7]))
+    assert (done.usage.cache, done.usage.cached_tokens) == ("hit", 8)
+
+
+def test_a_cancel_before_the_first_chunk_finishes_keeps_nothing():
+    engine, _ = make(num_lanes=1)
+    engine.submit(req(1, OTHER, max_tokens=2))
+    engine.submit(req(2, range(100, 112)))
+    engine.cancel(2)
+    run_until_idle(engine)
+    stats = engine.status()["store"]
+    assert stats["entries"] == 2  # OTHER's cuts 4 and 6 only
+    assert engine.status()["lanes"][0]["rows"] == 7
+
+
+def test_request_with_cache_off_neither_looks_up_nor_keeps():
+    engine, _ = make()
+    turn(engine, req(1, SYSTEM, cache=False))
+    stats = engine.status()["store"]
+    assert (stats["entries"], stats["hits"], stats["misses"]) == (0, 0, 0)
+
+
+def test_the_store_makes_room_when_pages_are_short():
+    rec = Recorder()
+    engine, _ = make(num_pages=8, observer=rec)
+    turn(engine, req(1, range(100, 112)))  # 4 pages held by the lane and the store
+    turn(engine, req(2, range(200, 212)))  # lane published, pages needed: store evicts
+    assert engine.status()["pages_used"] <= 8
+    assert rec.evictions and all(nbytes > 0 for _, nbytes in rec.evictions)
+    assert engine.status()["store"]["evictions"] != {}
+
+
+TIGHT = 10_000 + 2 * 4 * 8 + 3 * 1024  # weights + 2 lanes x G rows of workspace first; 3 pages left
+
+
+def test_turns_equal_cold_runs_with_the_store_unbounded_evicting_and_off():
+    outs, stats = {}, {}
+    for cache, budget in ((True, None), (True, TIGHT), (False, None)):
+        engine, _ = make(num_lanes=2, cache=cache, cache_budget_bytes=budget)
+        convs = {1: SYSTEM, 2: list(range(30, 45)), 3: list(range(60, 69))}
+        for t in range(3):
+            for c, prompt in convs.items():
+                out, _ = turn(engine, req(100 * t + c, prompt))
+                convs[c] = prompt + out + [c, t]
+        outs[cache, budget] = convs
+        stats[cache, budget] = engine.status().get("store")
+    assert outs[True, None] == outs[True, TIGHT] == outs[False, None]
+    assert stats[True, None]["hits"] == 6 and stats[True, None]["hit_tokens"] == 95
+    assert stats[True, TIGHT]["budget_bytes"] == 3 * 1024
+    assert stats[True, TIGHT]["skipped_saves"] > 0 and stats[True, TIGHT]["hits"] == 2
+
+
+NON_INVARIANT = dict(invariant_rows=False)
+
+
+def test_non_invariant_family_resumes_from_a_snapshot_at_its_own_cut():
+    rec = Recorder()
+    engine, device = make(observer=rec, **NON_INVARIANT)
+    out1, _ = turn(engine, req(1, SYSTEM, chunk_starts=(6,)))
+    turn(engine, req(2, OTHER))
+    prompt = SYSTEM + out1 + [4, 4]
+    out3, done3 = turn(engine, req(3, prompt, chunk_starts=(6, 10)))
+    assert (done3.usage.cache, done3.usage.cached_tokens) == ("hit", 10)
+    assert out3 == cold(req(3, prompt, chunk_starts=(6, 10)), **NON_INVARIANT)
+    _, done4 = turn(engine, req(4, prompt, chunk_starts=(5, 10)))  # other starts below the cut
+    assert done4.usage.cache in ("miss", "resident") and done4.usage.cached_tokens != 10
+
+
+def test_concurrent_turns_with_the_store_equal_cold_runs():
+    for info_kw in ({}, NON_INVARIANT):
+        engine, _ = make(num_lanes=2, budget=6, **info_kw)
+        prompts = {c: [c] * 3 + list(range(c * 40, c * 40 + 9)) for c in (1, 2, 3)}
+        for t in range(3):
+            for c, prompt in prompts.items():
+                engine.submit(req(100 * t + c, prompt, max_tokens=3, chunk_starts=(3,)))
+            events = run_until_idle(engine)
+            outs = tokens_by_stream(events)
+            for c, prompt in prompts.items():
+                assert outs[100 * t + c] == cold(req(0, prompt, chunk_starts=(3,)), **info_kw)
+                prompts[c] = prompt + outs[100 * t + c] + [t + 1] * 2
+        assert engine.status()["store"]["hits"] > 0
