@@ -21,7 +21,7 @@ import anyio.abc
 
 import prefixd
 from prefixd.daemon.config import DaemonConfig
-from prefixd.daemon.connection import Connection, Services
+from prefixd.daemon.connection import DEFAULT_OUT_FRAMES, Connection, Services
 from prefixd.daemon.engine_host import EngineHost
 from prefixd.daemon.listener import PeerPolicy, bind_listening_socket, peer_cred
 from prefixd.daemon.requests import RequestBuilder
@@ -48,9 +48,11 @@ class Server:
     """One daemon. `run()` returns the process exit code."""
 
     def __init__(self, cfg: DaemonConfig, *, runtime_factory: RuntimeFactory = _default_factory,
-                 env: dict[str, str] | None = None, out: Any = None) -> None:
+                 env: dict[str, str] | None = None, out: Any = None,
+                 out_frames: int = DEFAULT_OUT_FRAMES) -> None:
         self.cfg = cfg
         self._factory = runtime_factory
+        self._out_frames = out_frames
         self._env = os.environ if env is None else env
         self._out = sys.stderr if out is None else out
         self.notifier = Notifier(self._env)
@@ -171,7 +173,7 @@ class Server:
 
     async def _serve_connection(self, stream: anyio.abc.SocketStream) -> None:
         framed = FramedStream(stream, self.limits, send_timeout_s=SEND_TIMEOUT_S)
-        connection = Connection(framed, self._services())
+        connection = Connection(framed, self._services(), out_frames=self._out_frames)
         self._connections.add(connection)
         try:
             await connection.serve()

@@ -1,0 +1,180 @@
+"""Issue 3 item 8: every kind of bad input gets a clear error or a clean close of that one
+connection; the daemon keeps serving others; lanes, pages and fds return to idle."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+import anyio
+import msgpack
+import pytest
+
+from prefixd.ipc.client import AsyncClient
+from prefixd.ipc.framing import Dtype, MemfdRef, encode_frame
+from prefixd.ipc.transport import FramedStream
+from tests.daemon.fakes import LetterDevice
+from tests.daemon.harness import open_fds, running_server, wait_idle
+
+
+async def _raw_session(path, data: bytes, fds: list[int] | None = None) -> list[dict]:
+    """Send raw bytes (and fds), then read frames until the daemon closes or goes quiet."""
+    stream = await anyio.connect_unix(path)
+    frames: list[dict] = []
+    async with stream:
+        if fds:
+            await stream.send_fds(data, fds)
+        elif data:
+            await stream.send(data)
+        unpacker = msgpack.Unpacker(raw=False)
+        buf = b""
+        with anyio.move_on_after(5):  # a liveness bound, not an assertion
+            while True:
+                try:
+                    chunk = await stream.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    frames.append({"closed": True})
+                    break
+                buf += chunk
+                while len(buf) >= 4:
+                    (n,) = struct.unpack(">I", buf[:4])
+                    if len(buf) < 4 + n:
+                        break
+                    frames.append(msgpack.unpackb(buf[4:4 + n], raw=False))
+                    buf = buf[4 + n:]
+                if frames and frames[-1].get("type") in ("error", "status", "done"):
+                    if not frames[-1].get("type") == "error" or frames[-1].get("id") is not None:
+                        break
+    return frames
+
+
+async def _still_serves(server) -> None:
+    async with await AsyncClient.connect(server.socket_path) as client:
+        result = await client.generate(prompt="ok", max_tokens=2).collect()
+    assert result.text == "bc"
+
+
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [
+        (b"\x00\x00\x00\x05\xc1\xc1\xc1\xc1\xc1", "bad_frame"),  # garbage msgpack
+        (b"\x00\x00\x00\x03\x93\x01\x02", "bad_frame"),  # a frame that is not a map
+        (b"\x7f\xff\xff\xff", "frame_too_large"),  # oversized length prefix, nothing after it
+    ],
+)
+async def test_broken_framing_closes_only_that_connection(tmp_path, data, code):
+    async with running_server(tmp_path) as server:
+        before = open_fds()
+        frames = await _raw_session(server.socket_path, data)
+        assert frames[0] == {"type": "error", "id": None, "code": code, "message": frames[0]["message"]}
+        assert frames[-1] == {"closed": True}
+        await _still_serves(server)
+        await wait_idle(server)
+        assert open_fds() == before
+
+
+async def test_truncated_frame_then_close_is_a_clean_close(tmp_path):
+    async with running_server(tmp_path) as server:
+        before = open_fds()
+        frames = await _raw_session(server.socket_path, b"\x00\x00\x01\x00" + b"\x81" * 10)
+        assert frames in ([], [{"closed": True}]) or frames[0]["code"] == "bad_frame"
+        await _still_serves(server)
+        await wait_idle(server)
+        assert open_fds() == before
+
+
+@pytest.mark.parametrize(
+    ("msg", "code", "needle"),
+    [
+        ({"type": "launch", "id": 1}, "unknown_type", "launch"),
+        ({"type": "generate", "id": 1, "prompt": 5}, "bad_request", "prompt"),
+        ({"type": "generate", "id": 1, "prompt": "x", "max_tokens": "many"}, "bad_request", "max_tokens"),
+        ({"type": "generate", "id": 1, "prompt": "x", "max_tokens": 0}, "bad_request", "max_tokens"),
+        ({"type": "generate", "id": 1, "prompt": "x", "max_tokens": -3}, "bad_request", "max_tokens"),
+        ({"type": "generate", "id": 1, "tokens": [5, 259]}, "invalid_token", "259"),
+        ({"type": "generate", "id": 1, "tokens": [5, -1]}, "invalid_token", "-1"),
+        ({"type": "generate", "id": 1, "tokens": [5] * 300}, "context_overflow", "300"),
+        ({"type": "generate", "id": 1, "prompt": "x", "stop_ids": [999]}, "invalid_token", "stop_ids"),
+        ({"type": "detokenize", "id": 1, "ids": [100000]}, "invalid_token", "100000"),
+        ({"type": "hello", "id": 1, "versions": [7]}, "unsupported_version", "7"),
+        ({"type": "cancel", "id": 1, "target": 99}, "not_found", "99"),
+        ({"type": "status"}, "bad_request", "id"),
+    ],
+)
+async def test_bad_requests_get_an_error_and_the_connection_goes_on(tmp_path, msg, code, needle):
+    async with running_server(tmp_path) as server:
+        async with await FramedStream.connect(server.socket_path) as framed:
+            await framed.send(msg)
+            reply = await framed.receive()
+            assert reply["type"] == "error"
+            assert reply["code"] == code
+            assert needle in reply["message"]
+            await framed.send({"type": "status", "id": 2})
+            status = await framed.receive()
+            assert (status["type"], status["id"]) == ("status", 2)
+        await wait_idle(server)
+
+
+def _memfd(data: bytes, *, seal: bool) -> int:
+    fd = os.memfd_create("forged", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    os.write(fd, data)
+    if seal:
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+    return fd
+
+
+@pytest.mark.parametrize(("declared", "seal"), [(4 * 10, True), (4 * 3, False)])
+async def test_forged_memfd_is_bad_payload_and_leaks_no_fd(tmp_path, declared, seal):
+    async with running_server(tmp_path) as server:
+        before = open_fds()
+        fd = _memfd(struct.pack("<3i", 5, 6, 7), seal=seal)
+        ref = MemfdRef(0, declared, Dtype.INT32).to_ext()
+        body = msgpack.packb({"type": "generate", "id": 4, "tokens": ref}, use_bin_type=True)
+        try:
+            frames = await _raw_session(server.socket_path, struct.pack(">I", len(body)) + body, [fd])
+        finally:
+            os.close(fd)
+        assert frames[0]["type"] == "error"
+        assert frames[0]["code"] == "bad_payload"
+        await _still_serves(server)
+        await wait_idle(server)
+        assert open_fds() == before
+
+
+async def test_disconnect_mid_stream_cancels_its_streams(tmp_path):
+    async with running_server(tmp_path, LetterDevice(round_delay_s=0.002)) as server:
+        before = open_fds()
+        framed = await FramedStream.connect(server.socket_path)
+        for i in range(3):
+            await framed.send({"type": "generate", "id": i, "prompt": "go", "max_tokens": 100000})
+        first = await framed.receive()
+        assert first["type"] == "token"
+        await framed.aclose()
+        status = await wait_idle(server)
+        assert status["lanes_busy"] == 0 and status["waiting"] == 0
+        assert status["pages_used"] == sum(lane["pages"] for lane in status["lanes"])
+        await _still_serves(server)
+        await wait_idle(server)
+        assert open_fds() == before
+
+
+async def test_a_client_that_never_reads_is_disconnected_and_its_stream_cancelled(tmp_path):
+    device = LetterDevice(num_pages=1 << 14, max_context=1 << 15)
+    async with running_server(tmp_path, device, out_frames=8) as server:
+        before = open_fds()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(str(server.socket_path))
+        sock.sendall(encode_frame({"type": "generate", "id": 1, "tokens": [10], "max_tokens": 30000, "logits": True}))
+        # never read: the daemon must give up on this connection by itself
+        while any(True for _ in server._connections):
+            await anyio.sleep(0.01)
+        status = await wait_idle(server)
+        assert status["lanes_busy"] == 0
+        await _still_serves(server)
+        sock.close()
+        await wait_idle(server)
+        assert open_fds() == before
