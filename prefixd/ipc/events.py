@@ -1,0 +1,252 @@
+"""Server replies and events of protocol v1, one frozen dataclass each.
+
+Clients read them with `parse_event`, which checks the fields it knows and ignores fields
+it does not (a server may add optional fields within a version).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+from prefixd.ipc.errors import ErrorCode, ProtocolError
+from prefixd.ipc.fields import MAX_TOKEN_ID, FieldReader
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+CACHE_RESULTS = ("miss", "hit", "resident", "off")
+SHA256_HEX_CHARS = 64
+
+
+class _Event:
+    """What every event class shares: `from_wire` checks the type and the known fields."""
+
+    __slots__ = ()
+    TYPE: ClassVar[str]
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Any:
+        event = parse_event(data)
+        if not isinstance(event, cls):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"type: expected {cls.TYPE!r}")
+        return event
+
+
+@dataclass(frozen=True, slots=True)
+class HelloReply(_Event):
+    """The version the server speaks on this connection, what it runs and its limits."""
+
+    TYPE: ClassVar[str] = "hello"
+    id: int
+    version: int
+    server: str
+    model: dict[str, Any] = field(default_factory=dict)
+    limits: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, r: FieldReader) -> HelloReply:
+        return cls(r.int("id"), r.int("version"), r.str("server"), r.map("model", {}), r.map("limits", {}))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": self.TYPE, "id": self.id, "version": self.version,
+            "server": self.server, "model": self.model, "limits": self.limits,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent(_Event):
+    """Tokens one round produced for generate `id`, and the text they complete.
+
+    `text` holds only whole UTF-8 characters; bytes of a character split across tokens
+    arrive with the token that completes it.
+    """
+
+    TYPE: ClassVar[str] = "token"
+    id: int
+    ids: tuple[int, ...]
+    text: str
+    logits_sha256: tuple[str, ...] | None = None  # per id: sha256 hex of its float32 logits row
+
+    @classmethod
+    def read(cls, r: FieldReader) -> TokenEvent:
+        event = cls(r.int("id"), r.ints("ids", hi=MAX_TOKEN_ID), r.str("text"), r.strs("logits_sha256", None))
+        digests = event.logits_sha256
+        if digests is not None:
+            if len(digests) != len(event.ids):
+                raise r.error("logits_sha256", f"{len(digests)} digests for {len(event.ids)} ids")
+            if any(len(d) != SHA256_HEX_CHARS for d in digests):
+                raise r.error("logits_sha256", "digests are 64 hex characters")
+        return event
+
+    def to_wire(self) -> dict[str, Any]:
+        out = {"type": self.TYPE, "id": self.id, "ids": list(self.ids), "text": self.text}
+        if self.logits_sha256 is not None:
+            out["logits_sha256"] = list(self.logits_sha256)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a generate cost: tokens by kind, times in seconds, and what the cache gave."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the cache or a resident lane
+    prefilled_tokens: int = 0  # prompt tokens computed by this request
+    completion_tokens: int = 0
+    ttft_s: float = 0.0  # from receipt of the request to its first token
+    total_s: float = 0.0
+    cache: str = "miss"  # miss | hit | resident | off
+
+    @classmethod
+    def read(cls, r: FieldReader) -> Usage:
+        return cls(
+            prompt_tokens=r.int("prompt_tokens"),
+            cached_tokens=r.int("cached_tokens"),
+            prefilled_tokens=r.int("prefilled_tokens"),
+            completion_tokens=r.int("completion_tokens"),
+            ttft_s=r.float("ttft_s", lo=0.0),
+            total_s=r.float("total_s", lo=0.0),
+            cache=r.str("cache", choices=CACHE_RESULTS),
+        )
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Usage:
+        return cls.read(FieldReader(data, "usage.", strict=False))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "prefilled_tokens": self.prefilled_tokens, "completion_tokens": self.completion_tokens,
+            "ttft_s": self.ttft_s, "total_s": self.total_s, "cache": self.cache,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class DoneEvent(_Event):
+    """The last event of a generate."""
+
+    TYPE: ClassVar[str] = "done"
+    id: int
+    finish_reason: str  # stop | length | cancelled | error
+    usage: Usage = field(default_factory=Usage)
+    note: str | None = None  # e.g. why a cache key was not used, or what the error was
+
+    @classmethod
+    def read(cls, r: FieldReader) -> DoneEvent:
+        return cls(
+            r.int("id"),
+            r.str("finish_reason", choices=FINISH_REASONS),
+            Usage.read(r.nested("usage", r.map("usage"))),
+            r.str("note", None),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        out = {"type": self.TYPE, "id": self.id, "finish_reason": self.finish_reason, "usage": self.usage.to_wire()}
+        if self.note is not None:
+            out["note"] = self.note
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class OkReply(_Event):
+    """A request that needs no answer beyond success (cancel)."""
+
+    TYPE: ClassVar[str] = "ok"
+    id: int
+
+    @classmethod
+    def read(cls, r: FieldReader) -> OkReply:
+        return cls(r.int("id"))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id}
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReply(_Event):
+    """The daemon's status: a free-form map (lanes, cache, model, ...)."""
+
+    TYPE: ClassVar[str] = "status"
+    id: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, r: FieldReader) -> StatusReply:
+        request_id = r.int("id")
+        r.str("type")
+        return cls(request_id, r.rest())
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**self.info, "type": self.TYPE, "id": self.id}
+
+
+@dataclass(frozen=True, slots=True)
+class TokensReply(_Event):
+    """Token ids of a tokenize request; message_starts when it tokenized chat messages."""
+
+    TYPE: ClassVar[str] = "tokens"
+    id: int
+    ids: tuple[int, ...]
+    message_starts: tuple[int, ...] | None = None
+
+    @classmethod
+    def read(cls, r: FieldReader) -> TokensReply:
+        return cls(r.int("id"), r.ints("ids", hi=MAX_TOKEN_ID), r.ints("message_starts", None))
+
+    def to_wire(self) -> dict[str, Any]:
+        out = {"type": self.TYPE, "id": self.id, "ids": list(self.ids)}
+        if self.message_starts is not None:
+            out["message_starts"] = list(self.message_starts)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class TextReply(_Event):
+    """The text of a detokenize request."""
+
+    TYPE: ClassVar[str] = "text"
+    id: int
+    text: str
+
+    @classmethod
+    def read(cls, r: FieldReader) -> TextReply:
+        return cls(r.int("id"), r.str("text"))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id, "text": self.text}
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply(_Event):
+    """A request failed (id set) or the connection is in error (id None)."""
+
+    TYPE: ClassVar[str] = "error"
+    id: int | None
+    code: str
+    message: str
+
+    @classmethod
+    def read(cls, r: FieldReader) -> ErrorReply:
+        return cls(r.int("id", None), r.str("code"), r.str("message"))
+
+    @classmethod
+    def of(cls, error: ProtocolError) -> ErrorReply:
+        return cls(error.request_id, error.code.value, error.message)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id, "code": self.code, "message": self.message}
+
+
+Event = Union[HelloReply, TokenEvent, DoneEvent, OkReply, StatusReply, TokensReply, TextReply, ErrorReply]
+EVENT_TYPES: dict[str, Any] = {
+    cls.TYPE: cls for cls in (HelloReply, TokenEvent, DoneEvent, OkReply, StatusReply, TokensReply, TextReply, ErrorReply)
+}
+
+
+def parse_event(data: dict[str, Any]) -> Event:
+    """The event a server sent. Raises ProtocolError(bad_request | unknown_type)."""
+    kind = data.get("type") if type(data) is dict else None
+    cls = EVENT_TYPES.get(kind) if type(kind) is str else None
+    if cls is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"type: unknown event type {kind!r}")
+    return cls.read(FieldReader(data, strict=False))

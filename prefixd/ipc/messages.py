@@ -1,0 +1,348 @@
+"""Client requests of protocol v1, one frozen dataclass each.
+
+`from_wire(dict)` checks every field (type and range) and raises
+ProtocolError(bad_request, "<field>: why"); `to_wire()` gives the map to send, leaving out
+fields that are unset. `parse_request` picks the class by `type`. Server replies and events
+live in events.py and are re-exported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+from prefixd.ipc.errors import ErrorCode, ProtocolError
+from prefixd.ipc.events import (  # noqa: F401  (re-exported)
+    CACHE_RESULTS,
+    FINISH_REASONS,
+    DoneEvent,
+    ErrorReply,
+    Event,
+    HelloReply,
+    OkReply,
+    StatusReply,
+    TextReply,
+    TokenEvent,
+    TokensReply,
+    Usage,
+    parse_event,
+)
+from prefixd.ipc.fields import MAX_TOKEN_ID, FieldReader, request_id_of
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_TOKENS = 256
+MAX_IMAGE_HASH_BYTES = 64
+
+
+def _drop_none(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if v is not None}
+
+
+class _Request:
+    """What every request class shares: `from_wire` checks the type and every field."""
+
+    __slots__ = ()
+    TYPE: ClassVar[str]
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Any:
+        msg = parse_request(data)
+        if not isinstance(msg, cls):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"type: expected {cls.TYPE!r}", request_id_of(data))
+        return msg
+
+
+class _Nested:
+    """A map inside a request; `from_wire` checks it alone."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Any:
+        return cls.read(FieldReader(data))  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(_Request):
+    """Version negotiation; optional (a connection without it speaks v1)."""
+
+    TYPE: ClassVar[str] = "hello"
+    id: int
+    versions: tuple[int, ...] = (PROTOCOL_VERSION,)
+    client: str | None = None
+
+    @classmethod
+    def read(cls, r: FieldReader) -> Hello:
+        versions = r.ints("versions")
+        if not versions:
+            raise r.error("versions", "must not be empty")
+        return cls(r.int("id"), versions, r.str("client", None))
+
+    def to_wire(self) -> dict[str, Any]:
+        return _drop_none({"type": self.TYPE, "id": self.id, "versions": list(self.versions), "client": self.client})
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling(_Nested):
+    """How tokens are picked; the defaults are greedy decoding."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off
+    repetition_penalty: float = 1.0  # 1.0: off
+    seed: int | None = None  # None: the daemon draws one
+
+    @classmethod
+    def read(cls, r: FieldReader) -> Sampling:
+        out = cls(
+            temperature=r.float("temperature", 0.0, lo=0.0),
+            top_k=r.int("top_k", 0, hi=(1 << 31) - 1),
+            top_p=r.float("top_p", 1.0, lo=0.0, hi=1.0),
+            min_p=r.float("min_p", 0.0, lo=0.0, hi=1.0),
+            repetition_penalty=r.float("repetition_penalty", 1.0, lo=0.0),
+            seed=r.int("seed", None, hi=(1 << 64) - 1),
+        )
+        if out.top_p == 0.0:
+            raise r.error("top_p", "must be above 0")
+        if out.repetition_penalty == 0.0:
+            raise r.error("repetition_penalty", "must be above 0")
+        r.finish()
+        return out
+
+    def to_wire(self) -> dict[str, Any]:
+        return _drop_none({
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+        })
+
+
+@dataclass(frozen=True, slots=True)
+class Image(_Nested):
+    """An image embedding placed over prompt rows [at, at + tokens).
+
+    `rows` holds tokens x hidden float32 values, little-endian, row-major (bytes as received,
+    any bytes-like when built locally); the daemon checks hidden against the model.
+    """
+
+    at: int
+    tokens: int
+    gh: int
+    gw: int
+    hash: bytes
+    rows: Any
+
+    @classmethod
+    def read(cls, r: FieldReader) -> Image:
+        image = cls(
+            at=r.int("at"),
+            tokens=r.int("tokens", lo=1),
+            gh=r.int("gh", lo=1),
+            gw=r.int("gw", lo=1),
+            hash=bytes(r.bytes("hash")),
+            rows=r.bytes("rows"),
+        )
+        if not 0 < len(image.hash) <= MAX_IMAGE_HASH_BYTES:
+            raise r.error("hash", f"must hold 1 to {MAX_IMAGE_HASH_BYTES} bytes")
+        num_bytes = memoryview(image.rows).nbytes
+        if num_bytes == 0 or num_bytes % (image.tokens * 4):
+            raise r.error("rows", f"{num_bytes} bytes is not tokens x hidden float32 values")
+        r.finish()
+        return image
+
+    @property
+    def hidden(self) -> int:
+        return memoryview(self.rows).nbytes // (self.tokens * 4)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"at": self.at, "tokens": self.tokens, "gh": self.gh, "gw": self.gw, "hash": self.hash, "rows": self.rows}
+
+
+def _read_chat_message(r: FieldReader) -> dict[str, Any]:
+    """One chat message: role and content strings, plus any template fields kept as sent."""
+    message = {"role": r.str("role"), "content": r.str("content")}
+    message.update(r.rest())
+    return message
+
+
+@dataclass(frozen=True, slots=True)
+class Generate(_Request):
+    """Generate tokens for exactly one of: a text prompt, token ids, or chat messages."""
+
+    TYPE: ClassVar[str] = "generate"
+    id: int
+    prompt: str | None = None
+    tokens: tuple[int, ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: tuple[str, ...] = ()
+    stop_ids: tuple[int, ...] = ()
+    chunk_starts: tuple[int, ...] | None = None  # None: the start of every chat message
+    namespace: str = ""
+    cache: bool = True
+    cache_key: tuple[int, ...] | None = None
+    logits: bool = False  # token events carry logits_sha256
+    images: tuple[Image, ...] = ()
+
+    @classmethod
+    def read(cls, r: FieldReader) -> Generate:
+        given = [name for name in ("prompt", "tokens", "messages") if r.has(name)]
+        if len(given) != 1:
+            raise r.error("prompt", f"exactly one of prompt, tokens, messages is required, got {len(given)}")
+        messages = r.list("messages", None)
+        if messages is not None:
+            if not messages:
+                raise r.error("messages", "must not be empty")
+            messages = r.each("messages", messages, _read_chat_message)
+        msg = cls(
+            id=r.int("id"),
+            prompt=r.str("prompt", None),
+            tokens=r.ints("tokens", None, hi=MAX_TOKEN_ID, code=ErrorCode.INVALID_TOKEN),
+            messages=messages,
+            max_tokens=r.int("max_tokens", DEFAULT_MAX_TOKENS, lo=1, hi=(1 << 31) - 1),
+            sampling=Sampling.read(r.nested("sampling", r.map("sampling", {}))),
+            stop=r.strs("stop", ()),
+            stop_ids=r.ints("stop_ids", (), hi=MAX_TOKEN_ID, code=ErrorCode.INVALID_TOKEN),
+            chunk_starts=r.ints("chunk_starts", None),
+            namespace=r.str("namespace", ""),
+            cache=r.bool("cache", True),
+            cache_key=r.ints("cache_key", None),
+            logits=r.bool("logits", False),
+            images=r.each("images", r.list("images", []), Image.read),
+        )
+        _check_generate(msg, r)
+        return msg
+
+    def to_wire(self) -> dict[str, Any]:
+        return _drop_none({
+            "type": self.TYPE,
+            "id": self.id,
+            "prompt": self.prompt,
+            "tokens": None if self.tokens is None else list(self.tokens),
+            "messages": None if self.messages is None else [dict(m) for m in self.messages],
+            "max_tokens": self.max_tokens,
+            "sampling": self.sampling.to_wire(),
+            "stop": list(self.stop) or None,
+            "stop_ids": list(self.stop_ids) or None,
+            "chunk_starts": None if self.chunk_starts is None else list(self.chunk_starts),
+            "namespace": self.namespace or None,
+            "cache": self.cache,
+            "cache_key": None if self.cache_key is None else list(self.cache_key),
+            "logits": self.logits,
+            "images": [image.to_wire() for image in self.images] or None,
+        })
+
+
+def _check_generate(msg: Generate, r: FieldReader) -> None:
+    if msg.tokens is not None and not msg.tokens:
+        raise r.error("tokens", "must not be empty")
+    if any(not s for s in msg.stop):
+        raise r.error("stop", "stop strings must not be empty")
+    starts = msg.chunk_starts or ()
+    if any(b <= a for a, b in zip(starts, starts[1:])):
+        raise r.error("chunk_starts", "must be strictly increasing")
+    for i, (a, b) in enumerate(zip(msg.images, msg.images[1:])):
+        if b.at < a.at + a.tokens:
+            raise r.error(f"images[{i + 1}].at", "images must be sorted and must not overlap")
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel(_Request):
+    """End the in-flight generate `target`; answered by ok, then target's done(cancelled)."""
+
+    TYPE: ClassVar[str] = "cancel"
+    id: int
+    target: int
+
+    @classmethod
+    def read(cls, r: FieldReader) -> Cancel:
+        return cls(r.int("id"), r.int("target"))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id, "target": self.target}
+
+
+@dataclass(frozen=True, slots=True)
+class Status(_Request):
+    """Ask for the daemon's status map."""
+
+    TYPE: ClassVar[str] = "status"
+    id: int
+
+    @classmethod
+    def read(cls, r: FieldReader) -> Status:
+        return cls(r.int("id"))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id}
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenize(_Request):
+    """Token ids of a text or of chat messages rendered with the model's template."""
+
+    TYPE: ClassVar[str] = "tokenize"
+    id: int
+    text: str | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    add_special: bool | None = None  # None: the tokenizer's default
+
+    @classmethod
+    def read(cls, r: FieldReader) -> Tokenize:
+        if r.has("text") == r.has("messages"):
+            raise r.error("text", "exactly one of text, messages is required")
+        messages = r.list("messages", None)
+        if messages is not None:
+            messages = r.each("messages", messages, _read_chat_message)
+        return cls(r.int("id"), r.str("text", None), messages, r.bool("add_special", None))
+
+    def to_wire(self) -> dict[str, Any]:
+        return _drop_none({
+            "type": self.TYPE,
+            "id": self.id,
+            "text": self.text,
+            "messages": None if self.messages is None else [dict(m) for m in self.messages],
+            "add_special": self.add_special,
+        })
+
+
+@dataclass(frozen=True, slots=True)
+class Detokenize(_Request):
+    """The text of token ids."""
+
+    TYPE: ClassVar[str] = "detokenize"
+    id: int
+    ids: tuple[int, ...]
+
+    @classmethod
+    def read(cls, r: FieldReader) -> Detokenize:
+        return cls(r.int("id"), r.ints("ids", hi=MAX_TOKEN_ID, code=ErrorCode.INVALID_TOKEN))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id, "ids": list(self.ids)}
+
+
+Request = Union[Hello, Generate, Cancel, Status, Tokenize, Detokenize]
+REQUEST_TYPES: dict[str, Any] = {cls.TYPE: cls for cls in (Hello, Generate, Cancel, Status, Tokenize, Detokenize)}
+
+
+def parse_request(data: dict[str, Any]) -> Request:
+    """The request a client sent. Raises ProtocolError carrying the request's id when the
+    id itself is valid: unknown_type for an unknown `type`, bad_request for bad fields."""
+    request_id = request_id_of(data)
+    kind = data.get("type") if type(data) is dict else None
+    if type(kind) is not str:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "type: required string", request_id)
+    cls = REQUEST_TYPES.get(kind)
+    if cls is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"type: unknown message type {kind!r}", request_id)
+    r = FieldReader(data, request_id=request_id)
+    r.str("type")
+    msg = cls.read(r)
+    r.finish()
+    return msg
