@@ -228,7 +228,8 @@ class Admitter:
     def _pages_to_seat(self, stream: Stream, resume: int) -> int:
         """Fresh pages to hold the prompt and the decode headroom when `resume` rows are reused."""
         rows = min(stream.num_prompt + min(self.headroom_rows, stream.req.max_tokens), self.max_context)
-        return max(0, pages_for(rows, self.page_size) - pages_for(resume, self.page_size))
+        pages = min(pages_for(rows, self.page_size), self.tables.allocator.num_pages)  # headroom never blocks forever
+        return max(0, pages - pages_for(resume, self.page_size))
 
     def free_pages(self, need: int, spare: Sequence[Lane]) -> bool:
         """Make `need` pages free: ask the store, then evict resident lanes (LRU), never `spare`."""

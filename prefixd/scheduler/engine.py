@@ -22,7 +22,7 @@ from prefixd.scheduler.planner import Schedule, plan_schedule
 from prefixd.scheduler.records import DeviceRows, LaneResult, RoundPlan, RoundResult
 from prefixd.scheduler.rounds import PlannedWork, plan_round
 from prefixd.scheduler.store import PrefixStore, Snapshot, make_key
-from prefixd.scheduler.streams import DoneEvent, Stream, StreamRequest, TokenEvent, validate_request
+from prefixd.scheduler.streams import DoneEvent, RequestError, Stream, StreamRequest, TokenEvent, validate_request
 
 Event = TokenEvent | DoneEvent
 OUT_OF_PAGES_NOTE = "stopped early: no KV pages left for another row"
@@ -81,6 +81,9 @@ class Engine:
     def submit(self, req: StreamRequest) -> None:
         """Queue `req`; raises RequestError on bad input (nothing is queued then)."""
         validate_request(req, vocab_size=self.info.vocab_size, max_context=self.max_context)
+        if pages_for(len(req.tokens), self.info.page_size) > self.info.num_pages:
+            raise RequestError("context_overflow", f"the prompt has {len(req.tokens)} tokens; the KV pool holds "
+                               f"{self.info.num_pages * self.info.page_size} rows")
         if req.stream_id in self._streams:
             raise ValueError(f"stream id {req.stream_id} is already in use")
         stream = Stream(req=req, submit_s=self.clock(), seq=next(self._seq))
@@ -196,7 +199,7 @@ class Engine:
             row_budget=self.config.round_row_budget,
             room_for_row=self._room_for_row,
             cuts_of=lambda s: self._schedules[s.stream_id].cuts,
-            keep_cuts_of=self._keeps_cuts,
+            keep_cuts_of=self._publishes,
         )
         if not planned and busy:
             # Every busy lane decodes and none found a page: end the newest so the rest go on.
@@ -210,7 +213,12 @@ class Engine:
         return need == 0 or (self.admitter.free_pages(need, spare=()) and self.tables.grow(lane, rows))
 
     def _keeps_cuts(self, stream: Stream) -> bool:
+        """Whether `stream` keeps anything at its cuts (a snapshot, or the lane's state at its last cut)."""
         return self.admitter.reuse_allowed(stream) and (self.store is not None or not self.info.invariant_rows)
+
+    def _publishes(self, stream: Stream) -> bool:
+        """Whether `stream` publishes to the store (its chunks ending at cuts return their logits row)."""
+        return self.store is not None and self.admitter.reuse_allowed(stream)
 
     def _drop_cancelled(self, events: list[Event]) -> None:
         for stream in [s for s in self._streams.values() if s.cancelled]:

@@ -307,3 +307,26 @@ def test_usage_says_off_when_the_cache_is_off():
     done = done_by_stream(run_until_idle(engine))[1]
     assert (done.usage.cache, done.usage.cached_tokens, done.usage.prefilled_tokens) == ("off", 0, 5)
     assert done.usage.ttft_s >= 0 and done.usage.total_s >= done.usage.ttft_s
+
+
+def test_when_no_lane_finds_a_page_the_newest_stream_ends_and_the_rest_go_on():
+    device = FakeDevice(make_info(num_pages=4))
+    engine = Engine(device, SchedulerConfig(num_lanes=2, grid=4, cache=False, decode_headroom_rows=0))
+    _engines.append(engine)
+    engine.submit(req(1, range(4), max_tokens=10))
+    engine.submit(req(2, range(50, 54), max_tokens=10))
+    events = run_until_idle(engine)
+    done = done_by_stream(events)
+    assert (done[2].finish_reason, done[2].usage.completion_tokens, done[2].note) == (
+        "length", 5, "stopped early: no KV pages left for another row")
+    assert (done[1].finish_reason, tokens_by_stream(events)[1]) == ("length", reference_tokens(range(4), 10))
+    assert [w.page_table for w in device.plans[5].lanes] == [(0, 2, 3)]
+
+
+def test_a_prompt_larger_than_the_kv_pool_is_refused():
+    engine, _ = make(num_pages=2)
+    with pytest.raises(RequestError) as err:
+        engine.submit(req(1, range(9)))
+    assert err.value.code == "context_overflow"
+    engine.submit(req(2, range(8), max_tokens=1))
+    assert tokens_by_stream(run_until_idle(engine))[2] == reference_tokens(range(8), 1)
