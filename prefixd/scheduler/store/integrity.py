@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
-
 from prefixd.scheduler.store.allowance import Ledger
 from prefixd.scheduler.store.entries import Entry, Node
+from prefixd.scheduler.store.tree import Tree
 
 
-def check(store: Any, roots: dict[tuple[str, int], Node], entries: list[Entry],
-          ledger: Ledger) -> None:
+def check(page_size: int, tree: Tree, ledger: Ledger) -> None:
     """Raise RuntimeError on the first disagreement found."""
-    P = store.page_size
+    P = page_size
+    roots, entries = tree.roots, list(tree.entries.values())
     uses: Counter[int] = Counter()
     extra = 0
     seen: list[Entry] = []

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from prefixd.scheduler.pages import PageAllocator
 from prefixd.scheduler.planner import Schedule, cut_hash
@@ -19,7 +19,8 @@ from prefixd.scheduler.store.allowance import Ledger
 from prefixd.scheduler.store.entries import (CLEARED, REASONS, Entry, Eviction, Hit, Node,
                                              Snapshot, StoreStats)
 from prefixd.scheduler.store.entries import REPLACED as REPLACED_REASON
-from prefixd.scheduler.store.identity import ReuseKey, agrees_from
+from prefixd.scheduler.store.identity import ReuseKey
+from prefixd.scheduler.store.tree import Tree
 
 SAVED = "saved"  # kept
 PRESENT = "present"  # an equal snapshot was already kept; nothing added
@@ -46,9 +47,7 @@ class PrefixStore:
         self.invariant_rows = invariant_rows
         self._clock = clock
         self._ledger = Ledger(allocator, kv_bytes_per_page)
-        self._roots: dict[tuple[str, int], Node] = {}
-        self._entries: list[Entry] = []
-        self._seq = 0
+        self._tree = Tree(self._ledger, page_size, clock)
         self._pending: list[Eviction] = []
         self._evictions = {r: 0 for r in REASONS}
         self._hits = self._misses = self._query_tokens = self._hit_tokens = 0
@@ -66,13 +65,13 @@ class PrefixStore:
         Takes no page reference: the caller increfs `hit.pages`.
         """
         n = len(key.tokens)
-        path = self._path(key, n)
+        path = self._tree.path(key, n)
         best: Entry | None = None
-        for e in self._prefix_entries(path, key):
+        for e in self._tree.prefix_entries(path, key):
             if self._usable(e, key, schedule) and (best is None or e.cut > best.cut):
                 best = e
         hit = self._hit_from(path, best, n)
-        self._observe(path, key, moved_below=n)
+        self._tree.observe(path, key, moved_below=n)
         self._query_tokens += n
         if hit is None:
             self._misses += 1
@@ -118,7 +117,7 @@ class PrefixStore:
     def note_latest(self, key: ReuseKey) -> None:
         """The conversation's latest prompt is `key` (e.g. a resident continuation that did not
         look up): entries it runs past are marked moved past, and cuts it diverges from shared."""
-        self._observe(self._path(key, len(key.tokens)), key, moved_below=len(key.tokens))
+        self._tree.observe(self._tree.path(key, len(key.tokens)), key, moved_below=len(key.tokens))
 
     # ---- publish ------------------------------------------------------------------------
 
@@ -142,22 +141,22 @@ class PrefixStore:
         if cut > prefilled_upto or not key.has_rows(cut):
             self._refused += 1
             return REFUSED
-        node = self._grow(key, cut, pages)
+        node = self._tree.grow(key, cut, pages)
         slot = (cut, key.rows_key(node.depth * P, cut), self._cut_hash(key, schedule, cut))
         if slot in node.entries:
             node.entries[slot].last_used = self._clock()
             result = PRESENT
         else:
-            entry = self._attach(node, key, slot, pages[cut // P] if cut % P else None, snapshot)
+            entry = self._tree.attach(node, key, slot, pages[cut // P] if cut % P else None, snapshot)
             result = self._fit(entry, key, restored)
         if result != SKIPPED:
-            self._observe(self._path(key, cut), key, moved_below=cut)
+            self._tree.observe(self._tree.path(key, cut), key, moved_below=cut)
         return result
 
     def _fit(self, entry: Entry, key: ReuseKey, restored: Hit | None) -> str:
         if self._ledger.bytes <= self.budget_bytes:
             return SAVED
-        victims = eviction.plan_to_budget(self._ledger, self._entries, self.budget_bytes, entry)
+        victims = eviction.plan_to_budget(self._ledger, self._tree.entries.values(), self.budget_bytes, entry)
         if victims is not None:
             for v in victims:
                 self._evict(v, "budget")
@@ -168,7 +167,7 @@ class PrefixStore:
             if self._ledger.bytes - r.nbytes <= self.budget_bytes:
                 self._evict(anc, "publish", reason=REPLACED_REASON)
                 return REPLACED
-        self._detach(entry)
+        self._tree.detach(entry)
         self._skipped += 1
         return SKIPPED
 
@@ -190,7 +189,7 @@ class PrefixStore:
         go; returns the number of pages freed."""
         freed = 0
         while self.allocator.num_free < num_pages:
-            victim = eviction.next_for_pages(self._ledger, self._entries)
+            victim = eviction.next_for_pages(self._ledger, self._tree.entries.values())
             if victim is None:
                 break
             freed += len(self._evict(victim, "pages"))
@@ -199,14 +198,14 @@ class PrefixStore:
     def set_budget(self, budget_bytes: int) -> None:
         """Change the allowance, evicting down to it (as far as unpinned entries allow)."""
         self.budget_bytes = budget_bytes
-        victims = eviction.plan_to_budget(self._ledger, self._entries, budget_bytes)
+        victims = eviction.plan_to_budget(self._ledger, self._tree.entries.values(), budget_bytes)
         for v in victims if victims is not None else []:
             self._evict(v, "budget")
 
     def clear(self) -> int:
         """Drop every unpinned entry; returns pages freed."""
         freed = 0
-        for e in eviction.candidates(self._entries):
+        for e in eviction.candidates(self._tree.entries.values()):
             freed += len(self._evict(e, "clear", reason=CLEARED))
         return freed
 
@@ -218,103 +217,11 @@ class PrefixStore:
     def _evict(self, e: Entry, trigger: str, reason: str | None = None) -> list[int]:
         reason = reason or eviction.reason_of(e)
         before = self._ledger.bytes
-        freed = self._detach(e)
+        freed = self._tree.detach(e)
         self._evictions[reason] += 1
         self._pending.append(Eviction(e.namespace, e.frame, e.cut, reason, trigger,
                                       before - self._ledger.bytes, tuple(freed)))
         return freed
-
-    # ---- tree ----------------------------------------------------------------------------
-
-    def _path(self, key: ReuseKey, upto: int) -> list[Node]:
-        """The root and the nodes of the key's full pages whose rows (and lookahead) lie below
-        `upto` and inside the key, as far as the tree has them."""
-        node = self._roots.get((key.namespace, key.frame))
-        if node is None:
-            return []
-        path, P = [node], self.page_size
-        while (node.depth + 1) * P <= upto and key.has_rows((node.depth + 1) * P):
-            child = node.children.get(key.rows_key(node.depth * P, (node.depth + 1) * P))
-            if child is None:
-                break
-            path.append(child)
-            node = child
-        return path
-
-    def _grow(self, key: ReuseKey, cut: int, pages: Sequence[int]) -> Node:
-        """The node of the key's last full page below `cut`, creating missing nodes (with no
-        entries yet: the caller attaches one or prunes)."""
-        node = self._roots.setdefault((key.namespace, key.frame), Node(0, None, None, None))
-        P = self.page_size
-        while (node.depth + 1) * P <= cut:
-            rk = key.rows_key(node.depth * P, (node.depth + 1) * P)
-            child = node.children.get(rk)
-            if child is None:
-                child = Node(node.depth + 1, rk, pages[node.depth], node)
-                self._ledger.hold(pages[node.depth])
-                node.children[rk] = child
-            node = child
-        return node
-
-    def _attach(self, node: Node, key: ReuseKey, slot: tuple, tail_page: int | None,
-                snapshot: Snapshot) -> Entry:
-        self._seq += 1
-        e = Entry(node=node, cut=slot[0], tail=slot[1], tail_page=tail_page, cut_hash=slot[2],
-                  snapshot=snapshot, namespace=key.namespace, frame=key.frame, seq=self._seq,
-                  last_used=self._clock(), continuation=key)
-        node.entries[slot] = e
-        if tail_page is not None:
-            self._ledger.hold(tail_page)
-        self._ledger.extra_bytes += snapshot.nbytes
-        self._entries.append(e)
-        walk: Node | None = node
-        while walk is not None:
-            walk.num_entries_below += 1
-            walk = walk.parent
-        return e
-
-    def _detach(self, e: Entry) -> list[int]:
-        """Remove `e`, prune nodes left with no entry below them; returns pages freed."""
-        if not e.attached:
-            raise RuntimeError(f"entry at cut {e.cut} removed twice")
-        e.attached = False
-        del e.node.entries[e.slot]
-        self._entries.remove(e)
-        self._ledger.extra_bytes -= e.snapshot.nbytes
-        freed = [] if e.tail_page is None else self._ledger.release(e.tail_page)
-        walk: Node | None = e.node
-        while walk is not None:
-            walk.num_entries_below -= 1
-            walk = walk.parent
-        return freed + self._prune(e.node)
-
-    def _prune(self, node: Node) -> list[int]:
-        freed: list[int] = []
-        while node.parent is not None and node.num_entries_below == 0:
-            del node.parent.children[node.key]  # type: ignore[arg-type]
-            freed += self._ledger.release(node.page)  # type: ignore[arg-type]
-            node = node.parent
-        if node.parent is None and node.num_entries_below == 0:
-            self._roots = {k: r for k, r in self._roots.items() if r is not node}
-        return freed
-
-    def _prefix_entries(self, path: list[Node], key: ReuseKey) -> Iterator[Entry]:
-        """Entries on the path whose rows (and lookahead) are identity-equal to the key's."""
-        for node in path:
-            for e in list(node.entries.values()):
-                if key.has_rows(e.cut) and key.rows_key(node.depth * self.page_size, e.cut) == e.tail:
-                    yield e
-
-    def _observe(self, path: list[Node], key: ReuseKey, moved_below: int) -> None:
-        """Mark entries `key` runs past as moved past, and cuts it diverges from as shared."""
-        for e in self._prefix_entries(path, key):
-            if e.cut < moved_below:
-                e.moved_past = True
-            cont = e.continuation
-            if cont is None or (agrees_from(cont, key, e.cut) and len(key.tokens) > len(cont.tokens)):
-                e.continuation = key
-            elif not agrees_from(cont, key, e.cut):
-                e.shared = True
 
     def _cut_hash(self, key: ReuseKey, schedule: Schedule, cut: int) -> bytes:
         if self.invariant_rows:
@@ -326,7 +233,7 @@ class PrefixStore:
 
     def stats(self) -> StoreStats:
         return StoreStats(bytes=self._ledger.bytes, exclusive_bytes=self._ledger.exclusive_bytes,
-                          budget_bytes=self.budget_bytes, entries=len(self._entries),
+                          budget_bytes=self.budget_bytes, entries=len(self._tree.entries),
                           pages=len(self._ledger.refs), hits=self._hits, misses=self._misses,
                           query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
                           evictions=dict(self._evictions), skipped_saves=self._skipped,
@@ -336,4 +243,4 @@ class PrefixStore:
         """Raise RuntimeError if page references, byte totals or tree counts disagree."""
         from prefixd.scheduler.store.integrity import check
 
-        check(self, self._roots, self._entries, self._ledger)
+        check(self.page_size, self._tree, self._ledger)
