@@ -15,12 +15,19 @@ written copies a partial page that someone else still holds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from prefixd.scheduler.device import Device
 from prefixd.scheduler.pages import PageAllocator
 from prefixd.scheduler.records import ImageIdentity
 from prefixd.scheduler.streams import Stream
+
+
+class ScheduleLike(Protocol):
+    """What resident matching needs from a prefill schedule (`planner.Schedule` provides it)."""
+
+    @property
+    def cuts(self) -> tuple[int, ...]: ...
 
 
 def pages_for(rows: int, page_size: int) -> int:
@@ -159,3 +166,62 @@ class PageTables:
         lane.restored = None
         lane.state_cut = None
         lane.cut_state = None
+
+
+def starts_below(starts: Sequence[int], cut: int) -> tuple[int, ...]:
+    return tuple(s for s in starts if s < cut)
+
+
+def resident_resume(lane: Lane, stream: Stream, schedule: ScheduleLike, *, invariant_rows: bool) -> int:
+    """Rows `stream` may reuse in place from resident `lane` (0: none).
+
+    Invariant families resume at any identity-equal row; others only at the lane's captured
+    cut, when it is also a cut of the stream's own schedule with the same starts below it.
+    At least the prompt's last row is always computed again, for its logits.
+    """
+    req = stream.req
+    images = tuple(im.identity for im in req.images)
+    k = match_rows(lane, stream.key_tokens, req.namespace, req.frame, images)
+    limit = min(k, stream.num_prompt - 1)
+    if invariant_rows:
+        return limit
+    cut = lane.state_cut
+    if cut is None or cut == 0 or cut > limit or cut not in schedule.cuts:
+        return 0
+    if starts_below(lane.starts, cut) != starts_below(req.chunk_starts, cut):
+        return 0
+    return cut
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentMatch:
+    lane: Lane
+    rows: int
+
+
+def best_resident(
+    lanes: Sequence[Lane], stream: Stream, schedule: ScheduleLike, *, invariant_rows: bool
+) -> ResidentMatch | None:
+    """The resident lane `stream` extends furthest, or None."""
+    best: ResidentMatch | None = None
+    for lane in lanes:
+        if not lane.resident:
+            continue
+        rows = resident_resume(lane, stream, schedule, invariant_rows=invariant_rows)
+        if rows > 0 and (best is None or rows > best.rows):
+            best = ResidentMatch(lane, rows)
+    return best
+
+
+def free_seat(lanes: Sequence[Lane]) -> Lane | None:
+    """The lowest free lane, or None."""
+    for lane in lanes:
+        if lane.free:
+            return lane
+    return None
+
+
+def resident_victims(lanes: Sequence[Lane], spare: Sequence[Lane]) -> list[Lane]:
+    """Resident lanes in eviction order: least recently used first, lanes in `spare` last."""
+    residents = [lane for lane in lanes if lane.resident]
+    return sorted(residents, key=lambda lane: (lane in spare, lane.last_used))
