@@ -178,3 +178,24 @@ def test_concurrent_turns_with_the_store_equal_cold_runs():
                 assert outs[100 * t + c] == cold(req(0, prompt, chunk_starts=(3,)), **info_kw)
                 prompts[c] = prompt + outs[100 * t + c] + [t + 1] * 2
         assert engine.status()["store"]["hits"] > 0
+
+
+def test_status_reports_lanes_pages_and_exact_store_bytes():
+    engine, _ = make()
+    turn(engine, req(1, SYSTEM))
+    status = engine.status()
+    assert status["lanes"] == [{"lane": 0, "state": "resident", "rows": 12, "pages": 3}]
+    assert (status["pages_used"], status["pages_free"], status["waiting"]) == (3, 61, 0)
+    store = status["store"]
+    # cuts 4, 8, 10: two full pages + the tail page of rows 8..9, and three logits rows
+    assert (store["entries"], store["pages"], store["bytes"]) == (3, 3, 3 * 1024 + 3 * 4000)
+    assert (store["misses"], store["hits"], store["query_tokens"]) == (1, 0, 10)
+
+
+def test_check_integrity_catches_a_leaked_page():
+    engine, _ = make()
+    turn(engine, req(1, SYSTEM))
+    engine.allocator.incref([0])
+    with pytest.raises(RuntimeError, match="refcounts"):
+        engine.check_integrity()
+    engine.allocator.decref([0])
