@@ -135,3 +135,16 @@ def test_row_invariant_family_resumes_at_the_last_whole_page_or_one_row_short() 
     assert hit is not None and (hit.rows, hit.pages, hit.snapshot) == (8, (0, 1), None)
     short = rig.lookup(key(TEXT[:8]))  # whole prompt in pages, no logits at 8
     assert short is not None and (short.rows, short.pages) == (7, (0, 1))
+
+
+def test_an_equal_entry_kept_without_logits_takes_the_snapshot_that_has_them() -> None:
+    rig = Rig()
+    rig.serve(key(TEXT[:12]), starts=(4,))  # keeps cut 4 with no logits row
+    assert rig.lookup(key(TEXT[:4])) is None  # cut 4 is its whole prompt: no logits, no hit
+    again = rig.serve(key(TEXT[:4]))
+    assert again.results == [(4, SAVED)]
+    assert rig.store.stats().entries == 2
+    hit = rig.lookup(key(TEXT[:4]))
+    assert hit is not None and (hit.rows, hit.pages) == (4, (0,))
+    assert hit.snapshot is not None and hit.snapshot.logits == Blob(LOGITS)
+    assert rig.store.stats().bytes == 3 * 100 + LOGITS * 2

@@ -127,9 +127,10 @@ class PrefixStore:
 
         `pages` is the lane's page table (covers at least rows [0, cut)); the store increfs the
         pages it keeps. `prefilled_upto`: rows the lane's pass prefilled (or restored).
-        Returns SAVED, PRESENT, REPLACED (dropped `restored`, a strict prefix, to fit),
-        SKIPPED (does not fit, counted) or REFUSED (cut > prefilled_upto, counted). May evict
-        other entries to fit. Raises ValueError when `cut` is not a cut of `schedule` in a
+        Returns SAVED (also when an equal entry kept without a logits row takes this snapshot
+        with one), PRESENT (an equal entry is kept; only its last use changes), REPLACED
+        (dropped `restored`, a strict prefix, to fit), SKIPPED (does not fit, counted) or
+        REFUSED (cut > prefilled_upto, counted). May evict other entries to fit. Raises ValueError when `cut` is not a cut of `schedule` in a
         family that is not row-invariant.
         """
         n, P = len(key.tokens), self.page_size
@@ -143,9 +144,11 @@ class PrefixStore:
             return REFUSED
         node = self._tree.grow(key, cut, pages)
         slot = (cut, key.rows_key(node.depth * P, cut), self._cut_hash(key, schedule, cut))
-        if slot in node.entries:
-            node.entries[slot].last_used = self._clock()
-            result = PRESENT
+        old = node.entries.get(slot)
+        if old is not None:
+            old.last_used = self._clock()
+            gains_logits = old.snapshot.logits is None and snapshot.logits is not None
+            result = self._overwrite(old, snapshot) if gains_logits else PRESENT
         else:
             entry = self._tree.attach(node, key, slot, pages[cut // P] if cut % P else None, snapshot)
             result = self._fit(entry, key, restored)
@@ -168,6 +171,23 @@ class PrefixStore:
                 self._evict(anc, "publish", reason=REPLACED_REASON)
                 return REPLACED
         self._tree.detach(entry)
+        self._skipped += 1
+        return SKIPPED
+
+    def _overwrite(self, old: Entry, snapshot: Snapshot) -> str:
+        """An equal entry kept without a logits row takes the new snapshot that has one."""
+        prev, old.snapshot = old.snapshot, snapshot
+        self._ledger.extra_bytes += snapshot.nbytes - prev.nbytes
+        if self._ledger.bytes <= self.budget_bytes:
+            return SAVED
+        victims = eviction.plan_to_budget(self._ledger, self._tree.entries.values(),
+                                          self.budget_bytes, old)
+        if victims is not None:
+            for v in victims:
+                self._evict(v, "budget")
+            return SAVED
+        old.snapshot = prev
+        self._ledger.extra_bytes -= snapshot.nbytes - prev.nbytes
         self._skipped += 1
         return SKIPPED
 
