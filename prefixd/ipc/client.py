@@ -33,6 +33,7 @@ from prefixd.ipc.events import (
     Usage,
     parse_event,
 )
+from prefixd.ipc.fields import request_id_of
 from prefixd.ipc.framing import Limits
 from prefixd.ipc.messages import (
     PROTOCOL_VERSION,
@@ -184,7 +185,7 @@ class AsyncClient:
         reason = ClientError(DISCONNECTED, "the daemon closed the connection")
         try:
             while True:
-                event = parse_event(await self.framed.receive())
+                event = await self._next_event()
                 if event.id is None:  # an error about the connection itself
                     reason = ClientError(event.code, event.message)  # type: ignore[union-attr]
                     continue
@@ -194,9 +195,21 @@ class AsyncClient:
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass
         except ProtocolError as exc:
-            reason = ClientError(exc.code.value, f"bad event from the daemon: {exc.message}")
+            reason = ClientError(exc.code.value, f"bad frame from the daemon: {exc.message}")
         finally:
             self._fail_pending(reason)
+
+    async def _next_event(self) -> Event:
+        """The next event; one the client cannot read fails only the request it answers."""
+        raw: dict[str, Any] | None = None
+        try:
+            raw = await self.framed.receive()
+            return parse_event(raw)
+        except ProtocolError as exc:
+            if exc.fatal:
+                raise
+            request_id = exc.request_id if exc.request_id is not None else request_id_of(raw)
+            return ErrorReply(request_id, exc.code.value, f"bad event from the daemon: {exc.message}")
 
     def _fail_pending(self, reason: ClientError) -> None:
         self._closed_reason = self._closed_reason or reason

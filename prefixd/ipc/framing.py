@@ -149,7 +149,7 @@ def _check_tree(root: dict[str, Any], max_depth: int) -> int:
     return num_refs
 
 
-def decode_body(body: bytes, limits: Limits) -> tuple[dict[str, Any], int]:
+def decode_body(body: bytes | memoryview, limits: Limits) -> tuple[dict[str, Any], int]:
     """Decode one frame body into its map and its number of memfd refs."""
     try:
         msg = msgpack.unpackb(
@@ -234,9 +234,9 @@ class FrameDecoder:
                 raise _frame_error("empty frame")
             if end - pos - HEADER_BYTES < size:
                 break
-            body = bytes(buf[pos + HEADER_BYTES : pos + HEADER_BYTES + size])
+            with memoryview(buf) as view, view[pos + HEADER_BYTES : pos + HEADER_BYTES + size] as body:
+                out.append(decode_body(body, self.limits))  # decoded values copy what they keep
             pos += HEADER_BYTES + size
-            out.append(decode_body(body, self.limits))
         del buf[:pos]
         return out
 

@@ -71,6 +71,8 @@ class FakeServer:
                 await framed.send(ErrorReply(request.id, "unsupported_version", "v1 only").to_wire())
             else:
                 await framed.send(HelloReply(request.id, 1, "fake", {"name": "m"}, {"max_depth": 8}).to_wire())
+        elif isinstance(request, Generate) and request.prompt == "bad-event":
+            await framed.send({"type": "token", "id": request.id, "ids": "not ids", "text": ""})
         elif isinstance(request, Generate):
             self.cancelled[request.id] = anyio.Event()
             tg.start_soon(self.generate, request, framed)
@@ -183,6 +185,18 @@ async def test_cancel_of_an_unknown_id_raises_not_found(sock_path: Path) -> None
             with pytest.raises(ClientError) as info:
                 await client.cancel(999)
         assert info.value.code == ErrorCode.NOT_FOUND.value
+
+
+async def test_an_unreadable_event_fails_only_its_request(sock_path: Path) -> None:
+    async with serving(sock_path) as server:
+        async with await AsyncClient.connect(server.path) as client:
+            with pytest.raises(ClientError) as info:
+                await client.generate(prompt="bad-event", max_tokens=1).collect()
+            result = await client.generate(prompt="fine", max_tokens=2).collect()
+    assert (info.value.code, info.value.message) == (
+        "bad_request", "bad event from the daemon: ids: must be an array, got string",
+    )
+    assert result.ids == tuple(token_ids(result.id, 2))
 
 
 async def test_unary_calls(sock_path: Path) -> None:
