@@ -81,6 +81,7 @@ class _Family:
     from_gguf: Callable[[dict], ModelConfig] | None
     gguf_names: Callable[[ModelConfig], dict[str, str]] | None
     gguf_unpermute: Callable[[ModelConfig], dict[str, int]] | None
+    gguf_fixup: Callable[[ModelConfig, dict[str, Any]], None] | None
 
 
 _BY_MODEL_TYPE: dict[str, _Family] = {}
@@ -98,6 +99,7 @@ def register_family(
     family: str | None = None,
     gguf_arch: str | None = None,
     gguf_unpermute: Callable[[ModelConfig], dict[str, int]] | None = None,
+    gguf_fixup: Callable[[ModelConfig, dict[str, Any]], None] | None = None,
 ) -> None:
     """Register (or replace) a family under an HF `model_type`.
 
@@ -106,9 +108,11 @@ def register_family(
     {HF name: GGUF name}; gguf_unpermute(config) gives {HF name: heads} for tensors GGUF
     stores with llama.cpp's rope row permutation. `family` is the ModelConfig.family the
     callables produce (default: model_type); `gguf_arch` is the GGUF general.architecture
-    served by from_gguf (default: model_type).
+    served by from_gguf (default: model_type). gguf_fixup(config, tensors) may rewrite the
+    loaded {HF name: tensor} dict in place where GGUF stores a value differently from HF.
+    A GGUF tensor whose shape equals the HF shape up to size-1 dims is reshaped to it.
     """
-    entry = _Family(family or model_type, from_hf, tensor_shapes, from_gguf, gguf_names, gguf_unpermute)
+    entry = _Family(family or model_type, from_hf, tensor_shapes, from_gguf, gguf_names, gguf_unpermute, gguf_fixup)
     _BY_MODEL_TYPE[model_type] = entry
     _BY_FAMILY.setdefault(entry.family, entry)
     if from_gguf is not None:
@@ -165,6 +169,11 @@ def gguf_unpermute_heads(config: ModelConfig) -> dict[str, int]:
     """HF name -> head count for tensors GGUF stores rope-permuted (empty if none)."""
     entry = _family_entry(config)
     return entry.gguf_unpermute(config) if entry.gguf_unpermute is not None else {}
+
+
+def gguf_fixup(config: ModelConfig) -> Callable[[ModelConfig, dict[str, Any]], None] | None:
+    """The family's post-load GGUF tensor rewrite, if it has one."""
+    return _family_entry(config).gguf_fixup
 
 
 

@@ -36,26 +36,30 @@ def _half(raw: torch.Tensor) -> torch.Tensor:
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """(n, ..., 32*k) bytes -> (n, ..., 2, 32*k): low nibbles then high nibbles."""
-    return torch.stack((qs & 0x0F, qs >> 4), dim=-2)
+    """(n, ..., k) bytes -> (n, ..., 2, k) uint8: low nibbles, then high nibbles."""
+    out = torch.empty((*qs.shape[:-1], 2, qs.shape[-1]), dtype=torch.uint8, device=qs.device)
+    torch.bitwise_and(qs, 0x0F, out=out.select(-2, 0))
+    torch.bitwise_right_shift(qs, 4, out=out.select(-2, 1))
+    return out
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
     d = _half(b[:, :2])
     q = b[:, 2:].contiguous().view(torch.int8).to(_F32)
-    return d * q
+    return q.mul_(d)
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
     d = _half(b[:, :2])
-    q = _nibbles(b[:, 2:]).reshape(b.shape[0], 32).to(torch.int8) - 8
-    return d * q.to(_F32)
+    q = _nibbles(b[:, 2:]).reshape(b.shape[0], 32).to(_F32)
+    return q.sub_(8.0).mul_(d)
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
     d, m = _half(b[:, :2]), _half(b[:, 2:4])
     q = _nibbles(b[:, 4:]).reshape(b.shape[0], 32).to(_F32)
-    return d * q + m
+    # d*q is exact in float32 (11-bit by 4-bit mantissas), so the fused form rounds once, as d*q + m does.
+    return torch.addcmul(m, d, q)
 
 
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,26 +74,27 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale.to(_F32), mins.to(_F32)
 
 
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
-    n = b.shape[0]
+def _k_affine(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(d*scale)*q - (dmin*min) per sub-block; q is (n, 8, 32) float32."""
     d, dmin = _half(b[:, 0:2]), _half(b[:, 2:4])
     sc, mn = _k_scales(b[:, 4:16])
+    # (d*scale)*q is exact in float32 (at most 22 significant bits): one rounding, as in ggml.
+    return torch.addcmul((dmin * mn).neg_().unsqueeze(-1), (d * sc).unsqueeze(-1), q).reshape(b.shape[0], 256)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
     q = _nibbles(b[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32).to(_F32)
-    x = (d * sc).unsqueeze(-1) * q - (dmin * mn).unsqueeze(-1)
-    return x.reshape(n, 256)
+    return _k_affine(b, q)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    d, dmin = _half(b[:, 0:2]), _half(b[:, 2:4])
-    sc, mn = _k_scales(b[:, 4:16])
     qh = b[:, 16:48]
     low = _nibbles(b[:, 48:].reshape(n, 4, 32)).reshape(n, 8, 32)
     shifts = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)
     high = (qh.unsqueeze(1) >> shifts) & 1
-    q = (low | (high << 4)).to(_F32)
-    x = (d * sc).unsqueeze(-1) * q - (dmin * mn).unsqueeze(-1)
-    return x.reshape(n, 256)
+    return _k_affine(b, (low | (high << 4)).to(_F32))
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
@@ -98,7 +103,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     qh = b[:, 128:192].reshape(n, 2, 32)
     scales = b[:, 192:208].contiguous().view(torch.int8).to(_F32)
     d = _half(b[:, 208:210])
-    low = torch.cat((ql & 0x0F, ql >> 4), dim=-1)  # (n, 2, 128)
+    low = _nibbles(ql).reshape(n, 2, 128)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
     high = ((qh.unsqueeze(2) >> shifts) & 3).reshape(n, 2, 128)
     q = ((low | (high << 4)).to(torch.int8) - 32).to(_F32).reshape(n, 16, 16)
@@ -117,8 +122,11 @@ BLOCK_TYPES: dict[QT, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] =
 PLAIN_TYPES: dict[QT, torch.dtype] = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 SUPPORTED_TYPES = frozenset(BLOCK_TYPES) | frozenset(PLAIN_TYPES)
 
-# Blocks dequantized per step: bounds the float32 scratch to a few MB.
-_STEP_BLOCKS = 1 << 15
+# Values decoded per step. On CPU each op stays under torch's parallel grain (32768
+# elements), so it runs on the calling thread: forking for memory-bound byte ops is slower,
+# and far slower when the cores are shared. On CUDA, large steps keep launches few.
+_CPU_STEP_VALUES = 1 << 14
+_CUDA_STEP_VALUES = 1 << 24
 
 
 def dequantize(raw: torch.Tensor, qtype: QT, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -135,7 +143,7 @@ def dequantize(raw: torch.Tensor, qtype: QT, shape: tuple[int, ...], dtype: torc
         src = PLAIN_TYPES[qtype]
         if flat.numel() != numel * src.itemsize:
             raise ValueError(f"{qtype.name}: {flat.numel()} bytes for {numel} values")
-        return flat.view(src).reshape(shape).to(dtype)
+        return flat.view(src).reshape(shape).to(dtype, copy=True)
     if qtype not in BLOCK_TYPES:
         raise ValueError(f"unsupported quantization type {qtype.name}")
     block_elems, block_bytes, fn = BLOCK_TYPES[qtype]
@@ -143,7 +151,8 @@ def dequantize(raw: torch.Tensor, qtype: QT, shape: tuple[int, ...], dtype: torc
         raise ValueError(f"{qtype.name}: {flat.numel()} bytes for {numel} values")
     blocks = flat.view(-1, block_bytes)
     out = torch.empty((blocks.shape[0], block_elems), dtype=dtype, device=raw.device)
-    for start in range(0, blocks.shape[0], _STEP_BLOCKS):
-        stop = start + _STEP_BLOCKS
+    step = (_CUDA_STEP_VALUES if raw.device.type == "cuda" else _CPU_STEP_VALUES) // block_elems
+    for start in range(0, blocks.shape[0], step):
+        stop = start + step
         out[start:stop] = fn(blocks[start:stop])
     return out.reshape(shape)
