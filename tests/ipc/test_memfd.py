@@ -13,6 +13,8 @@ from typing import Any
 import anyio
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from anyio.abc import UNIXSocketStream
 
 from prefixd.ipc.errors import ErrorCode, ProtocolError
@@ -272,3 +274,43 @@ def test_create_segment_seals_its_memfd() -> None:
 def test_memfd_ref_layout_is_documented_bytes() -> None:
     packed = msgpack.packb(MemfdRef(2, 300, Dtype.INT32).to_ext())
     assert packed == b"\xc7\x0a\x01" + b"\x02" + (300).to_bytes(8, "big") + b"\x01"
+
+
+def test_memfd_round_trip_on_uvloop() -> None:
+    async def main() -> dict[str, Any]:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        async with FramedStream(await UNIXSocketStream.from_socket(a)) as left:
+            async with FramedStream(await UNIXSocketStream.from_socket(b)) as right:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(left.send, {"id": 1, "tokens": list(range(20_000))})
+                    return await right.receive()
+
+    anyio.run(anyio.sleep, 0, backend_options={"use_uvloop": True})  # uvloop's own lasting pipe
+    baseline = open_fds()
+    got = anyio.run(main, backend_options={"use_uvloop": True})
+    assert got == {"id": 1, "tokens": list(range(20_000))}
+    assert open_fds() == baseline
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.tuples(st.sampled_from([0, 900, 50_000, 70_000]), st.sampled_from([0, 66_000])), min_size=1, max_size=10))
+def test_descriptors_reach_their_own_frames_for_any_mix(sizes: list[tuple[int, int]]) -> None:
+    msgs = [{"id": i, "a": bytes([i]) * a, "b": bytes([i + 1]) * b} for i, (a, b) in enumerate(sizes)]
+
+    async def main() -> list[dict[str, Any]]:
+        x, y = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        async with FramedStream(await UNIXSocketStream.from_socket(x)) as left:
+            async with FramedStream(await UNIXSocketStream.from_socket(y)) as right:
+                async with anyio.create_task_group() as tg:
+
+                    async def send_all() -> None:
+                        for msg in msgs:
+                            await left.send(msg)
+
+                    tg.start_soon(send_all)
+                    await anyio.sleep(0.01)  # let frames pile up so one recvmsg spans several
+                    return [await right.receive() for _ in msgs]
+
+    baseline = open_fds()
+    assert anyio.run(main) == msgs
+    assert open_fds() == baseline
