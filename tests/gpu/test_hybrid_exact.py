@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from prefixd.gpu.families.qwen3_5 import HybridModel
+from prefixd.gpu.kv_pool import KVPool
 from prefixd.gpu.families.qwen3_5_config import HybridConfig, hybrid_config_from_hf
 from prefixd.gpu.families.qwen3_5_tiny import random_tensors, tiny_hf_config
 from prefixd.scheduler.records import LaneWork
@@ -17,9 +18,14 @@ PAGES_PER_LANE = 16
 
 
 def _model(config: HybridConfig, num_lanes: int = 9, dtype: torch.dtype = torch.float32) -> HybridModel:
-    return HybridModel(config, random_tensors(config, seed=11), device=torch.device("cpu"),
-                       dtype=dtype, num_lanes=num_lanes, num_pages=num_lanes * PAGES_PER_LANE,
-                       page_size=PAGE)
+    """A model with lane states and its own KV pool (as `model.kv`, for these tests)."""
+    cpu = torch.device("cpu")
+    model = HybridModel(config, random_tensors(config, seed=11), device=cpu, dtype=dtype)
+    model.new_lane_states(num_lanes)
+    model.kv = KVPool(num_layers=model.num_kv_layers, num_pages=num_lanes * PAGES_PER_LANE,
+                      page_size=PAGE, num_kv_heads=config.num_kv_heads,
+                      head_dim=config.head_dim, device=cpu, dtype=dtype)
+    return model
 
 
 def _pages(lane: int) -> tuple[int, ...]:
@@ -42,7 +48,7 @@ def _decode(lane: int, start: int, tokens: Sequence[int]) -> LaneWork:
 
 def _run(model: HybridModel, works: Sequence[LaneWork]) -> dict[int, torch.Tensor]:
     """Logits of every row, per lane."""
-    logits = model.logits(model.forward(works))
+    logits = model.logits(model.forward_works(works, model.kv))
     out, lo = {}, 0
     for w in works:
         out[w.lane] = logits[lo:lo + len(w.tokens)]
@@ -77,7 +83,7 @@ def test_lane_state_bytes_counts_every_linear_layer(config: HybridConfig) -> Non
     pad = lambda n: (n + 15) // 16 * 16  # noqa: E731
     assert model.lane_state_bytes == len(config.linear_layers) * (pad(rec) + pad(conv))
     assert model.capture(0).nbytes == model.lane_state_bytes
-    assert model.kv_bytes_per_page == (len(config.full_layers) * 2 * PAGE * config.num_kv_heads
+    assert model.kv.bytes_per_page == (len(config.full_layers) * 2 * PAGE * config.num_kv_heads
                                        * config.head_dim * 4)
 
 
@@ -94,7 +100,7 @@ def test_capture_then_restore_is_bit_exact_per_layer_and_kind(config: HybridConf
         assert torch.any(rec != 0) and torch.any(conv != 0)
         assert torch.equal(model.states.live.rec[slot][0], rec)
         assert torch.equal(model.states.live.conv[slot][0], conv)
-    model.reset_lane(0)
+    model.reset(0)
     assert not torch.any(model.states.live.buf[0])
 
 
@@ -108,7 +114,7 @@ def test_resumed_at_a_cut_equals_cold(config: HybridConfig) -> None:
     snap = model.capture(0)
     # resume on another lane: shared KV pages copied, state restored
     used = (40 + PAGE - 1) // PAGE
-    model.copy_pages(_pages(0)[:used], _pages(1)[:used])
+    model.kv.copy_pages(_pages(0)[:used], _pages(1)[:used])
     model.restore(1, snap)
     rows = [_run(model, [_prefill(1, prompt, 40, 77)])[1], _run(model, [_prefill(1, prompt, 77, 100)])[1]]
     tokens = list(prompt)

@@ -17,6 +17,7 @@ from prefixd.gpu.config import config_from_hf, tensor_shapes
 from prefixd.gpu.families.qwen3_5 import HybridModel
 from prefixd.gpu.families.qwen3_5_config import hybrid_config
 from prefixd.gpu.families.qwen3_5_tiny import make_tiny_hybrid_dir
+from prefixd.gpu.kv_pool import KVPool
 from prefixd.scheduler.records import LaneWork
 
 pytestmark = pytest.mark.slow
@@ -56,19 +57,24 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     tensors = load_file(str(Path(path) / "model.safetensors"))
     expected = tensor_shapes(config)
     assert {k: tuple(v.shape) for k, v in tensors.items() if k in expected} == expected
-    ours = HybridModel(hybrid_config(config), tensors, device=torch.device("cpu"),
-                       dtype=torch.float32, num_lanes=1, num_pages=32, page_size=16)
-    return ref, ours
+    cpu = torch.device("cpu")
+    ours = HybridModel(hybrid_config(config), tensors, device=cpu, dtype=torch.float32)
+    ours.new_lane_states(1)
+    kv = KVPool(num_layers=ours.num_kv_layers, num_pages=32, page_size=16,
+                num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, device=cpu,
+                dtype=torch.float32)
+    return ref, (ours, kv)
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _ours(model: HybridModel, tokens: list[int], start: int, prefill: bool) -> torch.Tensor:
+def _ours(ours: tuple[HybridModel, KVPool], tokens: list[int], start: int, prefill: bool) -> torch.Tensor:
+    model, kv = ours
     work = LaneWork(lane=0, start=start, tokens=tuple(tokens), page_table=tuple(range(32)),
                     prefill=prefill)
-    return model.logits(model.forward([work]))
+    return model.logits(model.forward_works([work], kv))
 
 
 def _theirs(ref, tokens: list[int]) -> torch.Tensor:
@@ -77,14 +83,14 @@ def _theirs(ref, tokens: list[int]) -> torch.Tensor:
 
 
 def test_config_and_tensor_names_come_from_the_registry(pair) -> None:
-    _, ours = pair
-    assert ours.config.layer_types.count("full_attention") >= 1
-    assert ours.invariant_rows is False
+    _, (ours, _) = pair
+    assert ours.hybrid.layer_types.count("full_attention") >= 1
+    assert ours.config.family == "qwen3_5" and ours.invariant_rows is False
 
 
 def test_logits_match_after_a_prompt(pair) -> None:
     ref, ours = pair
-    ours.reset_lane(0)
+    ours[0].reset(0)
     prompt = _prompt(77)
     want = _theirs(ref, prompt)
     assert want.std() > 0.05  # logits spread enough for the tolerance to mean something
@@ -93,7 +99,7 @@ def test_logits_match_after_a_prompt(pair) -> None:
 
 def test_logits_match_after_chunked_prefill_and_while_decoding(pair) -> None:
     ref, ours = pair
-    ours.reset_lane(0)
+    ours[0].reset(0)
     tokens = _prompt(150, seed=1)
     want = _theirs(ref, tokens)
     got, lo = [], 0
@@ -108,7 +114,7 @@ def test_logits_match_after_chunked_prefill_and_while_decoding(pair) -> None:
 def test_greedy_32_tokens_identical(pair) -> None:
     ref, ours = pair
     for seed in range(2):
-        ours.reset_lane(0)
+        ours[0].reset(0)
         prompt = _prompt(21 + 17 * seed, seed=10 + seed)
         with torch.no_grad():
             want = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,

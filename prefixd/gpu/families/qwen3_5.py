@@ -19,21 +19,27 @@ from typing import Mapping, Sequence
 
 import torch
 
+from prefixd.gpu import families
 from prefixd.gpu.families import gdn
-from prefixd.gpu.families.qwen3_5_config import LINEAR, HybridConfig, register
-from prefixd.gpu.families.qwen3_5_ops import (PagedKV, PartialRope, causal_attention,
-                                              gated_rms_norm, linear, rms_norm)
+from prefixd.gpu.families.qwen3_5_config import (LINEAR, HybridConfig, hybrid_config,
+                                                 model_config, register)
+from prefixd.gpu.families.qwen3_5_ops import (PartialRope, causal_attention, gated_rms_norm,
+                                              linear, rms_norm)
 from prefixd.gpu.families.qwen3_5_state import HybridState, LaneStatePool
+from prefixd.gpu.kv_pool import KVPool
 from prefixd.scheduler.records import LaneWork
 
 
 @dataclass(frozen=True)
 class _Span:
-    """One lane's rows inside the round batch."""
+    """One lane's rows [lo, hi) inside the round batch, at positions start.."""
 
-    work: LaneWork
+    lane: int
+    start: int
     lo: int
     hi: int
+    page_table: tuple[int, ...]
+    prefill: bool
 
 
 class HybridModel:
@@ -42,18 +48,22 @@ class HybridModel:
     invariant_rows = False
 
     def __init__(self, config: HybridConfig, tensors: Mapping[str, torch.Tensor], *,
-                 device: torch.device, dtype: torch.dtype, num_lanes: int, num_pages: int,
-                 page_size: int = 16) -> None:
-        self.config, self.device, self.dtype = config, device, dtype
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.hybrid, self.device, self.dtype = config, device, dtype
+        self.config = model_config(config)
+        self.num_kv_layers = len(config.full_layers)
         t = {name: w.to(device=device, dtype=dtype) for name, w in tensors.items()}
         self.embed = t["model.embed_tokens.weight"]
         self.lm_head = self.embed if config.tie_embeddings else t["lm_head.weight"]
         self.final_norm = self._plus_one(t["model.norm.weight"])
         self.layers = [self._layer(t, i) for i in range(config.num_layers)]
         self.rope = PartialRope(config.rotary_dim, config.rope_theta, device)
-        self.kv = PagedKV(len(config.full_layers), num_pages, page_size, config.num_kv_heads,
-                          config.head_dim, device=device, dtype=dtype)
-        self.states = LaneStatePool(config, num_lanes, device=device, conv_dtype=dtype)
+        self.states: LaneStatePool | None = None
+
+    def new_lane_states(self, num_lanes: int) -> None:
+        """Allocate zeroed recurrent + conv state for lanes 0..num_lanes-1."""
+        self.states = LaneStatePool(self.hybrid, num_lanes, device=self.device,
+                                    conv_dtype=self.dtype)
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -61,7 +71,7 @@ class HybridModel:
         return 1.0 + w.float()
 
     def _layer(self, t: Mapping[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | int]:
-        c, p = self.config, f"model.layers.{i}."
+        c, p = self.hybrid, f"model.layers.{i}."
         layer: dict[str, torch.Tensor | int] = {
             "ln1": self._plus_one(t[p + "input_layernorm.weight"]),
             "ln2": self._plus_one(t[p + "post_attention_layernorm.weight"]),
@@ -96,57 +106,65 @@ class HybridModel:
 
     @property
     def lane_state_bytes(self) -> int:
-        return self.states.lane_state_bytes
+        return self.states.lane_state_bytes if self.states is not None else 0
 
     @property
-    def kv_bytes_per_page(self) -> int:
-        return self.kv.bytes_per_page
+    def workspace_bytes_per_row(self) -> int:
+        """fp32 activations one prefill row keeps alive inside a layer (upper estimate)."""
+        c = self.hybrid
+        mixer = max(3 * c.conv_dim + 3 * c.lin_value_dim,
+                    (4 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+        return 4 * (4 * c.hidden_size + mixer + 3 * c.intermediate_size)
+
+    def padded_rows(self, n: int) -> int:
+        return n  # `linear` pads small calls itself
 
     # -- forward ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, works: Sequence[LaneWork]) -> torch.Tensor:
-        """Run every lane's rows through the model; returns final-normed hidden rows
-        (sum of rows, hidden) in work order. Writes KV pages, advances lane states; a
-        decode work of more than one row leaves a rollback record on its lane."""
+    def forward(self, inputs, kv: KVPool) -> torch.Tensor:
+        """Run a round (`gpu.model.RoundInputs`); returns final-normed hidden rows
+        (num_rows, hidden) in float32. Writes KV pages, advances lane states; a decode span
+        of more than one row leaves a rollback record on its lane."""
+        spans = [_Span(lane, s.start, s.row, s.row + s.length, tuple(s.page_table), prefill)
+                 for s, lane, prefill in zip(inputs.spans, inputs.lanes, inputs.prefill)]
+        x = self.embed.index_select(0, inputs.tokens[:inputs.num_rows])
+        for rows_idx, rows in inputs.images:
+            x.index_copy_(0, rows_idx, rows.to(self.dtype))
+        return self._layers(x, spans, kv).float()
+
+    @torch.inference_mode()
+    def forward_works(self, works: Sequence[LaneWork], kv: KVPool) -> torch.Tensor:
+        """`forward` for a list of LaneWork (tests and benches; images not supported)."""
         spans, lo = [], 0
-        for work in works:
-            spans.append(_Span(work, lo, lo + len(work.tokens)))
-            lo += len(work.tokens)
-        x = self._embed(spans)
+        for w in works:
+            spans.append(_Span(w.lane, w.start, lo, lo + len(w.tokens), tuple(w.page_table),
+                               w.prefill))
+            lo += len(w.tokens)
+        ids = torch.tensor([t for w in works for t in w.tokens], dtype=torch.long, device=self.device)
+        return self._layers(self.embed.index_select(0, ids), spans, kv).float()
+
+    def _layers(self, x: torch.Tensor, spans: Sequence[_Span], kv: KVPool) -> torch.Tensor:
+        if self.states is None:
+            raise RuntimeError("forward before new_lane_states")
+        eps = self.hybrid.rms_norm_eps
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer["ln1"], self.config.rms_norm_eps)
-            if self.config.layer_types[i] == LINEAR:
+            h = rms_norm(x, layer["ln1"], eps)
+            if self.hybrid.layer_types[i] == LINEAR:
                 x = x + self._linear_attention(layer, h, spans)
             else:
-                x = x + self._full_attention(layer, h, spans)
-            h = rms_norm(x, layer["ln2"], self.config.rms_norm_eps)
+                x = x + self._full_attention(layer, h, spans, kv)
+            h = rms_norm(x, layer["ln2"], eps)
             gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)
             x = x + linear((gdn.silu(gate) * up.float()).to(self.dtype), layer["down"])
-        return rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+        return rms_norm(x, self.final_norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits (rows, vocab) of final-normed hidden rows."""
-        return linear(hidden, self.lm_head).float()
-
-    def _embed(self, spans: Sequence[_Span]) -> torch.Tensor:
-        ids = [tok for s in spans for tok in s.work.tokens]
-        x = self.embed[torch.tensor(ids, dtype=torch.long, device=self.device)]
-        for s in spans:
-            for image in s.work.images:
-                x = self._place_image(x, s, image)
-        return x
-
-    def _place_image(self, x: torch.Tensor, span: _Span, image) -> torch.Tensor:
-        rows = torch.as_tensor(image.rows, dtype=torch.float32).to(self.device, self.dtype)
-        at, start = image.identity.at, span.work.start
-        lo, hi = max(at, start), min(at + rows.shape[0], start + (span.hi - span.lo))
-        if lo < hi:
-            x[span.lo + lo - start:span.lo + hi - start] = rows[lo - at:hi - at]
-        return x
+        return linear(hidden.to(self.dtype), self.lm_head).float()
 
     def _linear_attention(self, layer: dict, h: torch.Tensor, spans: Sequence[_Span]) -> torch.Tensor:
-        c = self.config
+        c = self.hybrid
         proj = linear(h, layer["w_in"])
         mixed, z, b, a = proj.split([c.conv_dim, c.lin_value_dim, c.lin_num_v_heads,
                                      c.lin_num_v_heads], dim=-1)
@@ -162,12 +180,12 @@ class HybridModel:
 
     def _gdn_lane(self, layer: dict, span: _Span, mixed: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor) -> torch.Tensor:
-        c, slot, lane = self.config, layer["slot"], span.work.lane
+        c, slot, lane = self.hybrid, layer["slot"], span.lane
         conv_state = self.states.live.conv[slot][lane]
         rec_state = self.states.live.rec[slot][lane]
         rows = mixed.shape[0]
         trail = None
-        if not span.work.prefill and rows > 1:
+        if not span.prefill and rows > 1:
             trail = self.states.begin_trail(lane, rows) if slot == 0 else self.states.trail(lane)
             trail.conv[slot].copy_(gdn.conv_states_after_rows(mixed, conv_state))
         conv_out, new_conv = gdn.causal_conv(mixed, conv_state, layer["conv"])
@@ -177,7 +195,7 @@ class HybridModel:
         k = gdn.l2_normalize(k.reshape(rows, c.lin_num_k_heads, c.lin_k_dim))
         q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
         v = v.reshape(rows, c.lin_num_v_heads, c.lin_v_dim)
-        if span.work.prefill:
+        if span.prefill:
             if slot == 0:
                 self.states.drop_trail(lane)
             out, new_rec = gdn.chunked(q, k, v, g, beta, rec_state)
@@ -190,8 +208,9 @@ class HybridModel:
         rec_state.copy_(new_rec)
         return out
 
-    def _full_attention(self, layer: dict, h: torch.Tensor, spans: Sequence[_Span]) -> torch.Tensor:
-        c = self.config
+    def _full_attention(self, layer: dict, h: torch.Tensor, spans: Sequence[_Span],
+                        kv: KVPool) -> torch.Tensor:
+        c = self.hybrid
         qkv = linear(h, layer["w_qkv"], layer.get("b_qkv"))
         q_size, kv_size = 2 * c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qg, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -202,25 +221,28 @@ class HybridModel:
         v = v.view(-1, c.num_kv_heads, c.head_dim)
         out = torch.empty(h.shape[0], c.num_heads, c.head_dim, dtype=torch.float32, device=self.device)
         for s in spans:
-            out[s.lo:s.hi] = self._attend_lane(layer["slot"], s, q[s.lo:s.hi], k[s.lo:s.hi],
-                                               v[s.lo:s.hi])
+            out[s.lo:s.hi] = self._attend_lane(kv, layer["slot"], s, q[s.lo:s.hi],
+                                               k[s.lo:s.hi], v[s.lo:s.hi])
         attn = (out.view(h.shape[0], -1) * gdn.sigmoid(gate)).to(self.dtype)
         return linear(attn, layer["w_o"], layer.get("b_o"))
 
-    def _attend_lane(self, slot: int, span: _Span, q: torch.Tensor, k: torch.Tensor,
+    def _attend_lane(self, kv: KVPool, slot: int, span: _Span, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> torch.Tensor:
-        work, rows = span.work, q.shape[0]
-        pos = torch.arange(work.start, work.start + rows, device=self.device)
+        rows, start, table = q.shape[0], span.start, span.page_table
+        pos = torch.arange(start, start + rows, device=self.device)
         cos, sin = self.rope.cos_sin(pos, self.dtype)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-        self.kv.write(slot, work.page_table, work.start, k, v)
-        keys, values = self.kv.read(slot, work.page_table, work.start + rows)
-        scale = self.config.head_dim ** -0.5
-        if work.prefill:
-            return causal_attention(q, keys, values, work.start, scale)
+        page = kv.page_size
+        slots = torch.tensor([table[p // page] * page + p % page for p in range(start, start + rows)],
+                             dtype=torch.long, device=self.device)
+        kv.write(slot, slots, k, v)
+        keys, values = kv.rows(slot, table, start + rows)
+        scale = self.hybrid.head_dim ** -0.5
+        if span.prefill:
+            return causal_attention(q, keys, values, start, scale)
         # decode rows one by one: a verified row gets the bits of the same row decoded alone
-        return torch.cat([causal_attention(q[j:j + 1], keys[:work.start + j + 1],
-                                           values[:work.start + j + 1], work.start + j, scale)
+        return torch.cat([causal_attention(q[j:j + 1], keys[:start + j + 1],
+                                           values[:start + j + 1], start + j, scale)
                           for j in range(rows)])
 
     # -- lane state ------------------------------------------------------------------------
@@ -231,15 +253,19 @@ class HybridModel:
     def restore(self, lane: int, state: HybridState) -> int:
         return self.states.restore(lane, state)
 
-    def reset_lane(self, lane: int) -> None:
+    def reset(self, lane: int) -> None:
         self.states.reset(lane)
 
     def rollback(self, lane: int, num_rows: int) -> int:
         """Keep only the first `num_rows` rows of the lane's last multi-row decode."""
         return self.states.rollback(lane, num_rows)
 
-    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
-        return self.kv.copy_pages(src, dst)
+
+def build_qwen3_5(checkpoint, device: torch.device, dtype: torch.dtype, mode: str) -> HybridModel:
+    """The family builder: one code path for every mode (no faster non-invariant variant)."""
+    return HybridModel(hybrid_config(checkpoint.config), checkpoint.tensors, device=device,
+                       dtype=dtype)
 
 
 register()
+families.register("qwen3_5", build_qwen3_5)

@@ -1,17 +1,15 @@
 """Row-invariant building blocks of the hybrid family: padded linear, norms, partial
-rotary, and a paged KV pool with per-lane causal attention for the full-attention layers.
+rotary, and per-lane causal attention for the full-attention layers.
 """
 
 from __future__ import annotations
-
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from prefixd.gpu.families.gdn import silu
 
-MIN_ROWS = 8  # fp32 GEMM picks other kernels (other bits) below a few rows: pad up to this
+MIN_ROWS = 16  # fp32 GEMM picks other kernels (other bits) for small M: pad up to this
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,44 +73,6 @@ class PartialRope:
         half = self.rotary_dim // 2
         rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
         return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
-
-
-class PagedKV:
-    """K and V of the full-attention layers in pages.
-
-    kv: (num_full_layers, 2, num_pages, page_size, num_kv_heads, head_dim) in dtype.
-    Row at position p of a lane lives in page page_table[p // page_size], slot p % page_size.
-    """
-
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, *, device: torch.device, dtype: torch.dtype) -> None:
-        self.page_size = page_size
-        self.kv = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
-                              dtype=dtype, device=device)
-        self.bytes_per_page = self.kv[:, :, 0].numel() * self.kv.element_size()
-
-    def write(self, slot: int, page_table: Sequence[int], start: int, k: torch.Tensor,
-              v: torch.Tensor) -> None:
-        """Store rows [start, start + len(k)) of one lane; k, v: (T, kv_heads, head_dim)."""
-        pos = torch.arange(start, start + k.shape[0], device=k.device)
-        table = torch.tensor(page_table, dtype=torch.long, device=k.device)
-        pages, offs = table[pos // self.page_size], pos % self.page_size
-        self.kv[slot, 0, pages, offs] = k.to(self.kv.dtype)
-        self.kv[slot, 1, pages, offs] = v.to(self.kv.dtype)
-
-    def read(self, slot: int, page_table: Sequence[int], end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [0, end) of one lane as (end, kv_heads, head_dim) K and V."""
-        used = (end + self.page_size - 1) // self.page_size
-        table = torch.tensor(page_table[:used], dtype=torch.long, device=self.kv.device)
-        k = self.kv[slot, 0].index_select(0, table).flatten(0, 1)[:end]
-        v = self.kv[slot, 1].index_select(0, table).flatten(0, 1)[:end]
-        return k, v
-
-    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
-        s = torch.tensor(src, dtype=torch.long, device=self.kv.device)
-        d = torch.tensor(dst, dtype=torch.long, device=self.kv.device)
-        self.kv[:, :, d] = self.kv[:, :, s]
-        return len(src) * self.bytes_per_page
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,

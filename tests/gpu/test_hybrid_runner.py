@@ -1,0 +1,125 @@
+"""The hybrid family behind the Device interface: HF dir -> load_checkpoint -> ModelRunner."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixd.gpu.families.qwen3_5_tiny import make_tiny_hybrid_dir
+from prefixd.gpu.loading import load_checkpoint
+from prefixd.gpu.runner import ModelRunner
+from prefixd.scheduler.records import LaneWork, RoundPlan, SamplingParams
+
+PAGE = 16
+PAGES_PER_LANE = 12
+VOCAB = 49152  # the tokenizer's own size
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
+    path = make_tiny_hybrid_dir(tmp_path_factory.mktemp("tiny_qwen3_5"), seed=9, vocab_size=VOCAB,
+                                initializer_range=0.1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the default model's tokenizer
+        shutil.copyfile(tiny_llama_dir / name, path / name)
+    return path
+
+
+def _runner(path: Path, num_lanes: int = 8) -> ModelRunner:
+    cpu = torch.device("cpu")
+    checkpoint = load_checkpoint(path, device=cpu, dtype=torch.float32)
+    runner = ModelRunner(checkpoint, device=cpu, dtype=torch.float32, num_lanes=num_lanes,
+                         num_pages=num_lanes * PAGES_PER_LANE, page_size=PAGE)
+    for lane in range(num_lanes):
+        runner.start_stream(lane, SamplingParams(), history=())
+    return runner
+
+
+def _pages(lane: int) -> tuple[int, ...]:
+    return tuple(range(lane * PAGES_PER_LANE, (lane + 1) * PAGES_PER_LANE))
+
+
+def _prefill(lane: int, prompt: list[int], lo: int, hi: int) -> LaneWork:
+    return LaneWork(lane, lo, tuple(prompt[lo:hi]), _pages(lane), True, sample_rows=(hi - lo - 1,),
+                    logits_rows=(hi - lo - 1,))
+
+
+def _decode(lane: int, pos: int, token: int) -> LaneWork:
+    return LaneWork(lane, pos, (token,), _pages(lane), False, sample_rows=(0,), logits_rows=(0,))
+
+
+def _generate(runner: ModelRunner, lane: int, prompt: list[int], bounds: list[int], n: int,
+              neighbours: dict[int, list[int]] | None = None):
+    """Greedy tokens and logits rows of `lane`; neighbours decode in the same rounds."""
+    neighbours = neighbours or {}
+    pos = {other: len(p) for other, p in neighbours.items()}
+    rows, tokens, last = [], [], None
+    for step in range(len(bounds) - 1 + n - 1):
+        if step < len(bounds) - 1:
+            work = _prefill(lane, prompt, bounds[step], bounds[step + 1])
+        else:
+            work = _decode(lane, len(prompt) + len(tokens) - 1, tokens[-1])
+        extra = [_decode(other, pos[other], 1 + other) for other in neighbours]
+        for other in neighbours:
+            pos[other] += 1
+        last = runner.run_round(RoundPlan((*extra, work))).by_lane()[lane]
+        if step >= len(bounds) - 2:
+            tokens.append(last.sampled[0])
+        rows.append(last.logits)
+    return tokens, rows
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 5000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_runner_reports_the_hybrid_facts(hybrid_dir: Path) -> None:
+    runner = _runner(hybrid_dir, num_lanes=2)
+    info = runner.info
+    assert info.invariant_rows is False
+    assert info.lane_state_bytes == runner.capture(0).nbytes > 0
+    config = runner.model.hybrid
+    assert info.kv_bytes_per_page == 2 * len(config.full_layers) * PAGE * config.num_kv_heads * config.head_dim * 4
+
+
+def test_runner_resume_at_a_cut_equals_cold(hybrid_dir: Path) -> None:
+    prompt, bounds = _prompt(70, seed=1), [0, 32, 55, 70]
+    cold_tokens, cold_rows = _generate(_runner(hybrid_dir), 0, prompt, bounds, n=8)
+    runner = _runner(hybrid_dir)
+    runner.run_round(RoundPlan((_prefill(0, prompt, 0, 32),)))
+    snapshot = runner.capture(0)
+    runner.copy_pages(_pages(0)[:2], _pages(3)[:2])  # rows 0..31 fill two whole pages
+    runner.reset_lane(3)
+    assert runner.restore(3, snapshot) == runner.info.lane_state_bytes
+    tokens, rows = _generate(runner, 3, prompt, bounds[1:], n=8)
+    assert tokens == cold_tokens
+    for got, want in zip(rows, cold_rows[1:]):
+        assert torch.equal(got, want)
+
+
+def test_runner_eight_lanes_equal_solo(hybrid_dir: Path) -> None:
+    prompt, bounds = _prompt(50, seed=2), [0, 21, 50]
+    solo_tokens, solo_rows = _generate(_runner(hybrid_dir), 5, prompt, bounds, n=6)
+    runner = _runner(hybrid_dir)
+    neighbours = {lane: _prompt(9 + 7 * lane, seed=20 + lane) for lane in range(8) if lane != 5}
+    for lane, other in neighbours.items():
+        runner.run_round(RoundPlan((_prefill(lane, other, 0, len(other)),)))
+    tokens, rows = _generate(runner, 5, prompt, bounds, n=6, neighbours=neighbours)
+    assert tokens == solo_tokens
+    for got, want in zip(rows, solo_rows):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_runner_greedy_matches_transformers(hybrid_dir: Path) -> None:
+    from transformers import Qwen3_5ForCausalLM
+
+    ref = Qwen3_5ForCausalLM.from_pretrained(str(hybrid_dir), dtype=torch.float32).eval()
+    prompt = _prompt(40, seed=3)
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
+                            do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    tokens, _ = _generate(_runner(hybrid_dir, num_lanes=1), 0, prompt, [0, 17, 40], n=16)
+    assert tokens == want
