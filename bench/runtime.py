@@ -55,7 +55,7 @@ class Sizes:
 
 
 FULL = Sizes(prefill=(512, 2048, 4096), decode_context=4096, lanes=8, lane_context=512, decode_steps=32, repeats=3)
-QUICK = Sizes(prefill=(128, 256), decode_context=256, lanes=8, lane_context=64, decode_steps=8, repeats=2)
+QUICK = Sizes(prefill=(128, 256), decode_context=256, lanes=8, lane_context=64, decode_steps=4, repeats=2)
 
 
 def prompt_tokens(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -204,6 +204,8 @@ def run_engines(args: argparse.Namespace, sizes: Sizes) -> tuple[dict[str, dict[
             continue
         m._prefill_lanes({0: prompt_tokens(min(2 * args.grid, sizes.longest), vocab)})  # warm-up: allocator, kernels
         results[f"prefixd {mode}"] = measure_all(m, sizes, vocab)
+        if args.profile:
+            notes.extend(profile(m, sizes, vocab, mode))
         del m
         gc.collect()
     if args.no_llama_cpp:
@@ -220,6 +222,27 @@ def run_engines(args: argparse.Namespace, sizes: Sizes) -> tuple[dict[str, dict[
     else:
         notes.append("llama.cpp skipped: it is compared on the CPU with a GGUF model only")
     return results, notes, versions
+
+
+def profile(m: RunnerMeasure, sizes: Sizes, vocab: int, mode: str) -> list[str]:
+    """Top operators (self CPU time) of one prefill and one 8-lane decode, as note lines."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    lines = []
+    _, lanes = decode_cases(sizes, vocab)[-1]
+    n = sizes.prefill[-1]
+    cases = [
+        (f"prefill {n} tok", lambda: None, lambda: m.prefill(prompt_tokens(n, vocab))),
+        (f"decode {sizes.lanes} lanes", lambda: m.start_decode(lanes), lambda: m.decode(lanes, sizes.decode_steps)),
+    ]
+    for label, setup, fn in cases:
+        setup()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+        lines.append(f"profile, {mode}, {label}:\n```\n{table}\n```")
+    return lines
 
 
 def render(results: dict[str, dict[str, float]], sizes: Sizes) -> str:
@@ -252,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grid", type=int, default=256, help="prefill chunk rows per round")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print the top operators of each runner mode")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     if args.repeats:
