@@ -1,0 +1,155 @@
+"""Tokenizer: GGUF and tokenizer.json builds agree with transformers; special tokens come
+from the model; padded ids decode to nothing; streaming detokenization is UTF-8 safe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefixd.gpu.loading.gguf_file import GGUFFile
+from prefixd.gpu.tokenizer import StreamDecoder, Tokenizer, TokenizerError
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "In 1969, Apollo 11 landed; 3.14159 and 1,000,000 and 007 and 2024-11-29.",
+    "def f(x):\n    return {'a': [x ** 2 for x in range(10)]}  # comment\n",
+    "fn main() { println!(\"{}\", 42); }\t\tlet v: Vec<u8> = vec![];",
+    "Unicode: naïve café, Ærøskøbing, Straße, 東京タワー, 한국어, Ελληνικά, русский.",
+    "Emoji: 😀🎉👍🏽 👨‍👩‍👧‍👦 🇫🇷 and ✨sparkles✨",
+    "   leading spaces, trailing spaces   ",
+    "tabs\t\tand\nnewlines\n\n\n  mixed \r\n windows line",
+    "multiple     interior      spaces and\u00a0nbsp",
+    "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
+    "text with <|endoftext|> inside and <|im_end|>",
+    "Don't you'll we've they're I'm he'd it's SHOUTING'S",
+    "",
+    " ",
+    "x" * 300,
+    "12345678901234567890",
+    "a😀b",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_fields(default_gguf: Path) -> dict[str, Any]:
+    gf = GGUFFile(default_gguf)
+    fields = {k: v for k, v in gf.metadata.items() if k.startswith("tokenizer.")}
+    gf.close()
+    return fields
+
+
+@pytest.fixture(scope="module")
+def tok(gguf_fields: dict[str, Any]) -> Tokenizer:
+    return Tokenizer.from_gguf_fields(gguf_fields)
+
+
+@pytest.mark.slow
+def test_gguf_ids_equal_transformers_gguf_tokenizer(tok: Tokenizer, default_gguf: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
+    for text in CORPUS:
+        assert tok.encode(text) == ref.encode(text, add_special_tokens=False), text
+
+
+def test_hf_dir_ids_equal_gguf_ids(tok: Tokenizer, tiny_llama_dir: Path) -> None:
+    hf = Tokenizer.from_hf_dir(tiny_llama_dir)
+    for text in CORPUS:
+        assert hf.encode(text) == tok.encode(text), text
+    assert (hf.bos_id, hf.eos_id, hf.vocab_size) == (1, 2, 49152)
+    assert 2 in hf.stop_ids
+    assert hf.chat_template == tok.chat_template
+
+
+def test_digits_split_one_by_one_for_smollm(tok: Tokenizer) -> None:
+    ids = tok.encode("2024")
+    assert [tok.decode([i]) for i in ids] == ["2", "0", "2", "4"]
+
+
+def test_special_token_text_becomes_one_id(tok: Tokenizer) -> None:
+    assert tok.encode("<|im_start|>user") == [1, 4093]
+    assert tok.decode([1, 4093, 2]) == "<|im_start|>user<|im_end|>"
+
+
+def test_special_ids_come_from_metadata(gguf_fields: dict[str, Any]) -> None:
+    tok = Tokenizer.from_gguf_fields(gguf_fields)
+    assert (tok.bos_id, tok.eos_id, tok.stop_ids, tok.add_bos) == (1, 2, frozenset({2}), False)
+    changed = dict(gguf_fields)
+    changed["tokenizer.ggml.eos_token_id"] = 0
+    changed["tokenizer.ggml.eot_token_id"] = 2
+    changed["tokenizer.ggml.add_bos_token"] = True
+    other = Tokenizer.from_gguf_fields(changed)
+    assert (other.eos_id, other.stop_ids, other.add_bos) == (0, frozenset({0, 2}), True)
+    assert other.encode("hi", add_special=True) == [1, *other.encode("hi")]
+
+
+def test_roundtrip_decode(tok: Tokenizer) -> None:
+    for text in CORPUS:
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_padded_ids_decode_to_nothing(tok: Tokenizer) -> None:
+    hello = tok.encode("hello")
+    assert tok.vocab_size == 49152
+    assert tok.decode([*hello, 49152, 49200, *hello]) == "hellohello"
+    assert tok.token_bytes(49152) == b""
+    assert tok.token_bytes(-1) == b""
+
+
+def test_token_bytes_concatenate_to_utf8(tok: Tokenizer) -> None:
+    for text in CORPUS:
+        assert b"".join(tok.token_bytes(i) for i in tok.encode(text)) == text.encode("utf-8")
+
+
+def test_stream_decoder_holds_split_characters(tok: Tokenizer) -> None:
+    text = "a😀b 東京 👨‍👩‍👧 é"
+    ids = tok.encode(text)
+    per_token_bytes = [tok.token_bytes(i) for i in ids]
+    assert any(not _is_utf8(b) for b in per_token_bytes), "corpus must split a character"
+    stream = StreamDecoder(tok)
+    pieces = [stream.push([i]) for i in ids]
+    assert "".join(pieces) + stream.flush() == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert "😀" in pieces  # the emoji comes out whole, in one piece
+
+
+def test_stream_decoder_flush_replaces_incomplete_tail(tok: Tokenizer) -> None:
+    ids = tok.encode("😀")
+    stream = StreamDecoder(tok)
+    assert stream.push(ids[:1]) == ""
+    assert stream.flush() == "\ufffd"
+
+
+def test_missing_or_unsupported_tokenizer_metadata_raises(gguf_fields: dict[str, Any]) -> None:
+    no_model = {k: v for k, v in gguf_fields.items() if k != "tokenizer.ggml.model"}
+    with pytest.raises(TokenizerError, match="tokenizer.ggml.model"):
+        Tokenizer.from_gguf_fields(no_model)
+    with pytest.raises(TokenizerError, match="tokenizer.ggml.merges"):
+        Tokenizer.from_gguf_fields({k: v for k, v in gguf_fields.items() if k != "tokenizer.ggml.merges"})
+    with pytest.raises(TokenizerError, match="pre-tokenizer"):
+        Tokenizer.from_gguf_fields({**gguf_fields, "tokenizer.ggml.pre": "no-such-pre"})
+
+
+def test_pre_tokenizer_follows_metadata_name(gguf_fields: dict[str, Any]) -> None:
+    """llama-bpe and qwen2 keep a newline run whole before a word; gpt2-style (smollm) leaves
+    the last newline to the word's side of the split."""
+    smollm = Tokenizer.from_gguf_fields(gguf_fields)
+    for pre in ("llama-bpe", "qwen2"):
+        other = Tokenizer.from_gguf_fields({**gguf_fields, "tokenizer.ggml.pre": pre})
+        assert other.encode("x\n\n\ny") == [104, 16506, 105]
+    assert smollm.encode("x\n\n\ny") == [104, 1116, 198, 105]
+
+
+def test_missing_tokenizer_json_raises(tmp_path: Path) -> None:
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        Tokenizer.from_hf_dir(tmp_path)
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
