@@ -63,7 +63,7 @@ class Connection:
                 self._tg = tg
                 tg.start_soon(self._writer)
                 await self._reader()
-                await self._flush()
+                await self.flush()
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
@@ -211,7 +211,8 @@ class Connection:
         finally:
             self._writer_done.set()
 
-    async def _flush(self) -> None:
+    async def flush(self) -> None:
+        """Stop taking frames, send what is queued (for at most _FLUSH_S), then return."""
         self._out_send.close()
         with anyio.move_on_after(_FLUSH_S):
             await self._writer_done.wait()

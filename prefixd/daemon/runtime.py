@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from prefixd.daemon.config import AUTO_CACHE_FRACTION, DaemonConfig
+from prefixd.daemon.config import AUTO_CACHE_FRACTION, AUTO_CACHE_MAX_BYTES, DaemonConfig
 
 _DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
@@ -31,8 +31,9 @@ def plan_num_pages(cfg: DaemonConfig, *, kv_bytes_per_page: int, max_context: in
     """KV pool pages: every lane can reach `max_context`, plus the pages the cache may hold.
 
     With an explicit --cache-budget the store gets budget // page bytes pages; with `auto`
-    it gets AUTO_CACHE_FRACTION of `available_bytes` (host memory left after loading), and
-    without that figure as many pages again as the lanes reserve.
+    it gets AUTO_CACHE_FRACTION of `available_bytes` (host memory left after loading, minus
+    the lanes' pages, at most AUTO_CACHE_MAX_BYTES), and without that figure as many pages
+    again as the lanes reserve.
     """
     lane_pages = cfg.num_lanes * math.ceil(max_context / cfg.page_size)
     if not cfg.cache:
@@ -41,6 +42,7 @@ def plan_num_pages(cfg: DaemonConfig, *, kv_bytes_per_page: int, max_context: in
         store_pages = cfg.cache_budget_bytes // kv_bytes_per_page
     elif available_bytes is not None:
         spare = int(available_bytes * AUTO_CACHE_FRACTION) - lane_pages * kv_bytes_per_page
+        spare = min(spare, AUTO_CACHE_MAX_BYTES)
         store_pages = max(0, spare // kv_bytes_per_page)
     else:
         store_pages = lane_pages

@@ -77,12 +77,16 @@ class Server:
 
     async def run(self) -> int:
         self._exit_event = anyio.Event()
-        try:
-            await self.startup()
-            await self.main_loop()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.shutdown()
+        async with anyio.create_task_group() as tg:
+            if self.notifier.watchdog_interval_s is not None:  # also while the model loads
+                tg.start_soon(self._watchdog, self.notifier.watchdog_interval_s)
+            try:
+                await self.startup()
+                await self.main_loop()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self.shutdown()
+            tg.cancel_scope.cancel()
         return self.exit_code
 
     async def startup(self) -> None:
@@ -103,8 +107,6 @@ class Server:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch_signals, tg.cancel_scope)
             tg.start_soon(self._watch_engine)
-            if self.notifier.watchdog_interval_s is not None:
-                tg.start_soon(self._watchdog, self.notifier.watchdog_interval_s)
             async with anyio.create_task_group() as conns:
                 conns.start_soon(self._accept_loop, conns)
                 self._announce()
@@ -228,6 +230,9 @@ class Server:
         with anyio.move_on_after(_CANCEL_FLUSH_S):
             while any(c.num_streams for c in self._connections):
                 await anyio.sleep(0.02)
+        async with anyio.create_task_group() as tg:  # every done event reaches its client
+            for connection in list(self._connections):
+                tg.start_soon(connection.flush)
 
     def _services(self) -> Services:
         assert self._host is not None and self._runtime is not None

@@ -11,7 +11,7 @@ import pytest
 
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.errors import ClientError
-from tests.daemon.fakes import ByteTokenizer, letter_after
+from tests.daemon.fakes import ByteTokenizer, LetterDevice, letter_after
 from tests.daemon.harness import running_server, wait_idle
 
 TOK = ByteTokenizer()
@@ -135,3 +135,13 @@ async def test_metrics_endpoint_exposes_the_names_after_a_request(tmp_path):
     for name in ("prefixd_round_duration_seconds_count", "prefixd_lanes_busy", "prefixd_requests_waiting",
                  "prefixd_prefix_cache_queries_tokens_total", "prefixd_prefix_cache_bytes"):
         assert name in body
+
+
+async def test_graceful_exit_cancels_in_flight_streams_after_grace_and_sends_done(tmp_path):
+    async with running_server(tmp_path, LetterDevice(round_delay_s=0.002), grace_s=0.05) as server:
+        async with await AsyncClient.connect(server.socket_path) as client:
+            async with client.generate(prompt="x", max_tokens=100000) as stream:
+                await stream.__anext__()
+                server.request_exit(0)
+                events = [e async for e in stream]
+        assert events[-1].finish_reason == "cancelled"

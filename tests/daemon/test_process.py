@@ -1,0 +1,128 @@
+"""`prefixd serve` as a real process on a tiny random model: sd_notify, SIGTERM, the CLI,
+a live socket never stolen, and socket activation through systemd-socket-activate."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prefixd.ipc.sync_client import SyncClient
+from tests.helpers.tiny_models import make_tiny_hf_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+PREFIXD = [sys.executable, "-m", "prefixd.daemon.cli"]
+LIVENESS_S = 180  # bounds on waiting for a process, never asserted
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return make_tiny_hf_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _serve_args(model: Path, sock: Path, *extra: str) -> list[str]:
+    return [*PREFIXD, "serve", "--model", str(model), "--socket", str(sock), "--metrics-addr", "",
+            "--lanes", "2", "--max-context", "512", "--cache-budget", "1M", *extra]
+
+
+class NotifyReceiver:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(LIVENESS_S)
+
+    def until(self, needle: str) -> list[str]:
+        seen = []
+        while True:
+            msg = self.sock.recv(4096).decode()
+            seen.append(msg)
+            if needle in msg.split("\n"):
+                return seen
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*PREFIXD, *args], capture_output=True, text=True, env=ENV, timeout=LIVENESS_S)
+
+
+def test_serve_notifies_ready_serves_the_cli_and_exits_0_on_sigterm(tiny_dir, tmp_path):
+    sock = tmp_path / "run" / "p.sock"
+    notify = NotifyReceiver(tmp_path / "notify")
+    proc = subprocess.Popen(_serve_args(tiny_dir, sock, "--grace", "0.2"), env={**ENV, "NOTIFY_SOCKET": str(notify.path)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = notify.until("READY=1")
+        assert seen[0] == "STATUS=loading model"
+        assert seen[-1] == f"READY=1\nSTATUS=listening on {sock}"
+        with SyncClient(sock) as client:  # listening by the time READY=1 arrives
+            assert client.status()["model"]["family"] == "llama"
+
+        out = _cli("generate", "--socket", str(sock), "--prompt", "Hello", "--max-tokens", "4", "--json")
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert set(result) == {"text", "tokens", "finish_reason", "usage"}
+        assert result["finish_reason"] in ("length", "stop")
+        assert result["usage"]["completion_tokens"] == len(result["tokens"])
+
+        status = _cli("status", "--socket", str(sock), "--json")
+        assert json.loads(status.stdout)["lanes_busy"] == 0
+
+        second = subprocess.run(_serve_args(tiny_dir, sock), capture_output=True, text=True, env=ENV,
+                                timeout=LIVENESS_S)
+        assert second.returncode == 1
+        assert "already listening" in second.stderr
+
+        with SyncClient(sock) as client:
+            stream = iter(client.generate(prompt="count", max_tokens=400))
+            events = [next(stream)]
+            proc.send_signal(signal.SIGTERM)
+            events.extend(stream)
+            assert notify.until("STOPPING=1")[-1] == "STOPPING=1"
+        assert events[-1].finish_reason in ("cancelled", "length", "stop")
+        assert proc.wait(timeout=LIVENESS_S) == 0
+        stderr = proc.stderr.read()
+        assert f"prefixd chat --socket {sock}" in stderr
+        assert not sock.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_without_a_daemon_says_how_to_start_one(tmp_path):
+    out = _cli("status", "--socket", str(tmp_path / "none.sock"))
+    assert out.returncode == 1
+    assert f"no daemon at {tmp_path / 'none.sock'}: start it with `prefixd serve`" in out.stderr
+
+
+@pytest.mark.skipif(shutil.which("systemd-socket-activate") is None, reason="systemd-socket-activate missing")
+def test_socket_activation_passes_the_listening_socket(tiny_dir, tmp_path):
+    sock = tmp_path / "act.sock"
+    cmd = ["systemd-socket-activate", "-l", str(sock), "-E", f"PYTHONPATH={ROOT}",
+           *_serve_args(tiny_dir, tmp_path / "unused" / "x.sock")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not sock.exists():  # systemd-socket-activate binds first, then waits for a client
+            if proc.poll() is not None:
+                pytest.fail(proc.stderr.read())
+            os.sched_yield()
+        with SyncClient(sock) as client:
+            status = client.status()
+            result = client.generate(tokens=[1, 2, 3], max_tokens=2).collect()
+        assert status["socket"] == str(sock)
+        assert len(result.ids) <= 2
+        assert not (tmp_path / "unused").exists()  # the daemon bound nothing itself
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=LIVENESS_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
