@@ -185,3 +185,21 @@ def test_cupy_kernel_matches_torch_page_copy():
         results.append([p.cpu() for p in pools])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_page_copy_over_the_kv_pool_layout_matches_the_pool_copy(device):
+    """The runner's pool keeps every layer in one storage tensor; its per-layer views are
+    the pools the engine copies."""
+    from prefixd.gpu.kv_pool import KVPool
+
+    pools = []
+    for _ in range(2):
+        kv = KVPool(num_layers=3, num_pages=6, page_size=4, num_kv_heads=2, head_dim=8,
+                    device=device, dtype=torch.bfloat16)
+        kv.storage.copy_(torch.randn(kv.storage.shape, generator=torch.Generator().manual_seed(5)))
+        pools.append(kv)
+    expected = pools[0].copy_pages([0, 4], [3, 1])
+    fence = CopyEngine(device).copy_pages(pools[1].pools(), [0, 4], [3, 1])
+    fence.wait()
+    assert fence.nbytes == expected == 2 * pools[1].bytes_per_page
+    assert torch.equal(pools[0].storage.cpu(), pools[1].storage.cpu())

@@ -292,3 +292,18 @@ def test_repetition_penalty_matches_transformers_bitwise(penalty):
         seen[ids] = True
         ref = proc(ids[None], row[None].clone())[0]
         assert torch.equal(repetition_penalty(row, seen, penalty), ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_lane_gives_the_cpu_lane_tokens():
+    """The uniform stream comes from a CPU generator, so a seed picks the same tokens on
+    both devices (rows with well separated probabilities: no draw lands on an edge)."""
+    rows = random_rows(30, vocab=HF_VOCAB, seed=21)
+    tokens = {}
+    for name in ("cpu", "cuda"):
+        device = torch.device(name)
+        s = LaneSampler(replace(PARAMS, seed=77), [1, 2, 3], vocab_size=HF_VOCAB,
+                        tokenizer_vocab=HF_VOCAB - 10, device=device)
+        tokens[name] = [s.sample(r.to(device)) for r in rows]
+    assert tokens["cuda"] == tokens["cpu"]
