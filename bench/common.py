@@ -8,12 +8,8 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import sys
 import time
 from typing import Callable, Iterable, Sequence
-
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def median(values: Iterable[float]) -> float:
