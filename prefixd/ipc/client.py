@@ -96,6 +96,7 @@ class GenerateStream:
         try:
             event = await self._events.receive()
         except anyio.EndOfStream:
+            self._finish()
             reason = self.client._closed_reason
             raise reason or ClientError(DISCONNECTED, f"connection closed during generate {self.id}") from None
         if isinstance(event, ErrorReply):
@@ -108,6 +109,8 @@ class GenerateStream:
 
     def _finish(self) -> None:
         self.client._forget(self.id)
+        if self._events is not None:
+            self._events.close()
 
     async def cancel(self) -> None:
         """Ask the server to end this generate; its DoneEvent (cancelled) still follows."""
@@ -141,7 +144,7 @@ class GenerateStream:
                     await self.client.cancel(self.id)
                 except ClientError:
                     pass  # it finished or the connection ended meanwhile: nothing to cancel
-                self._finish()
+        self._finish()
 
 
 class AsyncClient:
@@ -248,6 +251,7 @@ class AsyncClient:
             raise self._closed_reason or ClientError(DISCONNECTED, "connection closed") from None
         finally:
             self._forget(request.id)
+            receiver.close()
         if isinstance(event, ErrorReply):
             raise ClientError(event.code, event.message)
         return event

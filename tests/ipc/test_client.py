@@ -112,8 +112,7 @@ class FakeServer:
 async def serving(path: Path) -> AsyncIterator[FakeServer]:
     """A FakeServer listening at `path` for the body of the `async with`."""
     fake = FakeServer(path)
-    listener = await anyio.create_unix_listener(path)
-    async with anyio.create_task_group() as tg:
+    async with await anyio.create_unix_listener(path) as listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, fake.handle)
         yield fake
         tg.cancel_scope.cancel()
@@ -227,7 +226,8 @@ async def test_bad_request_comes_back_as_client_error(sock_path: Path) -> None:
         async with await AsyncClient.connect(server.path) as client:
             # Built by hand: the client's own Generate would refuse max_tokens=0 locally.
             receiver = await client._send_request(_Raw({"type": "generate", "id": 77, "prompt": "x", "max_tokens": 0}))
-            reply = await receiver.receive()
+            with receiver:
+                reply = await receiver.receive()
         assert reply == ErrorReply(77, "bad_request", "max_tokens: 0 outside [1, 2147483647]")
 
 
@@ -268,8 +268,7 @@ async def test_client_refuses_a_bad_generate_before_sending(sock_path: Path) -> 
 
 def test_sync_client_makes_the_same_calls(tmp_path: Path) -> None:
     async def serve(fake: FakeServer, ready: anyio.Event, stop: anyio.Event) -> None:
-        listener = await anyio.create_unix_listener(fake.path)
-        async with anyio.create_task_group() as tg:
+        async with await anyio.create_unix_listener(fake.path) as listener, anyio.create_task_group() as tg:
             tg.start_soon(listener.serve, fake.handle)
             ready.set()
             await stop.wait()
