@@ -1,10 +1,11 @@
 """Row-invariant linear layers.
 
 A row of `x @ W.T` must have the same bits whatever the number of rows M in the call.
-On this project's CPUs (MKL, oneDNN) bf16 GEMMs are invariant for every M, fp32 GEMMs are
-not below M = 12 (the last M % 4 rows of a small call take another kernel); bmm behaves
-the same. So fp32 calls are padded to at least `MIN_FP32_ROWS` rows. docs/runtime.md has
-the probe. CUDA uses the same padding; its invariance is checked by the CUDA tests.
+On this project's CPUs (MKL, oneDNN) an fp32 GEMM gives other bits below M = 12 (the last
+M % 4 rows of a small call take another kernel; bmm behaves the same), and a bf16 GEMM gives
+other bits at M = 1 (a GEMV path; rare, since outputs are rounded to bf16). So calls are
+padded to at least `MIN_FP32_ROWS` / `MIN_LOW_ROWS` rows. docs/runtime.md has the probe.
+CUDA uses the same padding; its invariance is checked by the CUDA tests.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import torch
 import torch.nn.functional as F
 
 MIN_FP32_ROWS = 16
+MIN_LOW_ROWS = 4  # bf16 / fp16
 
 
 def invariant_rows(n: int, dtype: torch.dtype) -> int:
     """The number of rows to run so that each of n rows gets its invariant bits."""
     if dtype == torch.float32:
         return max(n, MIN_FP32_ROWS)
-    return max(n, 1)
+    return max(n, MIN_LOW_ROWS)
 
 
 def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
