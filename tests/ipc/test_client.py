@@ -71,6 +71,9 @@ class FakeServer:
                 await framed.send(ErrorReply(request.id, "unsupported_version", "v1 only").to_wire())
             else:
                 await framed.send(HelloReply(request.id, 1, "fake", {"name": "m"}, {"max_depth": 8}).to_wire())
+        elif isinstance(request, Generate) and request.prompt == "conn-error":
+            await framed.send(ErrorReply(None, "bad_frame", "your last frame was garbage").to_wire())
+            await framed.aclose()
         elif isinstance(request, Generate) and request.prompt == "bad-event":
             await framed.send({"type": "token", "id": request.id, "ids": "not ids", "text": ""})
         elif isinstance(request, Generate):
@@ -196,6 +199,14 @@ async def test_an_unreadable_event_fails_only_its_request(sock_path: Path) -> No
         "bad_request", "bad event from the daemon: ids: must be an array, got string",
     )
     assert result.ids == tuple(token_ids(result.id, 2))
+
+
+async def test_a_connection_error_fails_pending_requests_with_its_code(sock_path: Path) -> None:
+    async with serving(sock_path) as server:
+        async with await AsyncClient.connect(server.path) as client:
+            with pytest.raises(ClientError) as info:
+                await client.generate(prompt="conn-error", max_tokens=1).collect()
+    assert (info.value.code, info.value.message) == ("bad_frame", "your last frame was garbage")
 
 
 async def test_unary_calls(sock_path: Path) -> None:
