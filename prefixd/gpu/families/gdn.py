@@ -8,16 +8,15 @@ Per value head the recurrent state S is a (dk, dv) float32 matrix. For each row 
     o_t = q_t^T S
 
 The chunked form computes the same recurrence CHUNK rows at a time with a unit-lower-
-triangular (UT) solve inside each chunk. Every chunk is padded to exactly CHUNK rows and
-every lane runs alone, so each op sees the same shapes whatever the chunk's length or the
-other lanes in the round: the bits of a chunk depend only on its own rows and the state at
-its start. The two forms agree to rounding, not to the bit (see docs/runtime.md, Hybrid).
+triangular (UT) inverse inside each block. Blocks are counted from the first row of the
+call and padded to exactly CHUNK rows, and every lane runs alone, so a prefill chunk's bits
+depend only on its own rows and the state at its start, never on the other lanes in the
+round. The two forms agree to rounding, not to the bit (see docs/runtime.md, Hybrid).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 CHUNK = 64  # rows per UT block of the chunked form; fixed so its bits never depend on T
 
@@ -90,27 +89,15 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, pad], dim=0)
 
 
-def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-           beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One UT block. q, k: (H, C, dk); v: (H, C, dv); g, beta: (H, C); state: (H, dk, dv)."""
-    size = q.shape[1]
-    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
-    gc = g.cumsum(dim=-1)  # (H, C)
-    # decay between rows j <= i; masked before exp so no inf ever appears
-    diff = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~causal, float("-inf"))
-    decay = diff.exp()  # (H, C, C)
-    k_beta = k * beta.unsqueeze(-1)
-    ut = (k_beta @ k.transpose(-1, -2)) * decay  # strictly-lower part is used
-    u = torch.linalg.solve_triangular(ut, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(ut, k_beta * gc.exp().unsqueeze(-1), upper=False,
-                                      unitriangular=True)
-    v_new = u - w @ state  # (H, C, dv)
-    attn = (q @ k.transpose(-1, -2)) * decay  # (H, C, C), diagonal included
-    out = (q * gc.exp().unsqueeze(-1)) @ state + attn @ v_new
-    last = gc[:, -1:]  # (H, 1)
-    k_tail = k * (last - gc).exp().unsqueeze(-1)
-    new_state = state * last.exp().unsqueeze(-1) + k_tail.transpose(-1, -2) @ v_new
-    return out, new_state
+def _unit_lower_inverse(ut: torch.Tensor) -> torch.Tensor:
+    """(I + strictly_lower(ut))^-1 for a batch of (C, C) blocks, by forward substitution
+    vectorised over the batch (batched triangular solves are slow on small blocks)."""
+    size = ut.shape[-1]
+    inv = -ut.tril(-1)
+    for i in range(1, size):
+        row = inv[..., i, :i].clone()
+        inv[..., i, :i] = row + (row.unsqueeze(-1) * inv[..., :i, :i]).sum(-2)
+    return inv + torch.eye(size, dtype=ut.dtype, device=ut.device)
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -121,19 +108,41 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     to the value heads; v: (T, Hv, dv) float32; g, beta: (T, Hv) float32; state:
     (Hv, dk, dv) float32. Returns (out (T, Hv, dv) float32, new state). Blocks of CHUNK rows
     are counted from row 0 of this call, the last one padded with zero rows (k = 0,
-    beta = 0, g = 0 write nothing and decay nothing).
+    beta = 0, g = 0 write nothing and decay nothing). Everything inside a block is computed
+    for all blocks at once; only the state hand-over runs block by block.
     """
-    num_rows = q.shape[0]
-    outs = []
-    for lo in range(0, num_rows, CHUNK):
-        hi = min(lo + CHUNK, num_rows)
-        block = [_pad_rows(t[lo:hi], CHUNK).transpose(0, 1).contiguous()
-                 for t in (q, k, v, g, beta)]
-        out, state = _chunk(*block, state)
-        outs.append(out.transpose(0, 1)[: hi - lo])
-    if not outs:
-        return q.new_zeros((0, v.shape[1], v.shape[2])), state
-    return torch.cat(outs, dim=0), state
+    num_rows, heads, dk = k.shape
+    if num_rows == 0:
+        return v.new_zeros(v.shape), state
+    num_blocks = -(-num_rows // CHUNK)
+    padded = num_blocks * CHUNK
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # (T, H, ...) -> (H, n, C, ...)
+        x = _pad_rows(x, padded).transpose(0, 1)
+        return x.reshape(heads, num_blocks, CHUNK, *x.shape[2:])
+
+    q, k, v, g, beta = (blocks(t) for t in (q, k, v, g, beta))
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    gc = g.cumsum(dim=-1)  # (H, n, C)
+    # decay between rows j <= i; masked before exp so no inf ever appears
+    decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta.unsqueeze(-1)
+    ut = (k_beta @ k.transpose(-1, -2)) * decay  # only its strictly-lower part is used
+    rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * gc.exp().unsqueeze(-1)], dim=-1)
+    solved = _unit_lower_inverse(ut) @ rhs
+    u, w = solved.split([v.shape[-1], dk], dim=-1)  # (H, n, C, dv), (H, n, C, dk)
+    attn = (q @ k.transpose(-1, -2)) * decay  # (H, n, C, C), diagonal included
+    q_decayed = q * gc.exp().unsqueeze(-1)
+    last = gc[..., -1:]  # (H, n, 1)
+    k_tail = (k * (last - gc).exp().unsqueeze(-1)).transpose(-1, -2)  # (H, n, dk, C)
+    block_decay = last.exp().unsqueeze(-1)  # (H, n, 1, 1)
+    out = torch.empty_like(u)
+    for i in range(num_blocks):
+        v_new = u[:, i] - w[:, i] @ state  # (H, C, dv)
+        out[:, i] = q_decayed[:, i] @ state + attn[:, i] @ v_new
+        state = state * block_decay[:, i] + k_tail[:, i] @ v_new
+    out = out.reshape(heads, padded, -1).transpose(0, 1)[:num_rows]
+    return out, state
 
 
 def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
