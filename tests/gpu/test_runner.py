@@ -1,0 +1,133 @@
+"""ModelRunner as a Device: info, page isolation, page copies, images, sampling, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from prefixd.gpu.families import build_family
+from prefixd.scheduler.records import (ImageIdentity, ImageRows, LaneWork, RoundPlan,
+                                       SamplingParams)
+from tests.gpu.runner_helpers import make_runner, pages, prompt, run_chunks, work
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_qwen2_dir):
+    return make_runner(tiny_qwen2_dir, torch.float32, num_lanes=4, num_pages=64)
+
+
+def test_info_states_exact_sizes(runner):
+    c = runner.config
+    info = runner.info
+    assert info.kv_bytes_per_page == 2 * c.num_layers * 16 * c.num_kv_heads * c.head_dim * 4
+    assert info.logits_row_bytes == 4 * c.vocab_size
+    assert (info.num_lanes, info.num_pages, info.page_size) == (4, 64, 16)
+    assert info.invariant_rows is True and info.lane_state_bytes == 0
+    assert info.vocab_size == c.vocab_size == 49216  # padded vocab of the tiny qwen2
+
+
+def test_lane_reads_only_its_own_pages(runner):
+    tokens = prompt(40, seed=5)
+    alone = run_chunks(runner, 0, tokens, pages(0, 4), [40])
+    runner.kv.storage[:, :, 4:].normal_()  # other pages hold unrelated (finite) rows
+    again = run_chunks(runner, 1, tokens, pages(8, 4), [40])
+    assert torch.equal(alone, again)
+
+
+def test_pages_can_be_shared_out_of_order(runner):
+    """A lane whose page table lists pages in any order reads rows by table position."""
+    tokens = prompt(40, seed=6)
+    ref = run_chunks(runner, 0, tokens, pages(0, 3), [40])
+    got = run_chunks(runner, 0, tokens, (30, 12, 21), [40])
+    assert torch.equal(ref, got)
+    k_ref, v_ref = runner.kv_rows(1, pages(0, 3), 40)
+    k, v = runner.kv_rows(1, (30, 12, 21), 40)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+def test_copy_pages_lets_a_lane_continue_from_copies(runner):
+    tokens = prompt(41, seed=7)
+    run_chunks(runner, 0, tokens[:33], pages(0, 3), [33])
+    copied = runner.copy_pages([0, 1, 2], [40, 41, 42])
+    assert copied == 3 * runner.info.kv_bytes_per_page
+    direct = run_chunks(runner, 0, tokens[33:], pages(0, 3), [8], start=33)
+    resumed = run_chunks(runner, 1, tokens[33:], (40, 41, 42), [8], start=33)
+    assert torch.equal(direct, resumed)
+
+
+def test_image_rows_replace_token_embeddings(runner):
+    tokens = prompt(30, seed=8)
+    ref = run_chunks(runner, 0, tokens, pages(0, 2), [30])
+    emb = runner.model.embed[torch.tensor(tokens[10:16])].float().numpy()
+    placeholder = tokens[:10] + (7,) * 6 + tokens[16:]
+    image = ImageRows(ImageIdentity(at=10, tokens=6, gh=2, gw=3, hash=b"x"), np.ascontiguousarray(emb))
+    first = LaneWork(2, 0, placeholder[:13], pages(8, 2), True, logits_rows=tuple(range(13)),
+                     images=(image,))
+    second = LaneWork(2, 13, placeholder[13:], pages(8, 2), True, logits_rows=tuple(range(17)),
+                      images=(image,))
+    got = torch.cat([runner.run_round(RoundPlan((w,))).lanes[0].logits for w in (first, second)])
+    assert torch.equal(got, ref)
+
+
+def test_greedy_sample_is_argmax_and_sample_from_stored_row_agrees(runner):
+    tokens = prompt(20, seed=9)
+    runner.start_stream(3, SamplingParams(), history=tokens)
+    w = LaneWork(3, 0, tokens, pages(12, 2), True, sample_rows=(19,), logits_rows=(19,))
+    res = runner.run_round(RoundPlan((w,))).lanes[0]
+    row = res.logits[0]
+    tok_vocab = runner.tokenizer.vocab_size
+    assert res.sampled == (int(torch.argmax(row[:tok_vocab])),)
+    runner.start_stream(3, SamplingParams(), history=tokens)
+    assert runner.sample(3, res.logits, 0) == res.sampled[0]
+
+
+def test_attention_only_lane_state_is_empty(runner):
+    state = runner.capture(0)
+    assert state.nbytes == 0
+    assert runner.restore(0, state) == 0
+    runner.reset_lane(0)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (LaneWork(0, 0, (1, 2), (), True), "pages cannot hold"),
+    (LaneWork(9, 0, (1, 2), (0,), True), "lane 9"),
+    (LaneWork(0, 0, (1, 2), (0,), True, logits_rows=(2,)), "row 2 outside"),
+    (LaneWork(0, 0, (10**6,), (0,), True), "token id"),
+    (LaneWork(0, 0, (1,), (99,), True), "page id"),
+])
+def test_bad_work_raises_before_running(runner, bad, match):
+    with pytest.raises(ValueError, match=match):
+        runner.run_round(RoundPlan((bad,)))
+
+
+def test_a_lane_twice_in_one_round_raises(runner):
+    w = work(0, 0, (1, 2), (0,))
+    with pytest.raises(ValueError, match="twice"):
+        runner.run_round(RoundPlan((w, w)))
+
+
+def test_sampling_without_start_stream_raises(runner):
+    with pytest.raises(RuntimeError, match="start_stream"):
+        runner.run_round(RoundPlan((LaneWork(2, 0, (1,), (0,), True, sample_rows=(0,)),)))
+
+
+def test_unknown_family_raises():
+    class Cfg:
+        family = "nope"
+
+    class Ckpt:
+        config = Cfg()
+
+    with pytest.raises(ValueError, match="no model code for family 'nope'"):
+        build_family(Ckpt(), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_round_is_row_invariant(tiny_llama_dir):
+    r = make_runner(tiny_llama_dir, torch.bfloat16, device=torch.device("cuda"))
+    tokens = prompt(70, seed=11)
+    one = run_chunks(r, 0, tokens, pages(0), [70])
+    assert torch.equal(run_chunks(r, 1, tokens, pages(12), [1, 16, 33, 7, 13]), one)
+    assert torch.equal(run_chunks(r, 2, tokens, pages(24), [1] * 70), one)
