@@ -84,11 +84,15 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"prefixd: {e}", file=sys.stderr)
         return 2
     from prefixd.daemon.server import serve
+    from prefixd.gpu.loading import ModelLoadError
 
     try:
         return serve(cfg)
     except (SocketInUseError, SocketPathError, ActivationError) as e:
         print(f"prefixd: {e}", file=sys.stderr)
+        return 1
+    except ModelLoadError as e:
+        print(f"prefixd: cannot load model: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0

@@ -167,7 +167,9 @@ class Connection:
                 if isinstance(event, StreamTokens):
                     if stops.stopped:
                         continue
-                    text, hit = stops.push(decoder.push(event.ids))
+                    # A stop id ends the stream; its text (an end-of-turn marker) is not the reply's.
+                    shown = [i for i in event.ids if i not in built.request.stop_ids]
+                    text, hit = stops.push(decoder.push(shown))
                     self._send(_token_event(built.request_id, event.ids, text, event.logits_sha256))
                     sent_ids += len(event.ids)
                     if hit:

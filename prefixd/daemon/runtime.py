@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from prefixd.daemon.config import AUTO_CACHE_FRACTION, AUTO_CACHE_MAX_BYTES, DaemonConfig
+from prefixd.daemon.config import AUTO_CACHE_FRACTION, AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig
 
 _DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
@@ -31,9 +31,9 @@ def plan_num_pages(cfg: DaemonConfig, *, kv_bytes_per_page: int, max_context: in
     """KV pool pages: every lane can reach `max_context`, plus the pages the cache may hold.
 
     With an explicit --cache-budget the store gets budget // page bytes pages; with `auto`
-    it gets AUTO_CACHE_FRACTION of `available_bytes` (host memory left after loading, minus
-    the lanes' pages, at most AUTO_CACHE_MAX_BYTES), and without that figure as many pages
-    again as the lanes reserve.
+    it gets AUTO_CACHE_FRACTION of `available_bytes` (memory left after loading: host RAM,
+    at most AUTO_CACHE_MAX_BYTES_CPU, or free device memory) minus the lanes' pages, and
+    without that figure as many pages again as the lanes reserve.
     """
     lane_pages = cfg.num_lanes * math.ceil(max_context / cfg.page_size)
     if not cfg.cache:
@@ -42,7 +42,8 @@ def plan_num_pages(cfg: DaemonConfig, *, kv_bytes_per_page: int, max_context: in
         store_pages = cfg.cache_budget_bytes // kv_bytes_per_page
     elif available_bytes is not None:
         spare = int(available_bytes * AUTO_CACHE_FRACTION) - lane_pages * kv_bytes_per_page
-        spare = min(spare, AUTO_CACHE_MAX_BYTES)
+        if cfg.device == "cpu":
+            spare = min(spare, AUTO_CACHE_MAX_BYTES_CPU)
         store_pages = max(0, spare // kv_bytes_per_page)
     else:
         store_pages = lane_pages
@@ -77,7 +78,7 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
     device, dtype = _torch_device_dtype(cfg)
     checkpoint = load_checkpoint(cfg.model, device=device, dtype=dtype, progress=progress)
     max_context = cfg.resolved_max_context(checkpoint.config.max_context)
-    available = mem_available_bytes() if cfg.device == "cpu" else None
+    available = mem_available_bytes() if cfg.device == "cpu" else _device_free_bytes(device)
     num_pages = plan_num_pages(
         cfg, kv_bytes_per_page=kv_bytes_per_page(checkpoint.config, cfg),
         max_context=max_context, available_bytes=available,
@@ -110,3 +111,12 @@ def _torch_device_dtype(cfg: DaemonConfig) -> tuple[Any, Any]:
     import torch
 
     return torch.device(cfg.device), {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
+
+
+def _device_free_bytes(device: Any) -> int | None:
+    import torch
+
+    if device.type != "cuda":
+        return None
+    free_bytes, _total = torch.cuda.mem_get_info(device)
+    return int(free_bytes)

@@ -77,16 +77,21 @@ class Server:
 
     async def run(self) -> int:
         self._exit_event = anyio.Event()
+        failure: Exception | None = None
         async with anyio.create_task_group() as tg:
             if self.notifier.watchdog_interval_s is not None:  # also while the model loads
                 tg.start_soon(self._watchdog, self.notifier.watchdog_interval_s)
             try:
                 await self.startup()
                 await self.main_loop()
+            except Exception as e:  # re-raised below as itself, not inside an exception group
+                failure = e
             finally:
                 with anyio.CancelScope(shield=True):
                     await self.shutdown()
             tg.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
         return self.exit_code
 
     async def startup(self) -> None:

@@ -126,3 +126,13 @@ def test_socket_activation_passes_the_listening_socket(tiny_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_model_that_cannot_load_exits_1_with_the_reason_and_leaves_no_socket(tmp_path):
+    sock = tmp_path / "run" / "p.sock"
+    out = subprocess.run(_serve_args(tmp_path / "no-such-model", sock), capture_output=True, text=True, env=ENV,
+                         timeout=LIVENESS_S)
+    assert out.returncode == 1
+    assert "prefixd: cannot load model:" in out.stderr
+    assert str(tmp_path / "no-such-model") in out.stderr
+    assert not sock.exists()

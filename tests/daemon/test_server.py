@@ -145,3 +145,12 @@ async def test_graceful_exit_cancels_in_flight_streams_after_grace_and_sends_don
                 server.request_exit(0)
                 events = [e async for e in stream]
         assert events[-1].finish_reason == "cancelled"
+
+
+async def test_a_stop_id_ends_the_stream_and_its_text_is_not_shown(tmp_path):
+    async with running_server(tmp_path) as server:
+        async with await AsyncClient.connect(server.socket_path) as client:
+            result = await client.generate(prompt="ab", max_tokens=20, stop_ids=[ord("d") + 3]).collect()
+        assert result.ids == tuple(TOK.encode("bcd"))
+        assert result.text == "bc"
+        assert result.finish_reason == "stop"

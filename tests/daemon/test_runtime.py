@@ -1,0 +1,48 @@
+"""KV pool sizing from the daemon config."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prefixd.daemon.config import AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig
+from prefixd.daemon.runtime import kv_bytes_per_page, mem_available_bytes, plan_num_pages
+
+PAGE = 1000
+
+
+def test_lanes_reserve_full_context_and_cache_off_adds_nothing():
+    cfg = DaemonConfig(lanes=2, page_size=16, cache=False)
+    assert plan_num_pages(cfg, kv_bytes_per_page=PAGE, max_context=100, available_bytes=None) == 2 * 7
+
+
+def test_explicit_budget_adds_budget_pages():
+    cfg = DaemonConfig(lanes=2, page_size=16, cache_budget_bytes=50_500)
+    assert plan_num_pages(cfg, kv_bytes_per_page=PAGE, max_context=100, available_bytes=None) == 14 + 50
+
+
+def test_auto_budget_takes_half_the_available_memory_minus_the_lanes():
+    cfg = DaemonConfig(lanes=2, page_size=16)
+    assert plan_num_pages(cfg, kv_bytes_per_page=PAGE, max_context=100, available_bytes=100_000) == 14 + 36
+
+
+def test_auto_budget_on_cpu_is_capped():
+    cfg = DaemonConfig(lanes=1, page_size=16)
+    pages = plan_num_pages(cfg, kv_bytes_per_page=PAGE, max_context=16, available_bytes=1 << 40)
+    assert pages == 1 + AUTO_CACHE_MAX_BYTES_CPU // PAGE
+
+
+def test_auto_budget_without_a_memory_figure_doubles_the_lane_pages():
+    cfg = DaemonConfig(lanes=2, page_size=16, device="cuda")
+    assert plan_num_pages(cfg, kv_bytes_per_page=PAGE, max_context=100, available_bytes=None) == 28
+
+
+def test_kv_bytes_per_page_counts_k_and_v_of_every_layer():
+    model = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    assert kv_bytes_per_page(model, DaemonConfig(dtype="bf16", page_size=16)) == 2 * 30 * 3 * 64 * 2 * 16
+
+
+def test_mem_available_reads_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  100 kB\nMemAvailable:   2048 kB\n")
+    assert mem_available_bytes(meminfo) == 2048 * 1024
+    assert mem_available_bytes(tmp_path / "missing") is None
