@@ -197,7 +197,7 @@ class Admitter:
         req = stream.req
         self.waiting.remove(stream)
         if result == "resident":
-            self._continue_resident(stream, lane)
+            self._continue_resident(stream, lane, resume)
         else:
             self.tables.release(lane)
             self._restore(lane, stream, hit)
@@ -227,10 +227,10 @@ class Admitter:
             return Seating(stream, self.device.sample(lane.index, logits), logits if req.want_logits else None)
         return Seating(stream)
 
-    def _continue_resident(self, stream: Stream, lane: Lane) -> None:
+    def _continue_resident(self, stream: Stream, lane: Lane, resume: int) -> None:
         lane.resident = False
         if not self.invariant_rows:
-            copied = self.device.restore(lane.index, lane.cut_state)
+            copied = self.device.restore(lane.index, lane.cut_states[resume])
             self.observer.on_snapshot_copy("restore", copied)
         if self.store is not None:
             self.store.note_latest(stream.key)

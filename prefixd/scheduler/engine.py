@@ -26,6 +26,10 @@ from prefixd.scheduler.streams import DoneEvent, RequestError, Stream, StreamReq
 
 Event = TokenEvent | DoneEvent
 OUT_OF_PAGES_NOTE = "stopped early: no KV pages left for another row"
+# A resident lane of a non-invariant family keeps its state at the last cuts of its pass: the
+# prompt's end and the chunk start before it (a chat's generation-prompt start, where the next
+# turn's schedule cuts too).
+RESIDENT_CUTS = 2
 
 
 class Engine:
@@ -252,14 +256,15 @@ class Engine:
 
     def _keep_cut(self, lane: Lane, stream: Stream, cut: int, res: LaneResult | None) -> None:
         """A prefill chunk ended at a cut: capture the lane's state and publish the rows below it."""
-        if self.store is None and cut != stream.num_prompt:
-            return  # without a store only the prompt's last cut is resumed (in place)
+        last_cuts = self._schedules[stream.stream_id].cuts[-RESIDENT_CUTS:]
+        if self.store is None and cut not in last_cuts:
+            return  # without a store only the last cuts are resumed, in place
         state = None
         if self.info.lane_state_bytes:
             state = self.device.capture(lane.index)
             self.observer.on_snapshot_copy("save", state.nbytes)
-        if cut == stream.num_prompt and not self.info.invariant_rows:
-            lane.state_cut, lane.cut_state = cut, state
+        if not self.info.invariant_rows and cut in last_cuts:
+            lane.cut_states[cut] = state
         if self.store is not None:
             logits = res.logits if res is not None else None
             self.store.publish(stream.key, self._schedules[stream.stream_id], cut, lane.pages,

@@ -52,8 +52,7 @@ class Lane:
     resident: bool = False
     last_used: int = 0
     restored: object | None = None  # the store hit this lane resumed from (pinned while busy)
-    state_cut: int | None = None  # the cut `cut_state` was captured at (non-invariant families)
-    cut_state: object | None = None  # DeviceState at `state_cut`
+    cut_states: dict[int, object] = field(default_factory=dict)  # cut -> DeviceState (non-invariant)
 
     @property
     def num_rows(self) -> int:
@@ -119,8 +118,7 @@ class PageTables:
         del lane.ids[row:]
         lane.prefilled_upto = min(lane.prefilled_upto, row)
         lane.cuts = tuple(c for c in lane.cuts if c <= row)
-        if lane.state_cut is not None and lane.state_cut > row:
-            lane.state_cut, lane.cut_state = None, None
+        lane.cut_states = {c: st for c, st in lane.cut_states.items() if c <= row}
         lane.num_borrowed = min(lane.num_borrowed, keep)
         copied = self._copy_last_page(lane) if must_copy else 0
         if must_copy or row % self.page_size == 0:
@@ -164,8 +162,7 @@ class PageTables:
         lane.frame = 0
         lane.resident = False
         lane.restored = None
-        lane.state_cut = None
-        lane.cut_state = None
+        lane.cut_states = {}
 
 
 def starts_below(starts: Sequence[int], cut: int) -> tuple[int, ...]:
@@ -175,22 +172,25 @@ def starts_below(starts: Sequence[int], cut: int) -> tuple[int, ...]:
 def resident_resume(lane: Lane, stream: Stream, schedule: ScheduleLike, *, invariant_rows: bool) -> int:
     """Rows `stream` may reuse in place from resident `lane` (0: none).
 
-    Invariant families resume at any identity-equal row; others only at the lane's captured
-    cut, when it is also a cut of the stream's own schedule with the same starts below it.
+    Only a prompt whose identity extends all the lane's rows continues it. Invariant families
+    then resume right after those rows; others only at a cut whose state the lane captured,
+    when it is also a cut of the stream's own schedule with the same starts below it.
     At least the prompt's last row is always computed again, for its logits.
     """
     req = stream.req
     images = tuple(im.identity for im in req.images)
     k = match_rows(lane, stream.key_tokens, req.namespace, req.frame, images)
+    if k == 0 or k < lane.num_rows:
+        return 0  # the prompt must extend every row the lane holds; partial matches go through the store
     limit = min(k, stream.num_prompt - 1)
     if invariant_rows:
         return limit
-    cut = lane.state_cut
-    if cut is None or cut == 0 or cut > limit or cut not in schedule.cuts:
-        return 0
-    if starts_below(lane.starts, cut) != starts_below(req.chunk_starts, cut):
-        return 0
-    return cut
+    usable = [
+        cut for cut in lane.cut_states
+        if 0 < cut <= limit and cut in schedule.cuts
+        and starts_below(lane.starts, cut) == starts_below(req.chunk_starts, cut)
+    ]
+    return max(usable, default=0)
 
 
 @dataclass(frozen=True, slots=True)

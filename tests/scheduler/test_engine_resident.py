@@ -70,14 +70,14 @@ def test_a_prompt_equal_to_the_held_rows_recomputes_only_its_last_row():
     assert device.copied_bytes == 0
 
 
-def test_a_diverging_prompt_reuses_up_to_the_divergence():
+def test_a_diverging_prompt_leaves_the_resident_lane_alone():
     engine, _ = make()
     turn(engine, req(1, SYSTEM))
     prompt2 = SYSTEM[:6] + [1, 2, 3]
     out2, done2 = turn(engine, req(2, prompt2))
-    assert (done2.usage.cache, done2.usage.cached_tokens) == ("resident", 6)
+    assert (done2.usage.cache, done2.usage.cached_tokens) == ("miss", 0)
     assert out2 == cold(req(2, prompt2))
-    assert engine.status()["lanes"][0]["pages"] == 3  # rows 0..11: pages past the divergence went back
+    assert engine.status()["lanes"][0] == {"lane": 0, "state": "resident", "rows": 12, "pages": 3}
 
 
 def test_another_namespace_does_not_continue_the_lane():
@@ -168,6 +168,17 @@ def test_non_invariant_family_resumes_in_place_only_at_its_last_cut():
     assert (done2.usage.cache, done2.usage.cached_tokens, done2.usage.prefilled_tokens) == ("resident", 10, 6)
     assert device.copied_bytes == 256  # the lane state captured at the cut, no pages
     assert out2 == cold(req(2, prompt2, chunk_starts=(4, 10)), **NON_INVARIANT)
+
+
+def test_non_invariant_family_resumes_in_place_at_the_reply_header_cut():
+    engine, device = make(**NON_INVARIANT)
+    out1, _ = turn(engine, req(1, SYSTEM, chunk_starts=(8,)))  # rows 8, 9: the reply header
+    prompt2 = SYSTEM + out1 + [5, 6, 7] + [1, 2]
+    starts2 = (8, 13, 16)
+    out2, done2 = turn(engine, req(2, prompt2, chunk_starts=starts2))
+    assert (done2.usage.cache, done2.usage.cached_tokens, done2.usage.prefilled_tokens) == ("resident", 8, 10)
+    assert device.copied_bytes == 256
+    assert out2 == cold(req(2, prompt2, chunk_starts=starts2), **NON_INVARIANT)
 
 
 def test_non_invariant_family_needs_the_same_starts_below_the_cut():
