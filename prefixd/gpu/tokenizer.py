@@ -105,6 +105,7 @@ class Tokenizer:
         self._byte_level = byte_level
         self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
         self._templates: dict[str, ChatTemplate] = {}
+        self._bytes_table: list[bytes] | None = None
 
     # --- construction ---------------------------------------------------------------
 
@@ -218,6 +219,12 @@ class Tokenizer:
         """Raw bytes one token stands for (b"" for ids without a token)."""
         if not 0 <= token_id < self.vocab_size:
             return b""
+        if self._bytes_table is None:
+            # Built once: streaming and message-start mapping look up every generated id.
+            self._bytes_table = [self._spell_bytes(i) for i in range(self.vocab_size)]
+        return self._bytes_table[token_id]
+
+    def _spell_bytes(self, token_id: int) -> bytes:
         if token_id in self._added:
             return self._added[token_id].encode("utf-8")
         piece = self._backend.id_to_token(token_id)

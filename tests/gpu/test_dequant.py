@@ -82,3 +82,15 @@ def test_wrong_byte_count_and_unsupported_type_raise() -> None:
     assert QT.Q2_K not in SUPPORTED_TYPES
     with pytest.raises(ValueError, match="unsupported"):
         dequantize(torch.zeros(84, dtype=torch.uint8), QT.Q2_K, (256,), torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("qtype", sorted(BLOCK_TYPES, key=lambda q: q.name), ids=lambda q: q.name)
+def test_cuda_dequantize_equals_cpu(qtype: QT) -> None:
+    block_elems, _, _ = BLOCK_TYPES[qtype]
+    raw = torch.from_numpy(_random_blocks(qtype, 64, seed=5).copy())
+    shape = (8, 8 * block_elems)
+    cpu = dequantize(raw, qtype, shape, torch.float32)
+    cuda = dequantize(raw.to("cuda"), qtype, shape, torch.float32)
+    assert torch.equal(cuda.cpu(), cpu)

@@ -283,3 +283,29 @@ def test_default_model_equals_transformers_gguf_load(default_gguf: Path) -> None
     bf16 = _load("default", torch.bfloat16)
     q = "model.layers.7.self_attn.q_proj.weight"
     assert torch.equal(bf16.tensors[q], ck.tensors[q].to(torch.bfloat16))
+
+
+def test_gguf_rope_freqs_become_llama3_scaling(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    from prefixd.gpu.loading.gguf_loader import llama3_factors
+
+    scaling = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    factors = np.array(llama3_factors(scaling, 500000.0, 16), dtype=np.float32)
+    assert factors.min() == 1.0 and factors.max() == 8.0 and len(set(factors.tolist())) > 2
+    path = write_tiny_gguf(tmp_path / "r.gguf", tiny_llama_dir, extra_keys={"llama.rope.freq_base": 500000.0},
+                           raw_tensors={"rope_freqs.weight": (factors, QT.F32)})
+    config = _load(path).config
+    assert (config.rope_theta, config.rope_scaling) == (500000.0, scaling)
+    odd = write_tiny_gguf(tmp_path / "o.gguf", tiny_llama_dir, raw_tensors={"rope_freqs.weight": (factors * 1.5, QT.F32)})
+    with pytest.raises(ModelLoadError, match="rope_freqs.weight"):
+        _load(odd)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_load_equals_cpu_load(llama_gguf: Path, tiny_qwen2_dir: Path) -> None:
+    for spec in (llama_gguf, tiny_qwen2_dir):
+        cpu = _load(spec, torch.bfloat16)
+        cuda = load_checkpoint(spec, device=torch.device("cuda"), dtype=torch.bfloat16)
+        for name, value in cpu.tensors.items():
+            assert cuda.tensors[name].device.type == "cuda"
+            assert torch.equal(cuda.tensors[name].cpu(), value), name

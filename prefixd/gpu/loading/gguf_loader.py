@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 from typing import Callable
+
+import numpy as np
 
 import torch
 from gguf import GGMLQuantizationType
@@ -12,6 +16,7 @@ from prefixd.gpu.config import (
     GGUF_TENSOR_SHAPES_KEY,
     ConfigError,
     ModelConfig,
+    RopeScaling,
     config_from_gguf,
     gguf_fixup,
     gguf_tensor_names,
@@ -31,6 +36,43 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     head_dim = rows // num_heads
     rest = weight.shape[1:]
     return weight.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+_ROPE_FREQS = "rope_freqs.weight"
+# Llama 3.x ship these band edges; a rope_freqs tensor is checked against them exactly.
+_LLAMA3_BANDS = ((1.0, 4.0, 8192),)
+
+
+def llama3_factors(scaling: RopeScaling, theta: float, head_dim: int) -> list[float]:
+    """Per-frequency divisors llama3 scaling applies (what llama.cpp stores as rope_freqs)."""
+    out = []
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(scaling.factor)
+        else:
+            smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+                scaling.high_freq_factor - scaling.low_freq_factor)
+            out.append(1.0 / ((1 - smooth) / scaling.factor + smooth))
+    return out
+
+
+def _rope_from_freqs(path: Path, gf: GGUFFile, config: ModelConfig) -> ModelConfig:
+    """llama.cpp writes llama3 rope scaling as a rope_freqs tensor: recover its parameters."""
+    entry = gf.tensors[_ROPE_FREQS]
+    if entry.qtype != GGMLQuantizationType.F32 or entry.shape != (config.head_dim // 2,):
+        raise ModelLoadError(str(path), f"tensor {_ROPE_FREQS!r}: expected F32 of shape ({config.head_dim // 2},)")
+    factors = gf.raw(_ROPE_FREQS).view(np.float32)
+    for low, high, original in _LLAMA3_BANDS:
+        scaling = RopeScaling("llama3", float(factors.max()), low, high, original)
+        expected = np.array(llama3_factors(scaling, config.rope_theta, config.head_dim), dtype=np.float32)
+        if np.allclose(factors, expected, rtol=1e-5, atol=0):
+            return dataclasses.replace(config, rope_scaling=scaling)
+    raise ModelLoadError(str(path), f"tensor {_ROPE_FREQS!r}: not a llama3 rope scaling this loader knows")
 
 
 def _plan(path: Path, gf: GGUFFile, config: ModelConfig) -> dict[str, tuple[GGUFTensor, tuple[int, ...]]]:
@@ -69,6 +111,8 @@ def read_gguf_header(path: Path) -> tuple[GGUFFile, ModelConfig, Tokenizer]:
         tokenizer = Tokenizer.from_gguf_fields(meta)
     except TokenizerError as exc:
         raise ModelLoadError(str(path), f"tokenizer: {exc}") from exc
+    if _ROPE_FREQS in gf.tensors and config.rope_scaling is None:
+        config = _rope_from_freqs(path, gf, config)
     return gf, config, tokenizer
 
 
