@@ -74,6 +74,7 @@ class Engine:
         self._schedules: dict[int, Schedule] = {}
         self._seq = itertools.count()
         self._tick = itertools.count(1)
+        self._store_touched = True
         self.admitter = Admitter(
             lanes=self.lanes, tables=self.tables, device=device, store=self.store,
             schedules=self._schedules, observer=self.observer, clock=clock, grid=config.grid,
@@ -191,6 +192,7 @@ class Engine:
     def _schedule(self, events: list[Event]) -> list[PlannedWork]:
         self._drop_cancelled(events)
         for seating in self.admitter.admit():
+            self._store_touched = True
             if seating.first is not None:
                 self._emit(seating.stream, seating.first, seating.logits, events)
         busy = sorted((lane for lane in self.lanes if lane.busy), key=lambda lane: lane.stream.seq)
@@ -266,6 +268,7 @@ class Engine:
         if not self.info.invariant_rows and cut in last_cuts:
             lane.cut_states[cut] = state
         if self.store is not None:
+            self._store_touched = True
             logits = res.logits if res is not None else None
             self.store.publish(stream.key, self._schedules[stream.stream_id], cut, lane.pages,
                                Snapshot(state=state, logits=logits), prefilled_upto=lane.prefilled_upto,
@@ -310,9 +313,13 @@ class Engine:
         self.observer.on_done(reason, usage.prompt_tokens, usage.completion_tokens)
 
     def _report_store(self) -> None:
+        """Feed evictions and, when the store may have changed this round, its bytes."""
         if self.store is None:
             return
-        for ev in self.store.drain_evictions():
+        evictions = self.store.drain_evictions()
+        for ev in evictions:
             self.observer.on_eviction(ev.reason, ev.nbytes)
-        stats = self.store.stats()
-        self.observer.on_store(stats.bytes, stats.budget_bytes)
+        if evictions or self._store_touched:
+            stats = self.store.stats()  # walks the store's pages: not every decode round
+            self.observer.on_store(stats.bytes, stats.budget_bytes)
+        self._store_touched = False

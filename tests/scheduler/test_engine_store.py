@@ -199,3 +199,21 @@ def test_check_integrity_catches_a_leaked_page():
     with pytest.raises(RuntimeError, match="refcounts"):
         engine.check_integrity()
     engine.allocator.decref([0])
+
+
+def test_store_bytes_are_reported_after_rounds_that_change_the_store_only():
+    class Bytes(NullObserver):
+        def __init__(self):
+            self.reports, self.rounds = [], 0
+
+        def on_store(self, bytes_held, budget_bytes):
+            self.reports.append((bytes_held, budget_bytes))
+
+        def on_round(self, duration_s, forward_s, num_rows, lanes_busy, waiting):
+            self.rounds += 1
+
+    obs = Bytes()
+    engine, _ = make(observer=obs)
+    turn(engine, req(1, SYSTEM))  # 3 prefill rounds keep cuts 4, 8, 10; 2 decode rounds keep nothing
+    assert obs.rounds == 5 and len(obs.reports) == 3
+    assert obs.reports[-1] == (engine.status()["store"]["bytes"], 65536) == (15072, 65536)
