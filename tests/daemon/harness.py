@@ -23,9 +23,10 @@ def open_fds() -> set[int]:
 async def running_server(tmp_path: Path, device: LetterDevice | None = None, **overrides) -> AsyncIterator[Server]:
     device = device or LetterDevice()
     out_frames = overrides.pop("out_frames", 512)
+    env = overrides.pop("env", {})
     cfg = DaemonConfig(socket_path=tmp_path / "run" / "prefixd.sock", metrics_addr="127.0.0.1:0",
                        grace_s=overrides.pop("grace_s", 5.0), **overrides)
-    server = Server(cfg, runtime_factory=fake_runtime_factory(device), env={}, out=io.StringIO(),
+    server = Server(cfg, runtime_factory=fake_runtime_factory(device), env=env, out=io.StringIO(),
                     out_frames=out_frames)
     server.device = device  # type: ignore[attr-defined]
     async with anyio.create_task_group() as tg:

@@ -154,3 +154,29 @@ async def test_a_stop_id_ends_the_stream_and_its_text_is_not_shown(tmp_path):
         assert result.ids == tuple(TOK.encode("bcd"))
         assert result.text == "bc"
         assert result.finish_reason == "stop"
+
+
+async def test_notify_ready_after_listening_watchdog_pings_and_stopping(tmp_path):
+    import socket as socket_mod
+
+    rx = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_DGRAM)
+    rx.bind(str(tmp_path / "notify"))
+    rx.setblocking(False)
+    env = {"NOTIFY_SOCKET": str(tmp_path / "notify"), "WATCHDOG_USEC": "20000"}
+    seen: list[str] = []
+
+    async def until(needle: str) -> None:
+        while needle not in seen:
+            await anyio.wait_readable(rx)
+            seen.extend(rx.recv(4096).decode().split("\n"))
+
+    with rx:
+        async with running_server(tmp_path, env=env) as server:
+            await until("READY=1")
+            assert f"STATUS=listening on {server.socket_path}" in seen
+            async with await AsyncClient.connect(server.socket_path) as client:
+                await client.status()  # READY=1 came once the socket was listening
+            seen.clear()
+            await until("WATCHDOG=1")
+            server.request_exit(0)
+            await until("STOPPING=1")
