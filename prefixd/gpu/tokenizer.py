@@ -236,6 +236,10 @@ class Tokenizer:
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode("utf-8")
 
+    def token_id(self, text: str) -> int | None:
+        """Id of a vocabulary entry or special token spelled exactly `text`, or None."""
+        return self._backend.token_to_id(text)
+
     def token_text(self, token_id: int) -> str | None:
         """The vocabulary entry (as spelled in the vocab) for an id, or None."""
         return self._backend.id_to_token(token_id) if 0 <= token_id < self.vocab_size else None

@@ -110,6 +110,15 @@ def test_gguf_unpermutes_qk_and_equals_hf(llama_gguf: Path, tiny_llama_dir: Path
         assert torch.equal(value, ref[name]), name
 
 
+def test_gguf_qwen3_keeps_qk_order_and_norms(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    ck = _load(write_tiny_gguf(tmp_path / "q3.gguf", tiny_qwen3_dir))
+    ref = load_file(str(tiny_qwen3_dir / "model.safetensors"))
+    assert (ck.config.family, ck.config.qk_norm, ck.config.num_layers) == ("qwen3", True, 3)
+    assert set(ck.tensors) == set(ref)
+    for name, value in ck.tensors.items():
+        assert torch.equal(value, ref[name]), name
+
+
 def test_gguf_quantized_tensors_decode_like_reference(tmp_path: Path, tiny_qwen2_dir: Path) -> None:
     qtypes = {"token_embd.weight": QT.Q8_0, "blk.0.ffn_up.weight": QT.Q4_0, "blk.1.attn_v.weight": QT.Q4_1,
               "blk.0.attn_q.weight": QT.F16, "output.weight": QT.BF16}

@@ -70,6 +70,7 @@ def test_digits_split_one_by_one_for_smollm(tok: Tokenizer) -> None:
 
 def test_special_token_text_becomes_one_id(tok: Tokenizer) -> None:
     assert tok.encode("<|im_start|>user") == [1, 4093]
+    assert (tok.token_id("<|im_end|>"), tok.token_id("no such token")) == (2, None)
     assert tok.decode([1, 4093, 2]) == "<|im_start|>user<|im_end|>"
 
 
