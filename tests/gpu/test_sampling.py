@@ -7,6 +7,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixd.gpu.sampling import (
     LaneSampler,
@@ -176,6 +178,24 @@ def test_filters_compose_in_order():
     assert kept(out) == [0, 1, 2]
     assert kept(apply_penalties_and_filters(row, replace(params, min_p=0.05), no_seen(6), 6)) == [0, 1]
     assert kept(apply_penalties_and_filters(row, replace(params, top_p=1.0, min_p=0.0), no_seen(6), 6)) == [0, 1, 2, 3]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    u=st.floats(0.0, 1.0, exclude_max=True),
+    top_k=st.integers(0, 20),
+    top_p=st.floats(0.01, 1.0),
+    min_p=st.floats(0.0, 1.0),
+)
+def test_a_draw_is_always_a_surviving_unpadded_id(seed, u, top_k, top_p, min_p):
+    (row,) = random_rows(1, seed=seed)
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p)
+    original = row.clone()
+    filtered = apply_penalties_and_filters(row, params, no_seen(), 50)
+    assert torch.equal(row, original)  # the caller's row is left alone
+    token = pick_token(filtered, u)
+    assert token < 50 and token in kept(filtered)
 
 
 # --- seeds and lane independence ------------------------------------------------------
