@@ -5,8 +5,8 @@ MLP together (linear layers padded to an invariant M); the mixers run per lane:
 
 - linear_attention: causal conv over the lane's conv state, then the gated delta rule,
   chunked form for a prefill chunk, step form (with a rollback record) for decode rows;
-- full_attention: q/k norm, partial rotary, K/V written into the lane's pages, causal
-  attention over its pages, output gated by sigmoid(gate).
+- full_attention: q/k norm, partial rotary, K/V written into the lane's pages, the
+  runtime's row-invariant paged attention (`gpu.attention`), output gated by sigmoid(gate).
 
 The chunked and step forms differ in the last bits, so `invariant_rows` is False: only rows
 of a request's own prefill schedule are resumable (see docs/runtime.md, Hybrid).
@@ -23,8 +23,8 @@ from prefixd.gpu import families
 from prefixd.gpu.families import gdn
 from prefixd.gpu.families.qwen3_5_config import (LINEAR, HybridConfig, hybrid_config,
                                                  model_config, register)
-from prefixd.gpu.families.qwen3_5_ops import (PartialRope, causal_attention, gated_rms_norm,
-                                              linear, rms_norm)
+from prefixd.gpu.attention import AttentionSpan, attend, plan_attention
+from prefixd.gpu.families.qwen3_5_ops import PartialRope, gated_rms_norm, linear, rms_norm
 from prefixd.gpu.families.qwen3_5_state import HybridState, LaneStatePool
 from prefixd.gpu.kv_pool import KVPool
 from prefixd.scheduler.records import LaneWork
@@ -40,6 +40,17 @@ class _Span:
     hi: int
     page_table: tuple[int, ...]
     prefill: bool
+
+
+@dataclass(frozen=True)
+class _Round:
+    """What every layer of one round reads besides its input rows."""
+
+    spans: Sequence[_Span]
+    slots: torch.Tensor  # (rows,) flat KV slot of each row
+    cos: torch.Tensor  # (rows, 1, rotary_dim)
+    sin: torch.Tensor
+    tiles: tuple  # attention.AttentionTile, built once per round
 
 
 class HybridModel:
@@ -126,34 +137,47 @@ class HybridModel:
         """Run a round (`gpu.model.RoundInputs`); returns final-normed hidden rows
         (num_rows, hidden) in float32. Writes KV pages, advances lane states; a decode span
         of more than one row leaves a rollback record on its lane."""
+        n = inputs.num_rows
         spans = [_Span(lane, s.start, s.row, s.row + s.length, tuple(s.page_table), prefill)
                  for s, lane, prefill in zip(inputs.spans, inputs.lanes, inputs.prefill)]
-        x = self.embed.index_select(0, inputs.tokens[:inputs.num_rows])
+        x = self.embed.index_select(0, inputs.tokens[:n])
         for rows_idx, rows in inputs.images:
             x.index_copy_(0, rows_idx, rows.to(self.dtype))
-        return self._layers(x, spans, kv).float()
+        cos, sin = self.rope.cos_sin(inputs.positions[:n], self.dtype)
+        rnd = _Round(spans, inputs.slots, cos, sin, inputs.tiles)
+        return self._layers(x, rnd, kv).float()
 
     @torch.inference_mode()
     def forward_works(self, works: Sequence[LaneWork], kv: KVPool) -> torch.Tensor:
         """`forward` for a list of LaneWork (tests and benches; images not supported)."""
-        spans, lo = [], 0
+        spans, attn_spans, lo = [], [], 0
         for w in works:
             spans.append(_Span(w.lane, w.start, lo, lo + len(w.tokens), tuple(w.page_table),
                                w.prefill))
+            attn_spans.append(AttentionSpan(lo, w.start, len(w.tokens), tuple(w.page_table)))
             lo += len(w.tokens)
-        ids = torch.tensor([t for w in works for t in w.tokens], dtype=torch.long, device=self.device)
-        return self._layers(self.embed.index_select(0, ids), spans, kv).float()
+        page = kv.page_size
+        positions = [p for w in works for p in range(w.start, w.start + len(w.tokens))]
+        slots = [w.page_table[p // page] * page + p % page
+                 for w in works for p in range(w.start, w.start + len(w.tokens))]
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        cos, sin = self.rope.cos_sin(as_long(positions), self.dtype)
+        tiles = plan_attention(attn_spans, total_rows=lo, page_size=page, device=self.device,
+                               group=self.hybrid.num_heads // self.hybrid.num_kv_heads)
+        rnd = _Round(spans, as_long(slots), cos, sin, tuple(tiles))
+        ids = as_long([t for w in works for t in w.tokens])
+        return self._layers(self.embed.index_select(0, ids), rnd, kv).float()
 
-    def _layers(self, x: torch.Tensor, spans: Sequence[_Span], kv: KVPool) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, rnd: _Round, kv: KVPool) -> torch.Tensor:
         if self.states is None:
             raise RuntimeError("forward before new_lane_states")
         eps = self.hybrid.rms_norm_eps
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer["ln1"], eps)
             if self.hybrid.layer_types[i] == LINEAR:
-                x = x + self._linear_attention(layer, h, spans)
+                x = x + self._linear_attention(layer, h, rnd.spans)
             else:
-                x = x + self._full_attention(layer, h, spans, kv)
+                x = x + self._full_attention(layer, h, rnd, kv)
             h = rms_norm(x, layer["ln2"], eps)
             gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)
             x = x + linear((gdn.silu(gate) * up.float()).to(self.dtype), layer["down"])
@@ -208,8 +232,7 @@ class HybridModel:
         rec_state.copy_(new_rec)
         return out
 
-    def _full_attention(self, layer: dict, h: torch.Tensor, spans: Sequence[_Span],
-                        kv: KVPool) -> torch.Tensor:
+    def _full_attention(self, layer: dict, h: torch.Tensor, rnd: _Round, kv: KVPool) -> torch.Tensor:
         c = self.hybrid
         qkv = linear(h, layer["w_qkv"], layer.get("b_qkv"))
         q_size, kv_size = 2 * c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -219,31 +242,12 @@ class HybridModel:
         q = rms_norm(q, layer["q_norm"], c.rms_norm_eps)
         k = rms_norm(k.view(-1, c.num_kv_heads, c.head_dim), layer["k_norm"], c.rms_norm_eps)
         v = v.view(-1, c.num_kv_heads, c.head_dim)
-        out = torch.empty(h.shape[0], c.num_heads, c.head_dim, dtype=torch.float32, device=self.device)
-        for s in spans:
-            out[s.lo:s.hi] = self._attend_lane(kv, layer["slot"], s, q[s.lo:s.hi],
-                                               k[s.lo:s.hi], v[s.lo:s.hi])
-        attn = (out.view(h.shape[0], -1) * gdn.sigmoid(gate)).to(self.dtype)
+        q, k = self.rope.apply(q, rnd.cos, rnd.sin), self.rope.apply(k, rnd.cos, rnd.sin)
+        kv.write(layer["slot"], rnd.slots, k, v)
+        out = attend(q.float() * c.head_dim ** -0.5, kv.k[layer["slot"]], kv.v[layer["slot"]],
+                     rnd.tiles)  # (rows, heads * head_dim) float32
+        attn = (out * gdn.sigmoid(gate)).to(self.dtype)
         return linear(attn, layer["w_o"], layer.get("b_o"))
-
-    def _attend_lane(self, kv: KVPool, slot: int, span: _Span, q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor) -> torch.Tensor:
-        rows, start, table = q.shape[0], span.start, span.page_table
-        pos = torch.arange(start, start + rows, device=self.device)
-        cos, sin = self.rope.cos_sin(pos, self.dtype)
-        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-        page = kv.page_size
-        slots = torch.tensor([table[p // page] * page + p % page for p in range(start, start + rows)],
-                             dtype=torch.long, device=self.device)
-        kv.write(slot, slots, k, v)
-        keys, values = kv.rows(slot, table, start + rows)
-        scale = self.hybrid.head_dim ** -0.5
-        if span.prefill:
-            return causal_attention(q, keys, values, start, scale)
-        # decode rows one by one: a verified row gets the bits of the same row decoded alone
-        return torch.cat([causal_attention(q[j:j + 1], keys[:start + j + 1],
-                                           values[:start + j + 1], start + j, scale)
-                          for j in range(rows)])
 
     # -- lane state ------------------------------------------------------------------------
 

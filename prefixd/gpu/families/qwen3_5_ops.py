@@ -1,6 +1,4 @@
-"""Row-invariant building blocks of the hybrid family: padded linear, norms, partial
-rotary, and per-lane causal attention for the full-attention layers.
-"""
+"""Row-invariant building blocks of the hybrid family: padded linear, norms, partial rotary."""
 
 from __future__ import annotations
 
@@ -73,23 +71,3 @@ class PartialRope:
         half = self.rotary_dim // 2
         rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
         return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                     scale: float) -> torch.Tensor:
-    """Rows at positions [start, start + T) attend to K/V rows [0, start + T).
-
-    q: (T, H, hd); k, v: (S, KVH, hd) with S = start + T. Math in float32; returns (T, H, hd)
-    float32. Op shapes depend only on (T, S): the same schedule gives the same bits.
-    """
-    rows, heads, hd = q.shape
-    kv_heads = k.shape[1]
-    rep = heads // kv_heads
-    qf = q.float().view(rows, kv_heads, rep, hd).permute(1, 2, 0, 3).reshape(kv_heads, rep * rows, hd)
-    kf, vf = k.float().transpose(0, 1), v.float().transpose(0, 1)  # (KVH, S, hd)
-    scores = (qf @ kf.transpose(1, 2)) * scale  # (KVH, rep*T, S)
-    q_pos = torch.arange(start, start + rows, device=q.device).repeat(rep)
-    k_pos = torch.arange(k.shape[0], device=q.device)
-    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ vf  # (KVH, rep*T, hd)
-    return out.view(kv_heads, rep, rows, hd).permute(2, 0, 1, 3).reshape(rows, heads, hd)
