@@ -128,6 +128,20 @@ class Engine:
         self.observer.on_round(self.clock() - t0, forward_s, plan.num_rows, busy, len(self.admitter.waiting))
         return events
 
+    def abort(self, note: str) -> list[Event]:
+        """End every running and waiting stream with finish_reason "error" and `note` (after a
+        device failure); lanes are freed, not kept resident. The store keeps what it holds."""
+        events: list[Event] = []
+        for stream in sorted(self._streams.values(), key=lambda s: s.seq):
+            if stream.lane is None:
+                self.admitter.forget(stream)
+                stream.note = note
+                self._done(stream, "error", events)
+            else:
+                self._finish(stream, "error", events, note=note, keep=False)
+        self._report_store()
+        return events
+
     @property
     def idle(self) -> bool:
         """Nothing running or waiting."""

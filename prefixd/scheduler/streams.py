@@ -21,7 +21,11 @@ class RequestError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class StreamRequest:
-    """One generation request. `cache_key`, when given, replaces `tokens` as the reuse identity."""
+    """One generation request.
+
+    A sampled id in `stop_ids` ends the stream ("stop") and is the last id emitted.
+    `cache_key`, when given, replaces `tokens` as the reuse identity.
+    """
 
     stream_id: int
     tokens: tuple[int, ...]

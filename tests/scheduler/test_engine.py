@@ -330,3 +330,15 @@ def test_a_prompt_larger_than_the_kv_pool_is_refused():
     assert err.value.code == "context_overflow"
     engine.submit(req(2, range(8), max_tokens=1))
     assert tokens_by_stream(run_until_idle(engine))[2] == reference_tokens(range(8), 1)
+
+
+def test_abort_ends_every_stream_with_error_and_frees_lanes():
+    engine, _ = make(num_lanes=1, cache=True)
+    engine.submit(req(1, range(6), max_tokens=9))
+    engine.submit(req(2, range(3), max_tokens=9))
+    engine.step()
+    events = engine.abort("device failed")
+    assert [(ev.stream_id, ev.finish_reason, ev.note) for ev in events] == [
+        (1, "error", "device failed"), (2, "error", "device failed")]
+    assert engine.idle and engine.status()["pages_used"] == 0
+    assert engine.status()["lanes"][0]["state"] == "free"
