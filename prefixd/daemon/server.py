@@ -184,6 +184,8 @@ class Server:
         self._connections.add(connection)
         try:
             await connection.serve()
+        except Exception:  # a bug met by one connection closes only that connection
+            log.exception("connection failed; closed it")
         finally:
             self._connections.discard(connection)
 

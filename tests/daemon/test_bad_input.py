@@ -178,3 +178,17 @@ async def test_a_client_that_never_reads_is_disconnected_and_its_stream_cancelle
         sock.close()
         await wait_idle(server)
         assert open_fds() == before
+
+
+async def test_a_bug_in_one_request_closes_only_that_connection(tmp_path, monkeypatch):
+    from prefixd.daemon.requests import RequestBuilder
+
+    def broken(self, msg):
+        raise RuntimeError("planted bug")
+
+    monkeypatch.setattr(RequestBuilder, "detokenize", broken)
+    async with running_server(tmp_path) as server:
+        frames = await _raw_session(server.socket_path, encode_frame({"type": "detokenize", "id": 1, "ids": [5]}))
+        assert frames == [{"closed": True}]
+        await _still_serves(server)
+        await wait_idle(server)

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,14 @@ class NotifyReceiver:
                 return seen
 
 
+def _generate_alone_connection(sock: Path):
+    def run(prompt: str) -> tuple[int, ...]:
+        with SyncClient(sock) as client:
+            return client.generate(prompt=prompt, max_tokens=6).collect().ids
+
+    return run
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*PREFIXD, *args], capture_output=True, text=True, env=ENV, timeout=LIVENESS_S)
 
@@ -71,6 +80,20 @@ def test_serve_notifies_ready_serves_the_cli_and_exits_0_on_sigterm(tiny_dir, tm
         assert set(result) == {"text", "tokens", "finish_reason", "usage"}
         assert result["finish_reason"] in ("length", "stop")
         assert result["usage"]["completion_tokens"] == len(result["tokens"])
+
+        chat = subprocess.run([*PREFIXD, "chat", "--socket", str(sock), "--max-tokens", "3"], input="hi\n/reset\nhey\n/exit\n",
+                              capture_output=True, text=True, env=ENV, timeout=LIVENESS_S)
+        assert chat.returncode == 0, chat.stderr
+        assert "(conversation reset)" in chat.stderr
+        assert chat.stdout.count("> ") == 4  # one prompt per input line
+        assert chat.stdout.count("\n") == 2  # two replies
+
+        prompts = ["one", "two two", "three three three", "four"]
+        with SyncClient(sock) as client:
+            solo = [client.generate(prompt=p, max_tokens=6).collect().ids for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(_generate_alone_connection(sock), prompts))
+        assert together == solo
 
         status = _cli("status", "--socket", str(sock), "--json")
         assert json.loads(status.stdout)["lanes_busy"] == 0
