@@ -106,13 +106,16 @@ class LetterDevice:
         self.round_delay_s = round_delay_s
         self.gate = threading.Event()
         self.gate.set()
+        self.waiting = False  # True while a round waits for the gate
         self.rounds = 0
 
     def start_stream(self, lane: int, sampling: SamplingParams, history: Sequence[int]) -> None:
         return None
 
     def run_round(self, plan: RoundPlan) -> RoundResult:
+        self.waiting = True
         self.gate.wait()
+        self.waiting = False
         if self.round_delay_s:
             time.sleep(self.round_delay_s)
         self.rounds += 1

@@ -180,3 +180,17 @@ async def test_notify_ready_after_listening_watchdog_pings_and_stopping(tmp_path
             await until("WATCHDOG=1")
             server.request_exit(0)
             await until("STOPPING=1")
+
+
+async def test_the_event_loop_answers_while_a_round_is_stuck_in_the_device(tmp_path):
+    async with running_server(tmp_path) as server:
+        server.device.gate.clear()  # the engine thread blocks inside run_round
+        async with await AsyncClient.connect(server.socket_path) as a, await AsyncClient.connect(server.socket_path) as b:
+            async with a.generate(prompt="abc", max_tokens=2) as stream:
+                while not server.device.waiting:  # the engine thread is parked inside run_round
+                    await anyio.sleep(0.01)
+                assert await b.detokenize(TOK.encode("still here")) == "still here"
+                assert (await b.hello()).version == 1
+                server.device.gate.set()
+                result = [e async for e in stream]
+        assert result[-1].finish_reason == "length"
