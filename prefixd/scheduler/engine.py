@@ -16,13 +16,13 @@ from prefixd.scheduler.admission import Admitter
 from prefixd.scheduler.config import SchedulerConfig, store_budget_bytes
 from prefixd.scheduler.device import Device
 from prefixd.scheduler.events import EngineObserver, NullObserver
-from prefixd.scheduler.lanes import Lane, PageTables, pages_for
+from prefixd.scheduler.lanes import Lane, PageTables, check_page_refs
 from prefixd.scheduler.pages import PageAllocator
 from prefixd.scheduler.planner import Schedule, plan_schedule
 from prefixd.scheduler.records import DeviceRows, LaneResult, RoundPlan, RoundResult
 from prefixd.scheduler.rounds import PlannedWork, plan_round
 from prefixd.scheduler.store import PrefixStore, Snapshot, make_key
-from prefixd.scheduler.streams import DoneEvent, RequestError, Stream, StreamRequest, TokenEvent, validate_request
+from prefixd.scheduler.streams import DoneEvent, Stream, StreamRequest, TokenEvent, validate_request
 
 Event = TokenEvent | DoneEvent
 OUT_OF_PAGES_NOTE = "stopped early: no KV pages left for another row"
@@ -63,13 +63,8 @@ class Engine:
         self.store: PrefixStore | None = None
         if config.cache:
             self.store = (store_factory or PrefixStore)(
-                allocator=self.allocator,
-                page_size=info.page_size,
-                kv_bytes_per_page=info.kv_bytes_per_page,
-                budget_bytes=store_budget_bytes(info, config),
-                invariant_rows=info.invariant_rows,
-                clock=clock,
-            )
+                allocator=self.allocator, page_size=info.page_size, kv_bytes_per_page=info.kv_bytes_per_page,
+                budget_bytes=store_budget_bytes(info, config), invariant_rows=info.invariant_rows, clock=clock)
         self._streams: dict[int, Stream] = {}
         self._schedules: dict[int, Schedule] = {}
         self._seq = itertools.count()
@@ -85,10 +80,8 @@ class Engine:
 
     def submit(self, req: StreamRequest) -> None:
         """Queue `req`; raises RequestError on bad input (nothing is queued then)."""
-        validate_request(req, vocab_size=self.info.vocab_size, max_context=self.max_context)
-        if pages_for(len(req.tokens), self.info.page_size) > self.info.num_pages:
-            raise RequestError("context_overflow", f"the prompt has {len(req.tokens)} tokens; the KV pool holds "
-                               f"{self.info.num_pages * self.info.page_size} rows")
+        validate_request(req, vocab_size=self.info.vocab_size, max_context=self.max_context,
+                         pool_rows=self.info.num_pages * self.info.page_size)
         if req.stream_id in self._streams:
             raise ValueError(f"stream id {req.stream_id} is already in use")
         stream = Stream(req=req, submit_s=self.clock(), seq=next(self._seq))
@@ -172,34 +165,19 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if lanes, streams, the store and page refcounts disagree."""
-        self.allocator.check_integrity()
-        held = [0] * self.info.num_pages
-        for stream in self.admitter.waiting:
-            for p in stream.hit.pages if stream.hit is not None else ():
-                held[p] += 1
         for lane in self.lanes:
-            for p in lane.pages:
-                held[p] += 1
-            if lane.busy and lane.resident:
-                raise RuntimeError(f"lane {lane.index} is both busy and resident")
-            if len(lane.pages) < pages_for(lane.num_rows, self.info.page_size):
-                raise RuntimeError(f"lane {lane.index}: {lane.num_rows} rows but {len(lane.pages)} pages")
-            if lane.free and lane.pages:
-                raise RuntimeError(f"free lane {lane.index} holds pages {lane.pages}")
             stream = lane.stream
             if stream is not None and (stream.lane != lane.index or self._streams.get(stream.stream_id) is not stream):
                 raise RuntimeError(f"lane {lane.index} and its stream disagree")
-        extra = [self.allocator.refcount(p) - held[p] for p in range(self.info.num_pages)]
+        running = sum(1 for lane in self.lanes if lane.busy)
+        if running + len(self.admitter.waiting) != len(self._streams):
+            raise RuntimeError(f"{len(self._streams)} streams, {running} running, {len(self.admitter.waiting)} waiting")
         store_pages = 0
         if self.store is not None:
             self.store.check_integrity()
             store_pages = self.store.stats().pages
-        if any(x not in (0, 1) for x in extra) or sum(extra) != store_pages:
-            bad = [p for p, x in enumerate(extra) if x not in (0, 1)]
-            raise RuntimeError(f"page refcounts disagree with lanes + store ({store_pages} pages): {bad or extra}")
-        running = sum(1 for lane in self.lanes if lane.busy)
-        if running + len(self.admitter.waiting) != len(self._streams):
-            raise RuntimeError(f"{len(self._streams)} streams, {running} running, {len(self.admitter.waiting)} waiting")
+        waiting_pages = [p for s in self.admitter.waiting if s.hit is not None for p in s.hit.pages]
+        check_page_refs(self.allocator, self.lanes, self.info.page_size, waiting_pages, store_pages)
 
     # -- schedule ---------------------------------------------------------------------
 

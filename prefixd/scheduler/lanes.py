@@ -67,6 +67,30 @@ class Lane:
         return self.stream is None and not self.resident
 
 
+def check_page_refs(
+    allocator: PageAllocator, lanes: Sequence[Lane], page_size: int, other_refs: Sequence[int], store_pages: int
+) -> None:
+    """Raise RuntimeError unless every page's refcount is its lanes' holds, `other_refs`
+    (held for waiting streams), and at most one more for each of the store's `store_pages`."""
+    allocator.check_integrity()
+    held = [0] * allocator.num_pages
+    for p in other_refs:
+        held[p] += 1
+    for lane in lanes:
+        for p in lane.pages:
+            held[p] += 1
+        if lane.busy and lane.resident:
+            raise RuntimeError(f"lane {lane.index} is both busy and resident")
+        if len(lane.pages) < pages_for(lane.num_rows, page_size):
+            raise RuntimeError(f"lane {lane.index}: {lane.num_rows} rows but {len(lane.pages)} pages")
+        if lane.free and lane.pages:
+            raise RuntimeError(f"free lane {lane.index} holds pages {lane.pages}")
+    extra = [allocator.refcount(p) - held[p] for p in range(allocator.num_pages)]
+    if any(x not in (0, 1) for x in extra) or sum(extra) != store_pages:
+        bad = [p for p, x in enumerate(extra) if x not in (0, 1)]
+        raise RuntimeError(f"page refcounts disagree with lanes + store ({store_pages} pages): {bad or extra}")
+
+
 def match_rows(lane: Lane, key: Sequence[int], namespace: str, frame: int, images: Sequence[ImageIdentity]) -> int:
     """How many leading rows of `lane` carry the identity a request with `key` would give them."""
     if namespace != lane.namespace or frame != lane.frame:

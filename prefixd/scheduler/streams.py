@@ -71,8 +71,8 @@ class DoneEvent:
     note: str | None = None
 
 
-def validate_request(req: StreamRequest, *, vocab_size: int, max_context: int) -> None:
-    """Raise RequestError if `req` cannot be served as sent."""
+def validate_request(req: StreamRequest, *, vocab_size: int, max_context: int, pool_rows: int | None = None) -> None:
+    """Raise RequestError if `req` cannot be served as sent (`pool_rows`: rows the KV pool holds)."""
     n = len(req.tokens)
     if n == 0:
         raise RequestError("bad_request", "the prompt is empty")
@@ -81,6 +81,8 @@ def validate_request(req: StreamRequest, *, vocab_size: int, max_context: int) -
             "context_overflow",
             f"the prompt has {n} tokens; the context holds {max_context}, so at most {max_context - 1} fit",
         )
+    if pool_rows is not None and n > pool_rows:
+        raise RequestError("context_overflow", f"the prompt has {n} tokens; the KV pool holds {pool_rows} rows")
     for t in req.tokens:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise RequestError("invalid_token", f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
