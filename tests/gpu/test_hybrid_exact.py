@@ -194,6 +194,10 @@ def test_rollback_without_a_record_is_refused(config: HybridConfig) -> None:
     _run(model, [_prefill(0, _prompt(20, seed=6), 0, 20)])
     with pytest.raises(ValueError):
         model.rollback(0, 1)
+    _run(model, [_decode(0, 20, [1, 2, 3])])
+    _run(model, [_decode(0, 23, [4])])  # a newer row makes the verify's record stale
+    with pytest.raises(ValueError):
+        model.rollback(0, 2)
 
 
 def test_decoded_rows_are_not_prefilled_rows(config: HybridConfig) -> None:

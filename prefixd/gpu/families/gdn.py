@@ -59,19 +59,19 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU over new rows, continuing from `conv_state`.
 
-    x: (T, C) new inputs; conv_state: (K-1, C) the previous K-1 inputs (zeros at start);
-    weight: (C, K). Returns (out (T, C) in x's dtype, new conv state (K-1, C)).
-    Taps are summed one by one in a fixed order, so a row's bits depend only on its K inputs
-    (the same in the chunked and the step form).
+    x: (..., T, C) new inputs; conv_state: (..., K-1, C) the previous K-1 inputs (zeros at
+    start); weight: (C, K). Returns (out (..., T, C) in x's dtype, new conv state). Taps are
+    summed one by one in a fixed order, so a row's bits depend only on its K inputs (the same
+    in the chunked and the step form, alone or batched with other lanes).
     """
     num_taps = weight.shape[1]
-    num_rows = x.shape[0]
-    window = torch.cat([conv_state.to(torch.float32), x.to(torch.float32)], dim=0)  # (K-1+T, C)
+    num_rows = x.shape[-2]
+    window = torch.cat([conv_state.to(torch.float32), x.to(torch.float32)], dim=-2)
     w = weight.to(torch.float32)
-    acc = window[0:num_rows] * w[:, 0]
+    acc = window[..., 0:num_rows, :] * w[:, 0]
     for j in range(1, num_taps):
-        acc = acc + window[j:j + num_rows] * w[:, j]
-    new_state = window[num_rows:].to(conv_state.dtype)  # the last K-1 inputs
+        acc = acc + window[..., j:j + num_rows, :] * w[:, j]
+    new_state = window[..., num_rows:, :].to(conv_state.dtype)  # the last K-1 inputs
     return silu(acc).to(x.dtype), new_state
 
 

@@ -193,42 +193,76 @@ class HybridModel:
         mixed, z, b, a = proj.split([c.conv_dim, c.lin_value_dim, c.lin_num_v_heads,
                                      c.lin_num_v_heads], dim=-1)
         g, beta = gdn.gates(a, b, layer["a_log"], layer["dt_bias"])
+        # one-row decode lanes run batched; prefill chunks and verify rows run per lane
+        singles = [s for s in spans if not s.prefill and s.hi - s.lo == 1]
+        others = [s for s in spans if s.prefill or s.hi - s.lo > 1]
+        conv_out = torch.empty_like(mixed)
+        if singles:
+            lanes, rows = self._index(s.lane for s in singles), self._index(s.lo for s in singles)
+            conv_out[rows] = self._conv_singles(layer, lanes, mixed.index_select(0, rows))
+        for s in others:
+            conv_out[s.lo:s.hi] = self._conv_lane(layer, s, mixed[s.lo:s.hi])
+        q, k, v = self._qkv(conv_out)
         core = torch.empty(h.shape[0], c.lin_num_v_heads, c.lin_v_dim, dtype=torch.float32,
                            device=self.device)
-        for s in spans:
-            core[s.lo:s.hi] = self._gdn_lane(layer, s, mixed[s.lo:s.hi], g[s.lo:s.hi],
-                                             beta[s.lo:s.hi])
+        if singles:
+            rec = self.states.live.rec[layer["slot"]]
+            out, new = gdn.step(q[rows], k[rows], v[rows], g[rows], beta[rows],
+                                rec.index_select(0, lanes))
+            core[rows] = out
+            rec.index_copy_(0, lanes, new)
+        for s in others:
+            core[s.lo:s.hi] = self._recur_lane(layer, s, q[s.lo:s.hi], k[s.lo:s.hi],
+                                               v[s.lo:s.hi], g[s.lo:s.hi], beta[s.lo:s.hi])
         out = gated_rms_norm(core, z.view(-1, c.lin_num_v_heads, c.lin_v_dim), layer["norm"],
                              c.rms_norm_eps, self.dtype)
         return linear(out.view(h.shape[0], -1), layer["w_out"])
 
-    def _gdn_lane(self, layer: dict, span: _Span, mixed: torch.Tensor, g: torch.Tensor,
-                  beta: torch.Tensor) -> torch.Tensor:
-        c, slot, lane = self.hybrid, layer["slot"], span.lane
+    def _index(self, values) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.long, device=self.device)
+
+    def _conv_singles(self, layer: dict, lanes: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+        """Conv of one new row on each of several lanes: (B, C) in, (B, C) out."""
+        conv = self.states.live.conv[layer["slot"]]
+        if layer["slot"] == 0:  # a newer row: older rollback records no longer apply
+            for lane in lanes.tolist():
+                self.states.drop_trail(lane)
+        out, new = gdn.causal_conv(mixed.unsqueeze(1), conv.index_select(0, lanes), layer["conv"])
+        conv.index_copy_(0, lanes, new)
+        return out[:, 0]
+
+    def _conv_lane(self, layer: dict, span: _Span, mixed: torch.Tensor) -> torch.Tensor:
+        slot, lane = layer["slot"], span.lane
         conv_state = self.states.live.conv[slot][lane]
-        rec_state = self.states.live.rec[slot][lane]
-        rows = mixed.shape[0]
-        trail = None
-        if not span.prefill and rows > 1:
-            trail = self.states.begin_trail(lane, rows) if slot == 0 else self.states.trail(lane)
+        if not span.prefill:  # a verify: record the conv state after every row
+            trail = self.states.begin_trail(lane, mixed.shape[0]) if slot == 0 else self.states.trail(lane)
             trail.conv[slot].copy_(gdn.conv_states_after_rows(mixed, conv_state))
-        conv_out, new_conv = gdn.causal_conv(mixed, conv_state, layer["conv"])
+        elif slot == 0:
+            self.states.drop_trail(span.lane)
+        out, new = gdn.causal_conv(mixed, conv_state, layer["conv"])
+        conv_state.copy_(new)
+        return out
+
+    def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split conv output rows into L2-normed q (scaled), k per value head, and v."""
+        c, rows = self.hybrid, conv_out.shape[0]
         q, k, v = conv_out.float().split([c.lin_key_dim, c.lin_key_dim, c.lin_value_dim], dim=-1)
         rep = c.lin_num_v_heads // c.lin_num_k_heads
         q = gdn.l2_normalize(q.reshape(rows, c.lin_num_k_heads, c.lin_k_dim)) * c.lin_k_dim ** -0.5
         k = gdn.l2_normalize(k.reshape(rows, c.lin_num_k_heads, c.lin_k_dim))
         q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-        v = v.reshape(rows, c.lin_num_v_heads, c.lin_v_dim)
+        return q, k, v.reshape(rows, c.lin_num_v_heads, c.lin_v_dim)
+
+    def _recur_lane(self, layer: dict, span: _Span, q, k, v, g, beta) -> torch.Tensor:
+        """Chunked form for a prefill chunk; step form with a rollback record for verify rows."""
+        slot, lane = layer["slot"], span.lane
+        rec_state = self.states.live.rec[slot][lane]
         if span.prefill:
-            if slot == 0:
-                self.states.drop_trail(lane)
             out, new_rec = gdn.chunked(q, k, v, g, beta, rec_state)
         else:
             out, states = gdn.steps(q, k, v, g, beta, rec_state)
             new_rec = states[-1]
-            if trail is not None:
-                trail.rec[slot].copy_(states)
-        conv_state.copy_(new_conv)
+            self.states.trail(lane).rec[slot].copy_(states)
         rec_state.copy_(new_rec)
         return out
 
