@@ -49,6 +49,15 @@ class Schedule:
             at = end
         return out
 
+    def chunk_key(self, end: int) -> tuple[int, tuple[int, ...], int]:
+        """What rows [0, end) were chunked by (end in (0, n]): the grid, the starts below `end`
+        and the end of the chunk holding row end-1. Rows of a family that is not row-invariant
+        are equal only under an equal chunk key."""
+        if not 0 < end <= self.n:
+            raise ValueError(f"end {end} outside (0, {self.n}]")
+        chunk_end = self.boundaries[bisect.bisect_left(self.boundaries, end)]
+        return self.grid, tuple(s for s in self.starts if s < end), chunk_end
+
     def is_cut(self, row: int) -> bool:
         i = bisect.bisect_left(self.cuts, row)
         return i < len(self.cuts) and self.cuts[i] == row

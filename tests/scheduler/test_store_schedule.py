@@ -76,3 +76,21 @@ def test_a_keep_whose_lookahead_runs_past_the_key_is_refused() -> None:
     res = rig.store.publish(key(TEXT[:12], lookahead=1), plan_schedule(12, (), 4), 12, lane,
                             Snapshot(), prefilled_upto=12)
     assert res == REFUSED
+
+
+def test_pages_chunked_otherwise_are_never_handed_to_a_family_that_is_not_row_invariant() -> None:
+    rig = Rig()
+    rig.serve(key(TEXT[:8]))  # rows 4..7 prefilled as one chunk [4, 8) into page 1
+    started = rig.serve(key(TEXT[:8]), starts=(6,))  # the same rows chunked [4, 6) + [6, 8)
+    assert started.hit is None and started.pages == [2, 3]
+    assert started.results == [(6, SAVED), (8, SAVED)]
+    hit = rig.lookup(key(TEXT[:8]), starts=(6,))
+    assert hit is not None and (hit.rows, hit.pages) == (8, (0, 3))  # page 0 chunked alike
+    assert rig.lookup(key(TEXT[:8])).pages == (0, 1)  # type: ignore[union-attr]
+
+
+def test_a_row_invariant_family_shares_the_page_however_it_was_chunked() -> None:
+    rig = Rig(invariant=True)
+    rig.serve(key(TEXT[:8]))
+    hit = rig.lookup(key(TEXT[:8] + (1,)), starts=(6,))
+    assert hit is not None and (hit.rows, hit.pages) == (8, (0, 1))

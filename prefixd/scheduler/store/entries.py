@@ -84,10 +84,10 @@ class Node:
     """One full page of the tree: rows [depth*P - P, depth*P) under `key` (root: depth 0)."""
 
     depth: int
-    key: RowsKey | None  # None at a root
+    key: tuple[RowsKey, tuple] | None  # (rows identity, chunk key); None at a root
     page: int | None  # None at a root
     parent: Node | None
-    children: dict[RowsKey, Node] = field(default_factory=dict)
+    children: dict[RowsKey, dict[tuple, Node]] = field(default_factory=dict)  # by rows, chunks
     entries: dict[tuple, Entry] = field(default_factory=dict)
     num_entries_below: int = 0  # entries on this node and in its subtree
 

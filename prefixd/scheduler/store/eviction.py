@@ -86,9 +86,9 @@ def candidates(entries: Iterable[Entry], exclude: Entry | None = None) -> list[E
 
 
 def plan_to_budget(ledger: Ledger, entries: Iterable[Entry], budget_bytes: int,
-                   exclude: Entry | None = None) -> list[Entry] | None:
-    """Victims, in order, that bring the store's bytes within `budget_bytes`, or None when
-    evicting every eligible entry would not."""
+                   exclude: Entry | None = None, *, partial: bool = False) -> list[Entry] | None:
+    """Victims, in order, that bring the store's bytes within `budget_bytes`. When evicting
+    every eligible entry would not: None, or with `partial` every eligible entry."""
     over = ledger.bytes - budget_bytes
     if over <= 0:
         return []
@@ -103,7 +103,7 @@ def plan_to_budget(ledger: Ledger, entries: Iterable[Entry], budget_bytes: int,
         over -= r.nbytes
         if over <= 0:
             return victims
-    return None
+    return victims if partial else None
 
 
 def next_for_pages(ledger: Ledger, entries: Iterable[Entry]) -> Entry | None:

@@ -33,11 +33,14 @@ def check(page_size: int, tree: Tree, ledger: Ledger) -> None:
             extra += e.snapshot.nbytes
             seen.append(e)
             count += 1
-        for rk, child in node.children.items():
-            if child.parent is not node or child.key != rk or child.depth != node.depth + 1:
-                raise RuntimeError(f"node at depth {child.depth} misfiled")
-            uses[child.page] += 1  # type: ignore[index]
-            count += walk(child)
+        for rk, variants in node.children.items():
+            if not variants:
+                raise RuntimeError(f"node at depth {node.depth} keeps an empty child slot")
+            for ck, child in variants.items():
+                if child.parent is not node or child.key != (rk, ck) or child.depth != node.depth + 1:
+                    raise RuntimeError(f"node at depth {child.depth} misfiled")
+                uses[child.page] += 1  # type: ignore[index]
+                count += walk(child)
         if count != node.num_entries_below:
             raise RuntimeError(f"node at depth {node.depth}: {node.num_entries_below} entries "
                                f"counted below, {count} found")

@@ -47,7 +47,7 @@ class PrefixStore:
         self.invariant_rows = invariant_rows
         self._clock = clock
         self._ledger = Ledger(allocator, kv_bytes_per_page)
-        self._tree = Tree(self._ledger, page_size, clock)
+        self._tree = Tree(self._ledger, page_size, invariant_rows, clock)
         self._pending: list[Eviction] = []
         self._evictions = {r: 0 for r in REASONS}
         self._hits = self._misses = self._query_tokens = self._hit_tokens = 0
@@ -65,13 +65,13 @@ class PrefixStore:
         Takes no page reference: the caller increfs `hit.pages`.
         """
         n = len(key.tokens)
-        path = self._tree.path(key, n)
+        path = self._tree.path(key, n, schedule)
         best: Entry | None = None
         for e in self._tree.prefix_entries(path, key):
             if self._usable(e, key, schedule) and (best is None or e.cut > best.cut):
                 best = e
         hit = self._hit_from(path, best, n)
-        self._tree.observe(path, key, moved_below=n)
+        self._tree.observe(key, moved_below=n)
         self._query_tokens += n
         if hit is None:
             self._misses += 1
@@ -117,7 +117,7 @@ class PrefixStore:
     def note_latest(self, key: ReuseKey) -> None:
         """The conversation's latest prompt is `key` (e.g. a resident continuation that did not
         look up): entries it runs past are marked moved past, and cuts it diverges from shared."""
-        self._tree.observe(self._tree.path(key, len(key.tokens)), key, moved_below=len(key.tokens))
+        self._tree.observe(key, moved_below=len(key.tokens))
 
     # ---- publish ------------------------------------------------------------------------
 
@@ -142,7 +142,7 @@ class PrefixStore:
         if cut > prefilled_upto or not key.has_rows(cut):
             self._refused += 1
             return REFUSED
-        node = self._tree.grow(key, cut, pages)
+        node = self._tree.grow(key, cut, pages, schedule)
         slot = (cut, key.rows_key(node.depth * P, cut), self._cut_hash(key, schedule, cut))
         old = node.entries.get(slot)
         if old is not None:
@@ -153,7 +153,7 @@ class PrefixStore:
             entry = self._tree.attach(node, key, slot, pages[cut // P] if cut % P else None, snapshot)
             result = self._fit(entry, key, restored)
         if result != SKIPPED:
-            self._tree.observe(self._tree.path(key, cut), key, moved_below=cut)
+            self._tree.observe(key, moved_below=cut)
         return result
 
     def _fit(self, entry: Entry, key: ReuseKey, restored: Hit | None) -> str:
@@ -218,8 +218,8 @@ class PrefixStore:
     def set_budget(self, budget_bytes: int) -> None:
         """Change the allowance, evicting down to it (as far as unpinned entries allow)."""
         self.budget_bytes = budget_bytes
-        victims = eviction.plan_to_budget(self._ledger, self._tree.entries.values(), budget_bytes)
-        for v in victims if victims is not None else []:
+        for v in eviction.plan_to_budget(self._ledger, self._tree.entries.values(), budget_bytes,
+                                         partial=True) or []:
             self._evict(v, "budget")
 
     def clear(self) -> int:

@@ -1,5 +1,8 @@
 """The radix tree of the prefix store: one node per full page, entries hung at cuts.
 
+A node's key is the identity of its rows and, for a family that is not row-invariant, how
+they were chunked (`Schedule.chunk_key`): pages computed under other chunks are siblings.
+
 Every node keeps at least one entry at or below it; a node left with none is pruned and
 its page released. Namespace and frame select separate roots, so nothing is shared across
 them.
@@ -7,51 +10,76 @@ them.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
+from prefixd.scheduler.planner import Schedule
 from prefixd.scheduler.store.allowance import Ledger
 from prefixd.scheduler.store.entries import Entry, Node, Snapshot
 from prefixd.scheduler.store.identity import ReuseKey, agrees_from
 
 
 class Tree:
-    def __init__(self, ledger: Ledger, page_size: int, clock: Callable[[], float]) -> None:
+    def __init__(self, ledger: Ledger, page_size: int, invariant_rows: bool,
+                 clock: Callable[[], float]) -> None:
         self.ledger = ledger
+        self.invariant_rows = invariant_rows
         self.page_size = page_size
         self.clock = clock
         self.roots: dict[tuple[str, int], Node] = {}
         self.entries: dict[int, Entry] = {}  # by seq, in creation order
         self.seq = 0
 
-    def path(self, key: ReuseKey, upto: int) -> list[Node]:
+    def path(self, key: ReuseKey, upto: int, schedule: Schedule) -> list[Node]:
         """The key's root and the nodes of its full pages below `upto` (their lookahead inside
-        the key), as far as the tree has them; [] when the key's root does not exist."""
+        the key) chunked as `schedule` chunks them, as far as the tree has them; [] when the
+        key's root does not exist."""
         node = self.roots.get((key.namespace, key.frame))
         if node is None:
             return []
         path, P = [node], self.page_size
         while (node.depth + 1) * P <= upto and key.has_rows((node.depth + 1) * P):
-            child = node.children.get(key.rows_key(node.depth * P, (node.depth + 1) * P))
+            end = (node.depth + 1) * P
+            child = node.children.get(key.rows_key(end - P, end), {}).get(self._chunks(schedule, end))
             if child is None:
                 break
             path.append(child)
             node = child
         return path
 
-    def grow(self, key: ReuseKey, cut: int, pages: Sequence[int]) -> Node:
+    def same_rows(self, key: ReuseKey, upto: int) -> list[Node]:
+        """Every node whose rows (and lookahead) are identity-equal to the key's below `upto`,
+        however they were chunked."""
+        root = self.roots.get((key.namespace, key.frame))
+        out, level, P = [], [] if root is None else [root], self.page_size
+        while level:
+            out += level
+            end = (level[0].depth + 1) * P
+            if end > upto or not key.has_rows(end):
+                break
+            rk = key.rows_key(end - P, end)
+            level = [c for n in level for c in n.children.get(rk, {}).values()]
+        return out
+
+    def grow(self, key: ReuseKey, cut: int, pages: Sequence[int], schedule: Schedule) -> Node:
         """The node of the key's last full page below `cut`, creating missing nodes on the
         lane's `pages` (with no entry yet: the caller attaches one or prunes)."""
         node = self.roots.setdefault((key.namespace, key.frame), Node(0, None, None, None))
         P = self.page_size
         while (node.depth + 1) * P <= cut:
-            rk = key.rows_key(node.depth * P, (node.depth + 1) * P)
-            child = node.children.get(rk)
+            end = (node.depth + 1) * P
+            nk = (key.rows_key(end - P, end), self._chunks(schedule, end))
+            variants = node.children.setdefault(nk[0], {})
+            child = variants.get(nk[1])
             if child is None:
-                child = Node(node.depth + 1, rk, pages[node.depth], node)
+                child = Node(node.depth + 1, nk, pages[node.depth], node)
                 self.ledger.hold(pages[node.depth])
-                node.children[rk] = child
+                variants[nk[1]] = child
             node = child
         return node
+
+    def _chunks(self, schedule: Schedule, end: int) -> tuple:
+        # a family that is not row-invariant shares a page only between equal chunkings
+        return () if self.invariant_rows else schedule.chunk_key(end)
 
     def attach(self, node: Node, key: ReuseKey, slot: tuple, tail_page: int | None,
                snapshot: Snapshot) -> Entry:
@@ -89,24 +117,28 @@ class Tree:
         """Drop `node` and its ancestors while they keep no entry; returns pages freed."""
         freed: list[int] = []
         while node.parent is not None and node.num_entries_below == 0:
-            del node.parent.children[node.key]  # type: ignore[arg-type]
+            rk, ck = node.key  # type: ignore[misc]
+            variants = node.parent.children[rk]
+            del variants[ck]
+            if not variants:
+                del node.parent.children[rk]
             freed += self.ledger.release(node.page)  # type: ignore[arg-type]
             node = node.parent
         if node.parent is None and node.num_entries_below == 0:
             self.roots = {k: r for k, r in self.roots.items() if r is not node}
         return freed
 
-    def prefix_entries(self, path: list[Node], key: ReuseKey) -> Iterator[Entry]:
-        """Entries on `path` whose rows (and lookahead) are identity-equal to the key's."""
-        for node in path:
+    def prefix_entries(self, nodes: Iterable[Node], key: ReuseKey) -> Iterator[Entry]:
+        """Entries on `nodes` whose rows (and lookahead) are identity-equal to the key's."""
+        for node in nodes:
             for e in list(node.entries.values()):
                 if key.has_rows(e.cut) and key.rows_key(node.depth * self.page_size, e.cut) == e.tail:
                     yield e
 
-    def observe(self, path: list[Node], key: ReuseKey, moved_below: int) -> None:
-        """`key` is its conversation's latest: entries on its path with a cut below
+    def observe(self, key: ReuseKey, moved_below: int) -> None:
+        """`key` is its conversation's latest: entries of its identity with a cut below
         `moved_below` are moved past, and cuts it diverges from after them are shared."""
-        for e in self.prefix_entries(path, key):
+        for e in self.prefix_entries(self.same_rows(key, moved_below), key):
             if e.cut < moved_below:
                 e.moved_past = True
             cont = e.continuation
