@@ -65,6 +65,8 @@ class PrefixStore:
         Takes no page reference: the caller increfs `hit.pages`.
         """
         n = len(key.tokens)
+        if schedule.n != n:
+            raise ValueError(f"lookup of a key of {n} rows with a schedule of {schedule.n}")
         path = self._tree.path(key, n, schedule)
         best: Entry | None = None
         for e in self._tree.prefix_entries(path, key):
@@ -130,8 +132,8 @@ class PrefixStore:
         Returns SAVED (also when an equal entry kept without a logits row takes this snapshot
         with one), PRESENT (an equal entry is kept; only its last use changes), REPLACED
         (dropped `restored`, a strict prefix, to fit), SKIPPED (does not fit, counted) or
-        REFUSED (cut > prefilled_upto, counted). May evict other entries to fit. Raises ValueError when `cut` is not a cut of `schedule` in a
-        family that is not row-invariant.
+        REFUSED (cut > prefilled_upto, counted). May evict other entries to fit. Raises
+        ValueError when `cut` is not a cut of `schedule` in a family that is not row-invariant.
         """
         n, P = len(key.tokens), self.page_size
         if schedule.n != n or not 0 < cut <= n or len(pages) < -(-cut // P):
@@ -159,7 +161,8 @@ class PrefixStore:
     def _fit(self, entry: Entry, key: ReuseKey, restored: Hit | None) -> str:
         if self._ledger.bytes <= self.budget_bytes:
             return SAVED
-        victims = eviction.plan_to_budget(self._ledger, self._tree.entries.values(), self.budget_bytes, entry)
+        victims = eviction.plan_to_budget(self._ledger, self._tree.entries.values(),
+                                          self.budget_bytes, entry)
         if victims is not None:
             for v in victims:
                 self._evict(v, "budget")
