@@ -78,3 +78,16 @@ def test_lowering_the_budget_evicts_down_to_it() -> None:
     assert rig.victims() == [("", 10, "never_hit")]
     assert rig.store.stats().bytes == 0 and rig.alloc.num_free == rig.alloc.num_pages
     rig.store.check_integrity()
+
+
+def test_an_entrys_bytes_are_what_it_alone_holds() -> None:
+    rig = Rig(state_bytes=STATE)
+    rig.serve(key(TEXT[:10]))  # cuts 4 and 8 on page edges, 10 with tail page 2
+    assert [(i.cut, i.nbytes) for i in rig.store.describe()] == [
+        (4, STATE), (8, STATE), (10, STATE + LOGITS + KVPP)]
+    rig.serve(key(TEXT[:8] + (1, 2, 3, 4)))  # a second branch past page 1
+    assert [(i.cut, i.nbytes) for i in rig.store.describe()] == [
+        (4, STATE), (8, STATE), (10, STATE + LOGITS + KVPP), (12, STATE + LOGITS + KVPP)]
+    rig.store.clear()
+    rig.serve(key(TEXT[:8]), cuts=(8,))
+    assert [(i.cut, i.nbytes) for i in rig.store.describe()] == [(8, STATE + LOGITS + 2 * KVPP)]

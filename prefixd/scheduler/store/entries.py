@@ -64,6 +64,20 @@ class Eviction:
 
 
 @dataclass(frozen=True, slots=True)
+class EntryInfo:
+    """One kept entry as `PrefixStore.describe()` reports it."""
+
+    namespace: str
+    frame: int
+    cut: int
+    nbytes: int  # what it alone holds: its snapshot, and pages nothing else in the store uses
+    hits: int
+    pinned: bool
+    moved_past: bool
+    shared: bool
+
+
+@dataclass(frozen=True, slots=True)
 class StoreStats:
     bytes: int  # every page the store holds x kv_bytes_per_page + snapshot bytes
     exclusive_bytes: int  # the same, counting only pages no lane holds now

@@ -16,8 +16,8 @@ from prefixd.scheduler.pages import PageAllocator
 from prefixd.scheduler.planner import Schedule, cut_hash
 from prefixd.scheduler.store import eviction
 from prefixd.scheduler.store.allowance import Ledger
-from prefixd.scheduler.store.entries import (CLEARED, REASONS, Entry, Eviction, Hit, Node,
-                                             Snapshot, StoreStats)
+from prefixd.scheduler.store.entries import (CLEARED, REASONS, Entry, EntryInfo, Eviction, Hit,
+                                             Node, Snapshot, StoreStats)
 from prefixd.scheduler.store.entries import REPLACED as REPLACED_REASON
 from prefixd.scheduler.store.identity import ReuseKey
 from prefixd.scheduler.store.tree import Tree
@@ -261,6 +261,12 @@ class PrefixStore:
                           query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
                           evictions=dict(self._evictions), skipped_saves=self._skipped,
                           refused_keeps=self._refused)
+
+    def describe(self) -> list[EntryInfo]:
+        """Every entry in creation order, with the bytes it alone holds."""
+        shadow = eviction.Shadow(self._ledger)
+        return [EntryInfo(e.namespace, e.frame, e.cut, shadow.release(e).nbytes, e.hits, e.pins > 0,
+                          e.moved_past, e.shared) for e in self._tree.entries.values()]
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if page references, byte totals or tree counts disagree."""
