@@ -72,6 +72,7 @@ class EngineHost:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sinks: dict[int, MemoryObjectSendStream[Any]] = {}
         self.failure: BaseException | None = None
+        self.num_failed_rounds = 0
         self.failed = anyio.Event()
 
     # -- lifecycle (event loop) -------------------------------------------------------------
@@ -159,12 +160,20 @@ class EngineHost:
                 for command in commands:
                     command()
                 if not self.engine.idle and not self._stopping:
-                    events = self.engine.step()
+                    events = self._step()
                     if events:
                         self._post(self._dispatch, [_host_event(e) for e in events])
         except BaseException as e:  # noqa: BLE001 - reported to the loop, which shuts down
             log.exception("engine thread stopped")
             self._post(self._fail, e)
+
+    def _step(self) -> list[Any]:
+        try:
+            return self.engine.step()
+        except Exception as e:  # a failed round ends its streams with "error"; serving goes on
+            log.exception("lane round failed; ending every stream with finish_reason error")
+            self.num_failed_rounds += 1
+            return self.engine.abort(f"the device failed during a lane round: {e!r}")
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop

@@ -108,6 +108,7 @@ class LetterDevice:
         self.gate.set()
         self.waiting = False  # True while a round waits for the gate
         self.rounds = 0
+        self.fail_rounds = False
 
     def start_stream(self, lane: int, sampling: SamplingParams, history: Sequence[int]) -> None:
         return None
@@ -116,6 +117,8 @@ class LetterDevice:
         self.waiting = True
         self.gate.wait()
         self.waiting = False
+        if self.fail_rounds:
+            raise RuntimeError("planted device failure")
         if self.round_delay_s:
             time.sleep(self.round_delay_s)
         self.rounds += 1

@@ -194,3 +194,18 @@ async def test_the_event_loop_answers_while_a_round_is_stuck_in_the_device(tmp_p
                 server.device.gate.set()
                 result = [e async for e in stream]
         assert result[-1].finish_reason == "length"
+
+
+async def test_a_failed_round_ends_its_streams_with_error_and_the_daemon_goes_on(tmp_path):
+    device = LetterDevice()
+    device.fail_rounds = True
+    async with running_server(tmp_path, device) as server:
+        async with await AsyncClient.connect(server.socket_path) as client:
+            failed = await client.generate(prompt="abc", max_tokens=2).collect()
+            device.fail_rounds = False
+            ok = await client.generate(prompt="abc", max_tokens=2).collect()
+        assert failed.finish_reason == "error"
+        assert "planted device failure" in failed.note
+        assert ok.text == "cd"
+        await wait_idle(server)
+    assert server.exit_code == 0
