@@ -125,10 +125,11 @@ def test_resumed_at_a_cut_equals_cold(config: HybridConfig) -> None:
         assert torch.equal(got, want)
 
 
-def test_concurrent_lanes_equal_solo(config: HybridConfig) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_concurrent_lanes_equal_solo(config: HybridConfig, dtype: torch.dtype) -> None:
     prompt, cuts = _prompt(90, seed=3), (33, 64)
-    solo, _ = _cold(_model(config), 0, prompt, cuts, num_decode=5)
-    model = _model(config)
+    solo, _ = _cold(_model(config, dtype=dtype), 0, prompt, cuts, num_decode=5)
+    model = _model(config, dtype=dtype)
     others = {lane: _prompt(20 + 13 * lane, seed=100 + lane) for lane in range(1, 8)}
     for lane, other in others.items():  # some neighbours are already decoding
         if lane % 2:
@@ -157,13 +158,15 @@ def test_concurrent_lanes_equal_solo(config: HybridConfig) -> None:
         assert torch.equal(got, want)
 
 
-def test_verifying_drafted_rows_equals_decoding_them_one_by_one(config: HybridConfig) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_verifying_drafted_rows_equals_decoding_them_one_by_one(config: HybridConfig,
+                                                                dtype: torch.dtype) -> None:
     prompt = _prompt(50, seed=4)
     draft = [7, 99, 300, 5]
-    one = _model(config)
+    one = _model(config, dtype=dtype)
     _run(one, [_prefill(0, prompt, 0, 50)])
     singles = [_run(one, [_decode(0, 50 + j, [t])])[0] for j, t in enumerate(draft)]
-    many = _model(config)
+    many = _model(config, dtype=dtype)
     _run(many, [_prefill(0, prompt, 0, 50)])
     verified = _run(many, [_decode(0, 50, draft)])[0]
     assert torch.equal(verified, torch.cat(singles))
