@@ -121,8 +121,19 @@ def _status(args: argparse.Namespace) -> int:
           f"{len(info.get('lanes', []))} total; {info.get('waiting', 0)} waiting")
     print(f"pages     {info.get('pages_used', 0)} used, {info.get('pages_free', 0)} free "
           f"(page size {info.get('page_size', '?')})")
+    store = info.get("store")
+    if isinstance(store, dict):
+        ratio = store.get("hit_tokens", 0) / max(1, store.get("query_tokens", 0))
+        print(f"cache     {_mib(store.get('bytes', 0))} of {_mib(store.get('budget_bytes', 0))}, "
+              f"{store.get('entries', 0)} entries; {ratio:.0%} of prompt tokens hit")
+    else:
+        print("cache     off")
     print(f"clients   {info.get('connections', 0)} connected; up {info.get('uptime_s', 0):.0f}s")
     return 0
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):.1f} MiB"
 
 
 def _chat(args: argparse.Namespace) -> int:

@@ -97,6 +97,11 @@ def test_serve_notifies_ready_serves_the_cli_and_exits_0_on_sigterm(tiny_dir, tm
 
         status = _cli("status", "--socket", str(sock), "--json")
         assert json.loads(status.stdout)["lanes_busy"] == 0
+        human = _cli("status", "--socket", str(sock))
+        assert human.returncode == 0, human.stderr
+        assert f"prefixd at {sock}" in human.stdout
+        assert "\nlanes     0 busy," in human.stdout
+        assert "\ncache     " in human.stdout
 
         second = subprocess.run(_serve_args(tiny_dir, sock), capture_output=True, text=True, env=ENV,
                                 timeout=LIVENESS_S)
