@@ -12,35 +12,12 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from tokenizers import Regex, decoders, models, pre_tokenizers
-from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 
 from prefixd.gpu.chat import ChatTemplate, RenderedChat, load_hf_templates, render_conversation
+from prefixd.gpu.tokenizer_gguf import TokenizerError, build_gguf_backend
 
-# Pre-tokenizer split rules by GGUF `tokenizer.ggml.pre` name (the merges were learned on
-# text split this way).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_SPLITS: dict[str, tuple[str, bool]] = {  # name -> (regex, ignore_merges)
-    **{n: (_LLAMA3_SPLIT, True) for n in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3")},
-    **{n: (_QWEN2_SPLIT, False) for n in ("qwen2", "deepseek-r1-qwen")},
-}
-_DIGIT_SPLIT_PRES = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"})
-_GPT2_PRES = frozenset({"default", "gpt-2", "gpt2", "olmo", "jais"})
-
-_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
-
-
-class TokenizerError(ValueError):
-    """The model's tokenizer data is missing, malformed or of an unsupported kind."""
-
+__all__ = ["RenderedChat", "StreamDecoder", "Tokenizer", "TokenizerError"]
 
 def _byte_decoder() -> dict[str, int]:
     """Inverse of byte-level BPE's byte -> printable-char spelling."""
@@ -55,20 +32,6 @@ def _byte_decoder() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_decoder()
-
-
-def _pre_tokenizer(pre: str | None) -> tuple[Any, bool]:
-    """(pre_tokenizer, ignore_merges) for a GGUF pre-tokenizer name."""
-    if pre in _PRE_SPLITS:
-        regex, ignore_merges = _PRE_SPLITS[pre]
-        split = pre_tokenizers.Split(Regex(regex), behavior="isolated")
-        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]), ignore_merges
-    if pre in _DIGIT_SPLIT_PRES:
-        digits = pre_tokenizers.Digits(individual_digits=True)
-        return pre_tokenizers.Sequence([digits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]), False
-    if pre is None or pre in _GPT2_PRES:
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), False
-    raise TokenizerError(f"tokenizer.ggml.pre: unsupported pre-tokenizer {pre!r}")
 
 
 def _token_text(value: Any) -> str | None:
@@ -112,29 +75,9 @@ class Tokenizer:
     @classmethod
     def from_gguf_fields(cls, fields: Mapping[str, Any]) -> Tokenizer:
         """Build from GGUF metadata values (`tokenizer.ggml.*`, `tokenizer.chat_template`)."""
-        kind = fields.get("tokenizer.ggml.model")
-        if kind is None:
-            raise TokenizerError("tokenizer.ggml.model: missing (the file has no tokenizer)")
-        if kind != "gpt2":
-            raise TokenizerError(f"tokenizer.ggml.model: unsupported tokenizer model {kind!r} (have: gpt2)")
-        tokens: list[str] = list(fields.get("tokenizer.ggml.tokens") or [])
-        merges = fields.get("tokenizer.ggml.merges")
-        if not tokens or merges is None:
-            missing = "tokenizer.ggml.tokens" if not tokens else "tokenizer.ggml.merges"
-            raise TokenizerError(f"{missing}: missing")
-        vocab: dict[str, int] = {}
-        for i, tok in enumerate(tokens):
-            vocab.setdefault(tok, i)
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        pre, ignore_merges = _pre_tokenizer(fields.get("tokenizer.ggml.pre"))
-        backend = _HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
-        backend.pre_tokenizer = pre
-        backend.decoder = decoders.ByteLevel()
-        types = list(fields.get("tokenizer.ggml.token_type") or [])
-        special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _TOKEN_CONTROL]
-        user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _TOKEN_USER_DEFINED]
-        backend.add_special_tokens(special)
-        backend.add_tokens(user)
+        backend, byte_level = build_gguf_backend(fields)
+        tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
+        default_bos = fields.get("tokenizer.ggml.model") == "llama"  # sentencepiece models start with BOS
 
         def opt_id(key: str) -> int | None:
             value = fields.get(key)
@@ -149,8 +92,9 @@ class Tokenizer:
             bos_id=bos,
             eos_id=eos,
             stop_ids=frozenset(int(i) for i in ends if i is not None),
-            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", default_bos)),
             chat_template=template if isinstance(template, str) else None,
+            byte_level=byte_level,
         )
 
     @classmethod

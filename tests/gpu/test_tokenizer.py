@@ -154,3 +154,82 @@ def _is_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+# --- sentencepiece ("llama") GGUF vocabularies: Llama 2 / Mistral style ---
+
+SPM_CORPUS = [
+    "Hello world, how are you?",
+    "  two leading spaces and trailing  ",
+    "emoji 😀 falls back to bytes; 東京 too",
+    "code:\n\tdef f(x): return x*2\n",
+    "numbers 1234 and 3.14",
+]
+
+
+@pytest.fixture(scope="module")
+def spm_fields(tok: Tokenizer) -> dict[str, Any]:
+    """A sentencepiece-style vocabulary made from the default vocabulary's text pieces:
+    <unk>, <s>, </s>, 256 byte tokens, then pieces scored by their original rank."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    seen = set(tokens)
+    for i in range(tok.vocab_size):
+        try:
+            text = tok.token_bytes(i).decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        piece = text.replace(" ", "\u2581")
+        if piece and piece not in seen and "\n" not in piece and "<|" not in piece:
+            seen.add(piece)
+            tokens.append(piece)
+            types.append(1)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.unknown_token_id": 0}
+
+
+def test_spm_roundtrip_prefix_and_byte_fallback(spm_fields: dict[str, Any]) -> None:
+    spm = Tokenizer.from_gguf_fields(spm_fields)
+    assert spm.add_bos and spm.encode("hi", add_special=True)[0] == 1
+    for text in SPM_CORPUS:
+        assert spm.decode(spm.encode(text)) == text
+    hello = spm.encode("Hello")
+    assert spm.token_text(hello[0]) == "\u2581Hello"
+    emoji = spm.encode("😀")
+    assert [spm.token_text(i) for i in emoji[-4:]] == ["<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+    assert b"".join(spm.token_bytes(i) for i in emoji[-4:]) == "😀".encode()
+    # The space prefix is added again after a special token, as llama.cpp does.
+    assert spm.encode("<s>Hello") == [1, *hello]
+
+
+def test_spm_chat_starts_map_through_char_offsets(spm_fields: dict[str, Any]) -> None:
+    source = "{% for m in messages %}<s>[{{ m.role }}] {{ m.content }}</s>{% endfor %}"
+    spm = Tokenizer.from_gguf_fields({**spm_fields, "tokenizer.chat_template": source})
+    rendered = spm.render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                               add_generation_prompt=False)
+    assert [rendered.ids[s] for s in rendered.message_starts] == [1, 1]
+
+
+@pytest.mark.slow
+def test_spm_ids_equal_transformers(spm_fields: dict[str, Any], tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from tests.helpers.tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "spm.gguf", tiny_llama_dir, extra_keys=spm_fields,
+                           drop_keys=("tokenizer.ggml.merges", "tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token"))
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    spm = Tokenizer.from_gguf_fields(spm_fields)
+    for text in SPM_CORPUS:
+        if not text.startswith(" "):
+            assert spm.encode(text) == ref.encode(text, add_special_tokens=False), text
+
+
+def test_spm_leading_spaces_keep_the_prefix_space(spm_fields: dict[str, Any]) -> None:
+    """llama.cpp prepends one space even to text that starts with spaces (transformers'
+    Metaspace folds it into them); we follow llama.cpp, whose GGUF format this is."""
+    spm = Tokenizer.from_gguf_fields(spm_fields)
+    text = "  two"
+    assert "".join(spm.token_text(i) or "" for i in spm.encode(text)) == "\u2581\u2581\u2581two"
