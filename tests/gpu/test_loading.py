@@ -20,7 +20,6 @@ from prefixd.gpu.config import RopeScaling, config_from_hf
 from prefixd.gpu.default_model import default_model_path
 from prefixd.gpu.loading import ModelLoadError, load_checkpoint
 from tests.helpers.tiny_gguf import write_tiny_gguf
-from tests.helpers.tiny_models import make_tiny_hf_dir
 
 CPU = torch.device("cpu")
 
@@ -48,6 +47,24 @@ def no_tensor_built(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_default_model_path_is_a_gguf(default_gguf: Path) -> None:
     assert default_model_path() == default_gguf
     assert default_gguf.read_bytes()[:4] == b"GGUF"
+
+
+def test_gguf_reader_agrees_with_gguf_package(default_gguf: Path) -> None:
+    """Our fast reader sees the same metadata and tensor bytes as gguf.GGUFReader."""
+    from gguf import GGUFReader
+
+    from prefixd.gpu.loading.gguf_file import GGUFFile
+
+    ours, ref = GGUFFile(default_gguf), GGUFReader(default_gguf)
+    keys = [k for k in ref.fields if not k.startswith("GGUF.")]
+    assert sorted(ours.metadata) == sorted(keys)
+    for key in keys:
+        assert ours.metadata[key] == ref.fields[key].contents(), key
+    assert [t.name for t in ref.tensors] == list(ours.tensors)
+    for t in ref.tensors[:40]:
+        entry = ours.tensors[t.name]
+        assert (entry.shape, entry.qtype) == (tuple(int(d) for d in reversed(t.shape)), t.tensor_type)
+        assert np.array_equal(ours.raw(t.name), t.data.reshape(-1).view(np.uint8)), t.name
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

@@ -135,19 +135,16 @@ def load_hf_dir(
     done = 0
     maps: dict[Path, mmap.mmap] = {}
     tensors: dict[str, torch.Tensor] = {}
-    try:
-        with torch.no_grad():
-            for name, (entry, shape) in plan.items():
-                if entry.file not in maps:
-                    with open(entry.file, "rb") as fh:
-                        maps[entry.file] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-                raw = np.frombuffer(maps[entry.file], dtype=np.uint8, count=entry.end - entry.start, offset=entry.start)
-                value = torch.from_numpy(raw).to(device).view(_DTYPES[entry.dtype])
-                tensors[name] = value.reshape(shape).to(dtype, copy=True)
-                del raw, value
-                done += entry.end - entry.start
-                if progress is not None:
-                    progress(f"loading {root.name}", done, total)
-    finally:
-        del maps
+    with torch.no_grad():
+        for name, (entry, shape) in plan.items():
+            if entry.file not in maps:
+                with open(entry.file, "rb") as fh:
+                    maps[entry.file] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            raw = np.frombuffer(maps[entry.file], dtype=np.uint8, count=entry.end - entry.start, offset=entry.start)
+            value = torch.from_numpy(raw).to(device).view(_DTYPES[entry.dtype])
+            # A copy: the returned tensors never alias the file mapping.
+            tensors[name] = value.reshape(shape).to(dtype, copy=True)
+            done += entry.end - entry.start
+            if progress is not None:
+                progress(f"loading {root.name}", done, total)
     return config, tensors, tokenizer
