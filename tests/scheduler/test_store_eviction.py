@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.scheduler.test_store_common import Rig, key
+from tests.scheduler.test_store_common import KVPP, Rig, key
 
 SYS = tuple(range(400, 408))  # a shared 8-token prefix
 
@@ -25,7 +25,7 @@ def _build_every_class(rig: Rig) -> None:
 
 
 def test_eviction_order_is_moved_past_then_never_hit_then_lru_then_shared() -> None:
-    rig = Rig()
+    rig = Rig(state_bytes=5)
     _build_every_class(rig)
     rig.store.set_budget(0)
     assert rig.victims() == [
@@ -72,7 +72,7 @@ def test_a_pinned_resume_source_and_pages_a_lane_holds_are_never_evicted() -> No
 
 
 def test_another_namespaces_longer_prompt_never_moves_a_conversation_past_a_state() -> None:
-    rig = Rig()
+    rig = Rig(state_bytes=5)
     rig.serve(key(conv(10), ns="a"), cuts=(8,))  # W, older
     rig.serve(key(conv(20), ns="a"), cuts=(8,))  # X, newer
     assert rig.lookup(key(conv(20) + (5, 5, 5), ns="b")) is None
@@ -83,7 +83,7 @@ def test_another_namespaces_longer_prompt_never_moves_a_conversation_past_a_stat
 
 
 def test_a_shared_cut_in_one_namespace_is_not_shared_in_another() -> None:
-    rig = Rig()
+    rig = Rig(state_bytes=5)
     rig.serve(key(SYS + (3, 3, 3, 3), ns="b"), cuts=(8, 12))  # one conversation in b
     rig.serve(key(SYS + (1, 1, 1, 1), ns="a"), cuts=(8, 12))
     rig.serve(key(SYS + (2, 2, 2, 2), ns="a"), cuts=(8, 12))  # a second one in a
@@ -95,3 +95,14 @@ def test_a_shared_cut_in_one_namespace_is_not_shared_in_another() -> None:
         ("a", 12, "never_hit"),
         ("a", 8, "shared"),
     ]
+
+
+def test_an_entry_that_would_free_nothing_waits_for_the_entries_below_it() -> None:
+    rig = Rig()  # empty snapshots: an interior cut alone holds no bytes
+    rig.serve(key(SYS + (1, 1, 1, 1)))  # cuts 4 and 8 (moved past, 0 bytes) and 12
+    rig.store.set_budget(2 * KVPP)
+    assert rig.victims() == [("", 12, "never_hit")]  # page 2 and the logits row go
+    assert [i.cut for i in rig.store.describe()] == [4, 8]
+    rig.store.set_budget(KVPP)
+    assert rig.victims() == [("", 8, "moved_past")]  # now it alone holds page 1
+    assert rig.store.stats().bytes == KVPP

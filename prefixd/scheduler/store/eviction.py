@@ -88,21 +88,32 @@ def candidates(entries: Iterable[Entry], exclude: Entry | None = None) -> list[E
 def plan_to_budget(ledger: Ledger, entries: Iterable[Entry], budget_bytes: int,
                    exclude: Entry | None = None, *, partial: bool = False) -> list[Entry] | None:
     """Victims, in order, that bring the store's bytes within `budget_bytes`. When evicting
-    every eligible entry would not: None, or with `partial` every eligible entry."""
+    every eligible entry would not: None, or with `partial` every eligible entry.
+
+    An entry whose removal would drop no bytes yet (an interior cut with an empty snapshot)
+    waits for a later pass, after the entries below it have gone.
+    """
     over = ledger.bytes - budget_bytes
     if over <= 0:
         return []
     shadow = Shadow(ledger)
     victims: list[Entry] = []
-    for e in candidates(entries, exclude):
-        r = shadow.release(e)
-        if r.lane_held:
-            continue
-        shadow.commit(r)
-        victims.append(e)
-        over -= r.nbytes
-        if over <= 0:
-            return victims
+    waiting = candidates(entries, exclude)
+    while waiting:
+        deferred: list[Entry] = []
+        for e in waiting:
+            r = shadow.release(e)
+            if r.lane_held or r.nbytes == 0:
+                deferred.append(e)
+                continue
+            shadow.commit(r)
+            victims.append(e)
+            over -= r.nbytes
+            if over <= 0:
+                return victims
+        if len(deferred) == len(waiting):
+            break
+        waiting = deferred
     return victims if partial else None
 
 
