@@ -119,7 +119,7 @@ class Connection:
     async def _on_status(self, msg: dict[str, Any]) -> None:
         request_id = self.services.builder.status(msg)
         status = await self.services.host.call(lambda engine: engine.status())
-        self._send({"type": "status", "id": request_id, **status, **self.services.status_extra()})
+        self._send({**status, **self.services.status_extra(), "type": "status", "id": request_id})
 
     async def _on_tokenize(self, msg: dict[str, Any]) -> None:
         reply = await anyio.to_thread.run_sync(self.services.builder.tokenize, msg)

@@ -95,6 +95,13 @@ def test_serve_notifies_ready_serves_the_cli_and_exits_0_on_sigterm(tiny_dir, tm
             together = list(pool.map(_generate_alone_connection(sock), prompts))
         assert together == solo
 
+        messages = tmp_path / "messages.json"
+        messages.write_text(json.dumps([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]))
+        out = _cli("generate", "--socket", str(sock), "--messages", str(messages), "--max-tokens", "2",
+                   "--no-cache", "--namespace", "tenant-a", "--json")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["usage"]["cache"] == "off"
+
         status = _cli("status", "--socket", str(sock), "--json")
         assert json.loads(status.stdout)["lanes_busy"] == 0
         human = _cli("status", "--socket", str(sock))
