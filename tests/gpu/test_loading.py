@@ -335,3 +335,14 @@ def test_cuda_load_equals_cpu_load(llama_gguf: Path, tiny_qwen2_dir: Path) -> No
         for name, value in cpu.tensors.items():
             assert cuda.tensors[name].device.type == "cuda"
             assert torch.equal(cuda.tensors[name].cpu(), value), name
+
+
+def test_bf16_safetensors_load_exactly_into_fp32(tmp_path: Path) -> None:
+    from tests.helpers.tiny_models import make_tiny_hf_dir
+
+    root = make_tiny_hf_dir(tmp_path / "bf16", "llama", seed=4, dtype="bfloat16", num_hidden_layers=1)
+    ref = load_file(str(root / "model.safetensors"))
+    ck = _load(root)
+    for name, value in ck.tensors.items():
+        assert ref[name].dtype == torch.bfloat16
+        assert value.dtype == torch.float32 and torch.equal(value, ref[name].float()), name

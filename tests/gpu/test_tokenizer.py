@@ -233,3 +233,14 @@ def test_spm_leading_spaces_keep_the_prefix_space(spm_fields: dict[str, Any]) ->
     spm = Tokenizer.from_gguf_fields(spm_fields)
     text = "  two"
     assert "".join(spm.token_text(i) or "" for i in spm.encode(text)) == "\u2581\u2581\u2581two"
+
+
+def test_hf_stop_ids_include_generation_config_eos(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    import json
+    import shutil
+
+    root = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, root)
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    hf = Tokenizer.from_hf_dir(root)
+    assert (hf.eos_id, hf.stop_ids) == (2, frozenset({0, 2}))
