@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.scheduler.test_store_common import KVPP, Rig, key
+from tests.scheduler.test_store_common import KVPP, LOGITS, Rig, key
 
 SYS = tuple(range(400, 408))  # a shared 8-token prefix
 
@@ -48,7 +48,10 @@ def test_make_room_frees_pages_in_eviction_order_and_stops_when_enough_are_free(
     _build_every_class(rig)
     assert rig.alloc.num_free == 20 - 14
     assert rig.store.make_room(10) == 4
-    assert rig.victims() == [("", 8, "moved_past"), ("", 8, "never_hit")]
+    assert [(v.cut, v.reason, v.trigger, v.pages_freed, v.nbytes)
+            for v in rig.store.drain_evictions()] == [
+        (8, "moved_past", "pages", (7, 6), 2 * KVPP + LOGITS),
+        (8, "never_hit", "pages", (1, 0), 2 * KVPP + LOGITS)]
     assert rig.store.make_room(11) == 1  # A's page past SYS goes; its cut 4 frees no page
     assert rig.victims() == [("", 12, "never_hit")]
     assert rig.store.stats().evictions["never_hit"] == 2
