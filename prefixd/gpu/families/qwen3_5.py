@@ -20,10 +20,10 @@ from typing import Mapping, Sequence
 import torch
 
 from prefixd.gpu import families
-from prefixd.gpu.families import gdn
-from prefixd.gpu.families.qwen3_5_config import (LINEAR, HybridConfig, hybrid_config,
-                                                 model_config, register)
 from prefixd.gpu.attention import AttentionSpan, attend, plan_attention
+from prefixd.gpu.families import gdn
+from prefixd.gpu.families.qwen3_5_config import LINEAR, HybridConfig, hybrid_config, model_config
+from prefixd.gpu.families.qwen3_5_gguf import register
 from prefixd.gpu.families.qwen3_5_ops import PartialRope, gated_rms_norm, linear, rms_norm
 from prefixd.gpu.families.qwen3_5_state import HybridState, LaneStatePool
 from prefixd.gpu.kv_pool import KVPool

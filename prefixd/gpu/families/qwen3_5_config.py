@@ -197,16 +197,3 @@ def hybrid_config(config: "ModelConfig") -> HybridConfig:
     if not isinstance(hybrid, HybridConfig):
         raise ValueError(f"ModelConfig of family {config.family!r} carries no HybridConfig")
     return hybrid
-
-
-def register() -> None:
-    """Register `qwen3_5_text` with the runtime's family registry.
-    No GGUF mapping: see docs/runtime.md, Hybrid."""
-    from prefixd.gpu.config import register_family
-
-    register_family(
-        "qwen3_5_text",
-        from_hf=lambda raw: model_config(hybrid_config_from_hf(raw)),
-        tensor_shapes=lambda mc: hybrid_tensor_shapes(hybrid_config(mc)),
-        family="qwen3_5",
-    )
