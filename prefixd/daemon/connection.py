@@ -68,6 +68,8 @@ class Connection:
         finally:
             with anyio.CancelScope(shield=True):
                 self._cancel_all_streams()
+                self._out_send.close()
+                self._out_receive.close()
                 await self.framed.aclose()
 
     def cancel_streams(self) -> None:

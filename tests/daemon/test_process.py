@@ -41,6 +41,9 @@ class NotifyReceiver:
         self.sock.bind(str(path))
         self.sock.settimeout(LIVENESS_S)
 
+    def close(self) -> None:
+        self.sock.close()
+
     def until(self, needle: str) -> list[str]:
         seen = []
         while True:
@@ -123,13 +126,18 @@ def test_serve_notifies_ready_serves_the_cli_and_exits_0_on_sigterm(tiny_dir, tm
             assert notify.until("STOPPING=1")[-1] == "STOPPING=1"
         assert events[-1].finish_reason in ("cancelled", "length", "stop")
         assert proc.wait(timeout=LIVENESS_S) == 0
-        stderr = proc.stderr.read()
+        stderr = proc.communicate()[1]
         assert f"prefixd chat --socket {sock}" in stderr
         assert not sock.exists()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
+        notify.close()
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()
 
 
 def test_cli_without_a_daemon_says_how_to_start_one(tmp_path):
@@ -147,7 +155,7 @@ def test_socket_activation_passes_the_listening_socket(tiny_dir, tmp_path):
     try:
         while not sock.exists():  # systemd-socket-activate binds first, then waits for a client
             if proc.poll() is not None:
-                pytest.fail(proc.stderr.read())
+                pytest.fail(proc.communicate()[1])
             os.sched_yield()
         with SyncClient(sock) as client:
             status = client.status()
@@ -158,9 +166,7 @@ def test_socket_activation_passes_the_listening_socket(tiny_dir, tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=LIVENESS_S) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
 
 
 def test_a_model_that_cannot_load_exits_1_with_the_reason_and_leaves_no_socket(tmp_path):
