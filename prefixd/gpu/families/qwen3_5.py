@@ -26,6 +26,7 @@ from prefixd.gpu.families.qwen3_5_config import LINEAR, HybridConfig, hybrid_con
 from prefixd.gpu.families.qwen3_5_gguf import register
 from prefixd.gpu.families.qwen3_5_ops import PartialRope, gated_rms_norm, linear, rms_norm
 from prefixd.gpu.families.qwen3_5_state import HybridState, LaneStatePool
+from prefixd.gpu.families.qwen3_5_weights import plus_one, prepare_layer
 from prefixd.gpu.kv_pool import KVPool
 from prefixd.scheduler.records import LaneWork
 
@@ -54,7 +55,8 @@ class _Round:
 
 
 class HybridModel:
-    """Weights, KV pages and lane states of one hybrid model on one device."""
+    """Weights and lane states of one hybrid model on one device (the FamilyModel of
+    `qwen3_5`); K/V of its full-attention layers live in the runner's KVPool."""
 
     invariant_rows = False
 
@@ -66,8 +68,8 @@ class HybridModel:
         t = {name: w.to(device=device, dtype=dtype) for name, w in tensors.items()}
         self.embed = t["model.embed_tokens.weight"]
         self.lm_head = self.embed if config.tie_embeddings else t["lm_head.weight"]
-        self.final_norm = self._plus_one(t["model.norm.weight"])
-        self.layers = [self._layer(t, i) for i in range(config.num_layers)]
+        self.final_norm = plus_one(t["model.norm.weight"])
+        self.layers = [prepare_layer(config, t, i) for i in range(config.num_layers)]
         self.rope = PartialRope(config.rotary_dim, config.rope_theta, device)
         self.states: LaneStatePool | None = None
 
@@ -75,43 +77,6 @@ class HybridModel:
         """Allocate zeroed recurrent + conv state for lanes 0..num_lanes-1."""
         self.states = LaneStatePool(self.hybrid, num_lanes, device=self.device,
                                     conv_dtype=self.dtype)
-
-    # -- weights ---------------------------------------------------------------------------
-
-    def _plus_one(self, w: torch.Tensor) -> torch.Tensor:
-        return 1.0 + w.float()
-
-    def _layer(self, t: Mapping[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | int]:
-        c, p = self.hybrid, f"model.layers.{i}."
-        layer: dict[str, torch.Tensor | int] = {
-            "ln1": self._plus_one(t[p + "input_layernorm.weight"]),
-            "ln2": self._plus_one(t[p + "post_attention_layernorm.weight"]),
-            "gate_up": torch.cat([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]),
-            "down": t[p + "mlp.down_proj.weight"],
-        }
-        if c.layer_types[i] == LINEAR:
-            a = p + "linear_attn."
-            layer["slot"] = c.linear_layers.index(i)
-            layer["w_in"] = torch.cat([t[a + "in_proj_qkv.weight"], t[a + "in_proj_z.weight"],
-                                       t[a + "in_proj_b.weight"], t[a + "in_proj_a.weight"]])
-            layer["conv"] = t[a + "conv1d.weight"].float().squeeze(1).contiguous()  # (C, K)
-            layer["a_log"] = t[a + "A_log"].float()
-            layer["dt_bias"] = t[a + "dt_bias"].float()
-            layer["norm"] = t[a + "norm.weight"]
-            layer["w_out"] = t[a + "out_proj.weight"]
-        else:
-            a = p + "self_attn."
-            layer["slot"] = c.full_layers.index(i)
-            layer["w_qkv"] = torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"],
-                                        t[a + "v_proj.weight"]])
-            if c.attention_bias:
-                layer["b_qkv"] = torch.cat([t[a + "q_proj.bias"], t[a + "k_proj.bias"],
-                                            t[a + "v_proj.bias"]])
-                layer["b_o"] = t[a + "o_proj.bias"]
-            layer["q_norm"] = self._plus_one(t[a + "q_norm.weight"])
-            layer["k_norm"] = self._plus_one(t[a + "k_norm.weight"])
-            layer["w_o"] = t[a + "o_proj.weight"]
-        return layer
 
     # -- facts -----------------------------------------------------------------------------
 
@@ -163,6 +128,7 @@ class HybridModel:
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         cos, sin = self.rope.cos_sin(as_long(positions), self.dtype)
         tiles = plan_attention(attn_spans, total_rows=lo, page_size=page, device=self.device,
+                               dtype=kv.dtype,
                                group=self.hybrid.num_heads // self.hybrid.num_kv_heads)
         rnd = _Round(spans, as_long(slots), cos, sin, tuple(tiles))
         ids = as_long([t for w in works for t in w.tokens])
