@@ -89,15 +89,29 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, pad], dim=0)
 
 
+_BLOCK = 16  # sub-block of the UT inverse: substitution inside, matmuls across
+
+
 def _unit_lower_inverse(ut: torch.Tensor) -> torch.Tensor:
-    """(I + strictly_lower(ut))^-1 for a batch of (C, C) blocks, by forward substitution
-    vectorised over the batch (batched triangular solves are slow on small blocks)."""
+    """(I + strictly_lower(ut))^-1 for a batch of (C, C) blocks (batched triangular solves
+    are slow on small blocks). Diagonal 16x16 blocks are inverted by forward substitution,
+    the blocks below them by block forward substitution:
+    X_ij = -X_ii (sum_{k<i} L_ik X_kj)."""
     size = ut.shape[-1]
-    inv = -ut.tril(-1)
-    for i in range(1, size):
-        row = inv[..., i, :i].clone()
-        inv[..., i, :i] = row + (row.unsqueeze(-1) * inv[..., :i, :i]).sum(-2)
-    return inv + torch.eye(size, dtype=ut.dtype, device=ut.device)
+    lower = ut.tril(-1)
+    inv = torch.zeros_like(ut)
+    eye = torch.eye(_BLOCK, dtype=ut.dtype, device=ut.device)
+    for lo in range(0, size, _BLOCK):
+        hi = lo + _BLOCK
+        block = -lower[..., lo:hi, lo:hi]
+        for i in range(1, _BLOCK):
+            row = block[..., i:i + 1, :i].clone()
+            block[..., i:i + 1, :i] = row + row @ block[..., :i, :i]
+        inv[..., lo:hi, lo:hi] = block + eye
+        if lo:
+            below = lower[..., lo:hi, :lo] @ inv[..., :lo, :lo]
+            inv[..., lo:hi, :lo] = -(inv[..., lo:hi, lo:hi] @ below)
+    return inv
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -117,31 +131,33 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     num_blocks = -(-num_rows // CHUNK)
     padded = num_blocks * CHUNK
 
-    def blocks(x: torch.Tensor) -> torch.Tensor:  # (T, H, ...) -> (H, n, C, ...)
-        x = _pad_rows(x, padded).transpose(0, 1)
-        return x.reshape(heads, num_blocks, CHUNK, *x.shape[2:])
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # (T, H, ...) -> (n, H, C, ...) contiguous
+        x = _pad_rows(x, padded).reshape(num_blocks, CHUNK, heads, *x.shape[2:])
+        return x.transpose(1, 2).contiguous()
 
     q, k, v, g, beta = (blocks(t) for t in (q, k, v, g, beta))
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    gc = g.cumsum(dim=-1)  # (H, n, C)
+    gc = g.cumsum(dim=-1)  # (n, H, C)
     # decay between rows j <= i; masked before exp so no inf ever appears
     decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
     k_beta = k * beta.unsqueeze(-1)
     ut = (k_beta @ k.transpose(-1, -2)) * decay  # only its strictly-lower part is used
     rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * gc.exp().unsqueeze(-1)], dim=-1)
     solved = _unit_lower_inverse(ut) @ rhs
-    u, w = solved.split([v.shape[-1], dk], dim=-1)  # (H, n, C, dv), (H, n, C, dk)
-    attn = (q @ k.transpose(-1, -2)) * decay  # (H, n, C, C), diagonal included
-    q_decayed = q * gc.exp().unsqueeze(-1)
-    last = gc[..., -1:]  # (H, n, 1)
-    k_tail = (k * (last - gc).exp().unsqueeze(-1)).transpose(-1, -2)  # (H, n, dk, C)
-    block_decay = last.exp().unsqueeze(-1)  # (H, n, 1, 1)
+    u = solved[..., :v.shape[-1]].contiguous()  # (n, H, C, dv): values to write
+    # rows [0, C): w, what the old state predicts for them; rows [C, 2C): decayed queries
+    reads = torch.cat([solved[..., v.shape[-1]:], q * gc.exp().unsqueeze(-1)], dim=-2)
+    attn = (q @ k.transpose(-1, -2)) * decay  # (n, H, C, C), diagonal included
+    last = gc[..., -1:]  # (n, H, 1)
+    k_tail = (k * (last - gc).exp().unsqueeze(-1)).transpose(-1, -2).contiguous()  # (n, H, dk, C)
+    block_decay = last.exp().unsqueeze(-1)  # (n, H, 1, 1)
     out = torch.empty_like(u)
     for i in range(num_blocks):
-        v_new = u[:, i] - w[:, i] @ state  # (H, C, dv)
-        out[:, i] = q_decayed[:, i] @ state + attn[:, i] @ v_new
-        state = state * block_decay[:, i] + k_tail[:, i] @ v_new
-    out = out.reshape(heads, padded, -1).transpose(0, 1)[:num_rows]
+        read = reads[i] @ state  # (H, 2C, dv)
+        v_new = u[i] - read[:, :CHUNK]
+        out[i] = read[:, CHUNK:] + attn[i] @ v_new
+        state = state * block_decay[i] + k_tail[i] @ v_new
+    out = out.transpose(1, 2).reshape(padded, heads, -1)[:num_rows]
     return out, state
 
 
