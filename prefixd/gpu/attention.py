@@ -4,7 +4,7 @@ A query row at position p attends keys 0..p of its own lane, read from the KV po
 the lane's page table. Keys are cut into blocks of `block` rows aligned to absolute
 positions (block j holds positions [j*B, (j+1)*B)). For every (row, block):
 
-    s   = q . k                    one bmm of shape (M, D) x (D, B), M padded to >= 16
+    s   = q . k                    one bmm of shape (M, D) x (D, B), M padded (linear.py)
     m   = max over the row's keys  (exact whatever the order)
     p   = exp(s - m), 0 where masked
     l_j = sum_B p,  a_j = p @ v    fixed length B, one bmm of shape (M, B) x (B, D)
@@ -12,8 +12,10 @@ positions (block j holds positions [j*B, (j+1)*B)). For every (row, block):
 
 Blocks past a row's position are fully masked and add exactly 0, so a row gets the same
 bits whether it is prefilled in one chunk, in pieces, decoded alone or beside other lanes
-padded to more blocks. Math is fp32; K/V are read from the pool (compute dtype), so a row
-prefilled now and a row decoded later see identical keys.
+padded to more blocks. The two bmms take the pool's dtype (bf16 in bf16 mode: fp32
+accumulation, bf16 outputs, as in transformers' eager bf16 attention); max, exp, sums and the
+combine are fp32. K/V are read from the pool, so a row prefilled now and a row decoded later
+see identical keys.
 
 Rows of a round are grouped into tiles: all short (decode/verify) lanes share one tile,
 padded to the longest; a prefill lane gets tiles of `tile_rows` rows, each seeing only the
@@ -27,9 +29,9 @@ from typing import Sequence
 
 import torch
 
-from prefixd.gpu.linear import MIN_FP32_ROWS
+from prefixd.gpu.linear import invariant_rows
 
-DEFAULT_BLOCK = 64
+DEFAULT_BLOCK = 256
 TILE_ROWS = 128
 DECODE_ROWS = 8
 
@@ -62,17 +64,17 @@ def block_size(page_size: int) -> int:
     return page_size * -(-DEFAULT_BLOCK // page_size)
 
 
-def _padded_rows(length: int, group: int) -> int:
+def _padded_rows(length: int, group: int, dtype: torch.dtype) -> int:
     rows = length
-    while rows * group < MIN_FP32_ROWS:
+    while rows * group < invariant_rows(rows * group, dtype):
         rows += 1
     return rows
 
 
 def _tile(pieces: Sequence[tuple[AttentionSpan, int, int]], *, total_rows: int, group: int,
-          page_size: int, block: int, device: torch.device) -> AttentionTile:
+          page_size: int, block: int, device: torch.device, dtype: torch.dtype) -> AttentionTile:
     """One tile over (span, first, count): rows [first, first + count) of each span."""
-    rows = _padded_rows(max(c for _, _, c in pieces), group)
+    rows = _padded_rows(max(c for _, _, c in pieces), group, dtype)
     ends = [s.start + f + c for s, f, c in pieces]
     num_blocks = -(-max(ends) // block)
     pages_per_lane = num_blocks * block // page_size
@@ -98,38 +100,40 @@ def _tile(pieces: Sequence[tuple[AttentionSpan, int, int]], *, total_rows: int, 
 
 
 def plan_attention(spans: Sequence[AttentionSpan], *, total_rows: int, group: int, page_size: int,
-                   device: torch.device, tile_rows: int = TILE_ROWS,
+                   device: torch.device, dtype: torch.dtype, tile_rows: int = TILE_ROWS,
                    decode_rows: int = DECODE_ROWS) -> list[AttentionTile]:
-    """Tiles covering every row of every span; `total_rows` is the round's row count."""
+    """Tiles covering every row of every span; `total_rows` is the round's row count and
+    `dtype` the KV pool's (it sets the padding of the matmuls' row count)."""
     block = block_size(page_size)
     short = [(s, 0, s.length) for s in spans if 0 < s.length <= decode_rows]
     tiles = []
     if short:
         tiles.append(_tile(short, total_rows=total_rows, group=group, page_size=page_size,
-                           block=block, device=device))
+                           block=block, device=device, dtype=dtype))
     for s in spans:
         if s.length <= decode_rows:
             continue
         for first in range(0, s.length, tile_rows):
             count = min(tile_rows, s.length - first)
             tiles.append(_tile([(s, first, count)], total_rows=total_rows, group=group,
-                               page_size=page_size, block=block, device=device))
+                               page_size=page_size, block=block, device=device, dtype=dtype))
     return tiles
 
 
 def _gather(pool: torch.Tensor, tile: AttentionTile, block: int) -> torch.Tensor:
-    """(lanes, kv_heads, blocks, block, D) fp32 keys or values of a tile's lanes."""
+    """(lanes, kv_heads, blocks, block, D) keys or values of a tile's lanes, pool dtype."""
     _, page_size, kvh, d = pool.shape
     pages = pool.index_select(0, tile.page_index)  # (lanes * pages, P, kvh, D)
     view = pages.view(tile.num_lanes, tile.num_blocks, block, kvh, d).permute(0, 3, 1, 2, 4)
-    out = torch.empty(view.shape, dtype=torch.float32, device=pool.device)
-    out.copy_(view)
-    return out
+    return view.contiguous()
 
 
 def attend_tile(q_ext: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                 tile: AttentionTile) -> torch.Tensor:
-    """Attention output (lanes * rows, heads * D) fp32 for one tile; q_ext is pre-scaled."""
+    """Attention output (lanes * rows, heads * D) fp32 for one tile.
+
+    q_ext is pre-scaled, in the pool's dtype, with a zero row appended.
+    """
     _, page_size, kvh, d = k_pool.shape
     heads = q_ext.shape[1]
     group = heads // kvh
@@ -141,12 +145,12 @@ def attend_tile(q_ext: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     q = q.expand(nl, kvh, nb, m_rows, d).reshape(-1, m_rows, d)
     k = _gather(k_pool, tile, block).view(-1, block, d)
     v = _gather(v_pool, tile, block).view(-1, block, d)
-    s = torch.bmm(q, k.transpose(1, 2)).view(nl, kvh, nb, m_rows, block)
+    s = torch.bmm(q, k.transpose(1, 2)).view(nl, kvh, nb, m_rows, block).float()
     s.masked_fill_(tile.masked, float("-inf"))
     m = s.amax(dim=(2, 4), keepdim=True)  # every row sees position 0: m is finite
-    p = torch.exp(s - m)
+    p = s.sub_(m).exp_()  # 0 where masked
     l = p.sum(dim=-1)  # (nl, kvh, nb, m_rows)
-    a = torch.bmm(p.view(-1, m_rows, block), v).view(nl, kvh, nb, m_rows, d)
+    a = torch.bmm(p.view(-1, m_rows, block).to(v.dtype), v).view(nl, kvh, nb, m_rows, d).float()
     # cumsum adds blocks strictly in order: trailing all-masked blocks add exact zeros.
     a = a.cumsum(dim=2)[:, :, -1]
     l = l.cumsum(dim=2)[:, :, -1]
@@ -158,10 +162,13 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
            tiles: Sequence[AttentionTile]) -> torch.Tensor:
     """(R, heads * D) fp32 attention of pre-scaled fp32 q (R, heads, D) over the pool.
 
+    The two matmuls run in the pool's dtype (fp32 accumulation; bf16 outputs in bf16 mode);
+    softmax statistics, block sums and the combine are fp32.
+
     Rows no tile covers come back as zeros.
     """
     r, heads, d = q.shape
-    q_ext = torch.cat([q, q.new_zeros(1, heads, d)], dim=0)
+    q_ext = torch.cat([q, q.new_zeros(1, heads, d)], dim=0).to(k_pool.dtype)
     out = q.new_zeros(r + 1, heads * d)
     for tile in tiles:
         out.index_copy_(0, tile.out_index, attend_tile(q_ext, k_pool, v_pool, tile))

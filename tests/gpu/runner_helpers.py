@@ -16,6 +16,11 @@ CPU = torch.device("cpu")
 PAGE = 16
 
 
+def lane_pages(lane: int) -> tuple[int, ...]:
+    """Lane `lane`'s own 20 pages (320 rows) in a runner of 8 * 20 pages."""
+    return pages(20 * lane)
+
+
 def make_runner(spec: str | Path, dtype: torch.dtype, *, num_lanes: int = 8, num_pages: int = 160,
                 page_size: int = PAGE, device: torch.device = CPU) -> ModelRunner:
     ckpt = load_checkpoint(spec, device=device, dtype=dtype)
@@ -23,8 +28,8 @@ def make_runner(spec: str | Path, dtype: torch.dtype, *, num_lanes: int = 8, num
                        page_size=page_size)
 
 
-def pages(first: int, n: int = 12) -> tuple[int, ...]:
-    """A page table of n consecutive page ids from `first` (disjoint per lane in the tests)."""
+def pages(first: int, n: int = 20) -> tuple[int, ...]:
+    """A page table of n consecutive page ids from `first`."""
     return tuple(range(first, first + n))
 
 

@@ -57,7 +57,7 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def compare_logits(runner, model, n: int = 100) -> None:
+def compare_logits(runner, model, n: int = 300) -> None:
     tokens = prompt(n, seed=21, vocab=runner.tokenizer.vocab_size)
     ours = run_chunks(runner, 0, tokens, pages(0), [37, n - 37])
     with torch.no_grad():
