@@ -1,0 +1,267 @@
+"""Daemon benchmark: what the socket and the engine thread add on top of the model.
+
+    python bench/daemon.py            # the full table (minutes; run it on an idle machine)
+    python bench/daemon.py --quick    # a smoke run with small sizes
+
+Spawns `prefixd serve` with 8 lanes and measures, through its socket:
+- the round trip of `status` (median over N calls on one connection);
+- per-token streaming overhead: the gap between token events seen by the client minus the
+  engine's own gap between those tokens (the daemon's inter-token-latency histogram);
+- aggregate decode tok/s with 8 clients on 8 connections, beside the runner's own 8-lane
+  figure at the same context measured in this process;
+and, in this process (the daemon does not report forward time), the share of each 8-lane
+decode round that the engine spends outside the model forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import fmt_ratio, markdown_table, median, print_machine  # noqa: E402
+
+
+@dataclass(frozen=True)
+class DaemonHandle:
+    socket: str
+    metrics_url: str | None
+    log: Path
+
+
+@contextmanager
+def spawn_daemon(flags: Sequence[str], *, model: str = "default", metrics: bool = False,
+                 ready_timeout_s: float = 600.0) -> Iterator[DaemonHandle]:
+    """Run `prefixd serve` with `flags` until the block ends (SIGTERM, then wait)."""
+    with tempfile.TemporaryDirectory(prefix="prefixd-bench-") as tmp:
+        sock, log = os.path.join(tmp, "prefixd.sock"), Path(tmp) / "daemon.log"
+        cmd = [sys.executable, "-m", "prefixd.daemon.cli", "serve", "--model", model, "--socket", sock,
+               "--metrics-addr", "127.0.0.1:0" if metrics else "", *flags]
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        try:
+            text = _wait_ready(proc, log, ready_timeout_s, metrics)
+            port = re.search(r"metrics on [^:\s]+:(\d+)", text)
+            url = f"http://127.0.0.1:{port.group(1)}/metrics" if port else None
+            yield DaemonHandle(sock, url, log)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_ready(proc: subprocess.Popen, log: Path, timeout_s: float, metrics: bool) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = log.read_text()
+        if "prefixd: listening on" in text and ("metrics on" in text or not metrics):
+            return text
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefixd exited with {proc.returncode} before listening:\n{text[-2000:]}")
+        time.sleep(0.1)
+    raise RuntimeError(f"prefixd did not listen within {timeout_s:.0f} s")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Unlabelled samples of the daemon's Prometheus exposition, by name."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def histogram_mean(before: dict[str, float], after: dict[str, float], name: str) -> tuple[float, int]:
+    """(mean, count) of the observations a histogram received between two scrapes."""
+    count = int(after[f"{name}_count"] - before.get(f"{name}_count", 0.0))
+    total = after[f"{name}_sum"] - before.get(f"{name}_sum", 0.0)
+    return (total / count if count else float("nan")), count
+
+
+@dataclass(frozen=True)
+class Sizes:
+    status_calls: int
+    stream_prompt: int  # prompt tokens of the single streaming generate
+    stream_tokens: int  # tokens it generates
+    lanes: int
+    lane_context: int  # prompt tokens of each of the 8 concurrent generates
+    lane_tokens: int  # tokens each generates
+
+
+FULL = Sizes(status_calls=500, stream_prompt=64, stream_tokens=128, lanes=8, lane_context=512, lane_tokens=64)
+QUICK = Sizes(status_calls=50, stream_prompt=32, stream_tokens=16, lanes=8, lane_context=64, lane_tokens=12)
+
+
+def prompt(n: int, vocab: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(32, vocab) for _ in range(n)]
+
+
+async def socket_measures(handle: DaemonHandle, sizes: Sizes, vocab: int) -> dict[str, float]:
+    import anyio
+
+    from prefixd.ipc.client import AsyncClient
+    from prefixd.ipc.events import TokenEvent
+
+    out: dict[str, float] = {}
+    async with await AsyncClient.connect(handle.socket) as client:
+        await client.status()
+        times = []
+        for _ in range(sizes.status_calls):
+            t0 = time.perf_counter()
+            await client.status()
+            times.append(time.perf_counter() - t0)
+        out["status_rtt_s"] = median(times)
+        await client.generate(tokens=prompt(8, vocab, 0), max_tokens=2).collect()  # warm-up
+        before = scrape(handle.metrics_url) if handle.metrics_url else {}
+        arrivals = []
+        async for event in client.generate(tokens=prompt(sizes.stream_prompt, vocab, 1), max_tokens=sizes.stream_tokens):
+            if isinstance(event, TokenEvent):
+                arrivals.extend([time.perf_counter()] * len(event.ids))
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+        out["client_gap_s"] = sum(gaps) / len(gaps)
+        out["client_gap_median_s"] = median(gaps)
+        if handle.metrics_url:
+            after = scrape(handle.metrics_url)
+            out["engine_gap_s"], _ = histogram_mean(before, after, "prefixd_inter_token_latency_seconds")
+            out["engine_round_s"], _ = histogram_mean(before, after, "prefixd_round_duration_seconds")
+
+    arrivals_by_lane: list[list[float]] = [[] for _ in range(sizes.lanes)]
+
+    async def one(lane: int) -> None:
+        async with await AsyncClient.connect(handle.socket) as c:
+            tokens = prompt(sizes.lane_context, vocab, 100 + lane)
+            async for event in c.generate(tokens=tokens, max_tokens=sizes.lane_tokens):
+                if isinstance(event, TokenEvent):
+                    arrivals_by_lane[lane].extend([time.perf_counter()] * len(event.ids))
+
+    async with anyio.create_task_group() as tg:
+        for lane in range(sizes.lanes):
+            tg.start_soon(one, lane)
+    start = max(a[0] for a in arrivals_by_lane)  # every lane decodes from here ...
+    end = min(a[-1] for a in arrivals_by_lane)  # ... to here
+    inside = sum(1 for a in arrivals_by_lane for t in a if start < t <= end)
+    out["socket_tok_s"] = inside / (end - start) if end > start else float("nan")
+    return out
+
+
+def in_process_measures(args: argparse.Namespace, sizes: Sizes) -> tuple[dict[str, float], int]:
+    """The runner's 8-lane decode tok/s and the engine's outside-forward share, in this process."""
+    import torch
+
+    from bench.runtime import RunnerMeasure
+    from bench.runtime import Sizes as RuntimeSizes
+    from prefixd.gpu.loading import load_checkpoint
+    from prefixd.gpu.runner import ModelRunner
+    from prefixd.scheduler.config import SchedulerConfig
+    from prefixd.scheduler.engine import Engine
+    from prefixd.scheduler.events import NullObserver
+    from prefixd.scheduler.streams import StreamRequest
+
+    device, dtype = torch.device("cpu"), torch.bfloat16
+    checkpoint = load_checkpoint(args.model, device=device, dtype=dtype)
+    vocab = checkpoint.tokenizer.vocab_size
+    lanes = {lane: prompt(sizes.lane_context, vocab, 100 + lane) for lane in range(sizes.lanes)}
+    rs = RuntimeSizes(prefill=(16,), decode_context=sizes.lane_context, lanes=sizes.lanes, lane_context=sizes.lane_context,
+                      decode_steps=sizes.lane_tokens, repeats=3)
+    m = RunnerMeasure(checkpoint, device=device, dtype=dtype, mode="invariant", sizes=rs, grid=256)
+    m.start_decode(lanes)
+    m.decode(lanes, sizes.lane_tokens)  # warm-up
+    times = []
+    for _ in range(rs.repeats):
+        t0 = time.perf_counter()
+        m.decode(lanes, sizes.lane_tokens)
+        times.append(time.perf_counter() - t0)
+    out = {"runtime_tok_s": sizes.lanes * sizes.lane_tokens / median(times)}
+    del m
+
+    class Rounds(NullObserver):
+        def __init__(self) -> None:
+            self.rows: list[tuple[float, float, int, int]] = []
+
+        def on_round(self, duration_s: float, forward_s: float, num_rows: int, lanes_busy: int, waiting: int) -> None:
+            self.rows.append((duration_s, forward_s, num_rows, lanes_busy))
+
+    pages = sizes.lanes * (-(-(sizes.lane_context + sizes.lane_tokens + 32) // 16))
+    checkpoint = load_checkpoint(args.model, device=device, dtype=dtype)  # a runner takes its tensors
+    runner = ModelRunner(checkpoint, device=device, dtype=dtype, num_lanes=sizes.lanes, num_pages=pages)
+    observer = Rounds()
+    engine = Engine(runner, SchedulerConfig(num_lanes=sizes.lanes, cache=False), observer=observer)
+    for lane, tokens in lanes.items():
+        engine.submit(StreamRequest(stream_id=lane, tokens=tuple(tokens), max_tokens=sizes.lane_tokens))
+    while not engine.idle:
+        engine.step()
+    decode = [(d, f) for d, f, rows, busy in observer.rows if busy == sizes.lanes and rows == sizes.lanes]
+    out["engine_rounds"] = len(decode)
+    out["engine_round_s"] = median(d for d, _ in decode)
+    out["outside_share"] = 1.0 - sum(f for _, f in decode) / sum(d for d, _ in decode)
+    return out, vocab
+
+
+def render(sock: dict[str, float], local: dict[str, float], sizes: Sizes) -> str:
+    ms = lambda s: f"{s * 1e3:.3f}"  # noqa: E731
+    per_token = sock["client_gap_s"] - sock.get("engine_gap_s", float("nan"))
+    rows = [
+        ["status round trip (median)", ms(sock["status_rtt_s"]) + " ms", "", ""],
+        ["token gap at the client (mean)", ms(sock["client_gap_s"]) + " ms", "", ""],
+        ["token gap in the engine (mean)", ms(sock.get("engine_gap_s", float("nan"))) + " ms", "", ""],
+        ["per-token streaming overhead", ms(per_token) + " ms",
+         f"{per_token / sock['client_gap_s']:.1%} of a token gap", ""],
+        [f"share of a {sizes.lanes}-lane decode round outside the forward (in-process)",
+         f"{local['outside_share']:.1%}", f"{int(local['engine_rounds'])} rounds", "< 5%"],
+        [f"aggregate decode, {sizes.lanes} clients @ {sizes.lane_context} ctx, socket",
+         f"{sock['socket_tok_s']:.1f} tok/s", fmt_ratio(sock["socket_tok_s"], local["runtime_tok_s"]) + " of runtime",
+         ">= 0.90x"],
+        [f"runtime {sizes.lanes}-lane decode @ {sizes.lane_context} ctx (in-process)",
+         f"{local['runtime_tok_s']:.1f} tok/s", "", ""],
+    ]
+    return markdown_table(["measure", "value", "ratio", "goal"], rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import anyio
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    parser.add_argument("--model", default="default")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    local, vocab = in_process_measures(args, sizes)
+    flags = ["--lanes", str(sizes.lanes), "--max-context", "4096"]
+    with spawn_daemon(flags, model=args.model, metrics=True) as handle:
+        sock = anyio.run(socket_measures, handle, sizes, vocab)
+    print_machine({"model": args.model, "lanes": str(sizes.lanes)})
+    print(render(sock, local, sizes))
+    print(f"\n- status: median of {sizes.status_calls} calls on one connection; token gaps: one generate of "
+          f"{sizes.stream_tokens} tokens after {sizes.stream_prompt} prompt tokens, the engine's gaps from the "
+          "daemon's prefixd_inter_token_latency_seconds histogram over the same tokens")
+    print(f"- aggregate: {sizes.lanes} connections, {sizes.lane_tokens} tokens each, counted while every lane decodes;"
+          " runtime: bench/runtime.py's runner loop, same lanes and context, median of 3")
+    print("- outside-forward share: Engine.step() duration vs RoundResult.forward_s over rounds where every lane "
+          "decodes one row, measured in-process (the daemon reports no forward time)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
