@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 CHUNK = 64  # rows per UT block of the chunked form; fixed so its bits never depend on T
+GROUP = 8  # blocks computed together by the chunked form
 
 
 # torch's fused silu/sigmoid/softplus compute vector tails with other code (other bits), so a
@@ -122,12 +123,24 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     to the value heads; v: (T, Hv, dv) float32; g, beta: (T, Hv) float32; state:
     (Hv, dk, dv) float32. Returns (out (T, Hv, dv) float32, new state). Blocks of CHUNK rows
     are counted from row 0 of this call, the last one padded with zero rows (k = 0,
-    beta = 0, g = 0 write nothing and decay nothing). Everything inside a block is computed
-    for all blocks at once; only the state hand-over runs block by block.
+    beta = 0, g = 0 write nothing and decay nothing). GROUP blocks at a time are computed
+    together (temporaries stay cache-sized); only the state hand-over runs block by block.
     """
-    num_rows, heads, dk = k.shape
-    if num_rows == 0:
+    if q.shape[0] == 0:
         return v.new_zeros(v.shape), state
+    outs = []
+    step_rows = CHUNK * GROUP
+    for lo in range(0, q.shape[0], step_rows):
+        hi = lo + step_rows
+        out, state = _blocks(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state)
+        outs.append(out)
+    return torch.cat(outs) if len(outs) > 1 else outs[0], state
+
+
+def _blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked` over at most GROUP blocks, computed together."""
+    num_rows, heads, dk = k.shape
     num_blocks = -(-num_rows // CHUNK)
     padded = num_blocks * CHUNK
 
