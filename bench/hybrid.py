@@ -13,6 +13,7 @@ Medians of several repeats; nothing here asserts a time.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -24,13 +25,15 @@ import torch  # noqa: E402
 
 from bench.common import fmt_rate, markdown_table, median, print_machine, rate, time_calls  # noqa: E402
 from prefixd.gpu.families import gdn  # noqa: E402
-from prefixd.gpu.families.qwen3_5_config import hybrid_config_from_hf, model_config  # noqa: E402
+from prefixd.gpu.families.qwen3_5_config import (hybrid_config_from_hf, hybrid_tensor_shapes,  # noqa: E402
+                                                 model_config)
 from prefixd.gpu.families.qwen3_5_tiny import random_tensors  # noqa: E402
 from prefixd.gpu.runner import ModelRunner  # noqa: E402
 from prefixd.scheduler.records import LaneWork, RoundPlan, SamplingParams  # noqa: E402
 
 # Shaped like the smallest Qwen3.5 text model: 3 Gated DeltaNet layers per gated-attention
-# layer, 16 GDN heads of 128x128 state, 8 query / 2 KV heads of 256 (a quarter rotary).
+# layer, 16 GDN heads of 128x128 state, 8 query / 2 KV heads of 256 (a quarter rotary);
+# 0.65B parameters, 0.50B without the (tied) embeddings.
 SMALL_QWEN3_5 = dict(
     vocab_size=151936, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
     num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4,
@@ -60,9 +63,15 @@ QUICK = Sizes(prefill=(128, 256), grid=128, lane_context=64, decode_steps=4,
 PAGE = 16
 
 
+_WEIGHTS: dict[tuple[int, torch.dtype], dict] = {}
+
+
 def _runner(fields: dict, device: torch.device, dtype: torch.dtype, lanes: int, rows: int) -> ModelRunner:
     config = hybrid_config_from_hf(fields)
-    tensors = random_tensors(config, seed=0, dtype=dtype)
+    key = (id(fields), dtype)  # random weights are made once per model and dtype
+    if key not in _WEIGHTS:
+        _WEIGHTS[key] = random_tensors(config, seed=0, dtype=dtype)
+    tensors = _WEIGHTS[key]
     weights = sum(t.numel() * t.element_size() for t in tensors.values())
     checkpoint = SimpleNamespace(config=model_config(config), tensors=tensors, tokenizer=None,
                                  weights_bytes=weights)
@@ -189,8 +198,11 @@ def main() -> None:
     fields = QUICK_MODEL if args.quick else SMALL_QWEN3_5
     sizes = QUICK if args.quick else FULL
     config = hybrid_config_from_hf(fields)
-    params = sum(t.numel() for t in random_tensors(config, seed=0, dtype=torch.bfloat16).values())
-    print_machine({"dtype": args.dtype, "model": f"random qwen3_5, {params / 1e6:.0f}M parameters"})
+    shapes = hybrid_tensor_shapes(config)
+    params = sum(math.prod(shape) for shape in shapes.values())
+    embed = math.prod(shapes["model.embed_tokens.weight"])
+    print_machine({"dtype": args.dtype, "model": f"random qwen3_5, {params / 1e6:.0f}M parameters "
+                                                  f"({(params - embed) / 1e6:.0f}M without embeddings)"})
     print(markdown_table(["config", "value"], sorted((k, str(v)) for k, v in fields.items())))
     print()
     with torch.inference_mode():
