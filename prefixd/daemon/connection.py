@@ -25,6 +25,7 @@ from prefixd.ipc.errors import ErrorCode, ProtocolError
 log = logging.getLogger("prefixd.connection")
 
 DEFAULT_OUT_FRAMES = 512  # queued outgoing frames before a client counts as not reading
+DEFAULT_MAX_STREAMS = 256  # generates one connection may have in flight
 _FLUSH_S = 1.0  # how long a closing connection may take to send its last frames
 _CLOSED = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError)
 
@@ -44,8 +45,10 @@ class Services:
 class Connection:
     """Serves one framed stream until the client leaves, breaks framing, or stops reading."""
 
-    def __init__(self, framed: Any, services: Services, *, out_frames: int = DEFAULT_OUT_FRAMES) -> None:
+    def __init__(self, framed: Any, services: Services, *, out_frames: int = DEFAULT_OUT_FRAMES,
+                 max_streams: int = DEFAULT_MAX_STREAMS) -> None:
         self.framed = framed
+        self.max_streams = max_streams
         self.services = services
         self._out_send, self._out_receive = anyio.create_memory_object_stream[dict](out_frames)
         self._streams: dict[int, int] = {}  # request id -> engine stream id
@@ -142,6 +145,9 @@ class Connection:
         request_id = msg.get("id")
         if isinstance(request_id, int) and request_id in self._streams:
             raise ProtocolError(ErrorCode.DUPLICATE_ID, f"request id {request_id} is already in flight")
+        if len(self._streams) >= self.max_streams:
+            raise ProtocolError(ErrorCode.TOO_MANY_STREAMS,
+                                f"this connection already has {len(self._streams)} generates in flight")
         if self.services.shutting_down():
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down and takes no new work")
         stream_id = self.services.next_stream_id()

@@ -21,7 +21,7 @@ import anyio.abc
 
 import prefixd
 from prefixd.daemon.config import DaemonConfig
-from prefixd.daemon.connection import DEFAULT_OUT_FRAMES, Connection, Services
+from prefixd.daemon.connection import DEFAULT_MAX_STREAMS, DEFAULT_OUT_FRAMES, Connection, Services
 from prefixd.daemon.engine_host import EngineHost
 from prefixd.daemon.listener import PeerPolicy, bind_listening_socket, peer_cred
 from prefixd.daemon.requests import RequestBuilder
@@ -49,10 +49,11 @@ class Server:
 
     def __init__(self, cfg: DaemonConfig, *, runtime_factory: RuntimeFactory = _default_factory,
                  env: dict[str, str] | None = None, out: Any = None,
-                 out_frames: int = DEFAULT_OUT_FRAMES) -> None:
+                 out_frames: int = DEFAULT_OUT_FRAMES, max_streams: int = DEFAULT_MAX_STREAMS) -> None:
         self.cfg = cfg
         self._factory = runtime_factory
         self._out_frames = out_frames
+        self._max_streams = max_streams
         self._env = os.environ if env is None else env
         self._out = sys.stderr if out is None else out
         self.notifier = Notifier(self._env)
@@ -180,7 +181,8 @@ class Server:
 
     async def _serve_connection(self, stream: anyio.abc.SocketStream) -> None:
         framed = FramedStream(stream, self.limits, send_timeout_s=SEND_TIMEOUT_S)
-        connection = Connection(framed, self._services(), out_frames=self._out_frames)
+        connection = Connection(framed, self._services(), out_frames=self._out_frames,
+                                max_streams=self._max_streams)
         self._connections.add(connection)
         try:
             await connection.serve()

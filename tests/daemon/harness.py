@@ -24,10 +24,11 @@ async def running_server(tmp_path: Path, device: LetterDevice | None = None, **o
     device = device or LetterDevice()
     out_frames = overrides.pop("out_frames", 512)
     env = overrides.pop("env", {})
+    max_streams = overrides.pop("max_streams", 256)
     cfg = DaemonConfig(socket_path=tmp_path / "run" / "prefixd.sock", metrics_addr="127.0.0.1:0",
                        grace_s=overrides.pop("grace_s", 5.0), **overrides)
     server = Server(cfg, runtime_factory=fake_runtime_factory(device), env=env, out=io.StringIO(),
-                    out_frames=out_frames)
+                    out_frames=out_frames, max_streams=max_streams)
     server.device = device  # type: ignore[attr-defined]
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.run)

@@ -192,3 +192,14 @@ async def test_a_bug_in_one_request_closes_only_that_connection(tmp_path, monkey
         assert frames == [{"closed": True}]
         await _still_serves(server)
         await wait_idle(server)
+
+
+async def test_too_many_streams_on_one_connection_is_refused(tmp_path):
+    async with running_server(tmp_path, LetterDevice(round_delay_s=0.002), max_streams=2) as server:
+        async with await FramedStream.connect(server.socket_path) as framed:
+            for i in range(3):
+                await framed.send({"type": "generate", "id": i, "prompt": "x", "max_tokens": 100000})
+            while (reply := await framed.receive())["type"] != "error":
+                assert reply["type"] == "token"
+            assert (reply["id"], reply["code"]) == (2, "too_many_streams")
+        await wait_idle(server)
