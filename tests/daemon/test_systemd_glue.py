@@ -7,9 +7,7 @@ import socket
 import subprocess
 import sys
 
-import pytest
-
-from prefixd.daemon.systemd import ActivationError, Notifier, take_activation_socket, watchdog_interval_s
+from prefixd.daemon.systemd import Notifier, take_activation_socket, watchdog_interval_s
 
 
 def _receiver(path: str | bytes) -> socket.socket:
