@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
 import stat
 import urllib.request
 
 import anyio
+import numpy as np
 import pytest
 
 from prefixd.ipc.client import AsyncClient
@@ -108,9 +111,6 @@ async def test_detokenize_and_logits_digests(tmp_path):
             assert await client.detokenize(TOK.encode("héllo")) == "héllo"
             result = await client.generate(tokens=[10, 11], max_tokens=2, logits=True).collect()
         assert result.logits_sha256 is not None and len(result.logits_sha256) == 2
-        import hashlib
-
-        import numpy as np
 
         def digest(position: int) -> str:
             row = np.zeros(259, dtype=np.float32)
@@ -157,9 +157,7 @@ async def test_a_stop_id_ends_the_stream_and_its_text_is_not_shown(tmp_path):
 
 
 async def test_notify_ready_after_listening_watchdog_pings_and_stopping(tmp_path):
-    import socket as socket_mod
-
-    rx = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_DGRAM)
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     rx.bind(str(tmp_path / "notify"))
     rx.setblocking(False)
     env = {"NOTIFY_SOCKET": str(tmp_path / "notify"), "WATCHDOG_USEC": "20000"}
