@@ -56,7 +56,7 @@ class AttentionTile:
     q_index: torch.Tensor  # (num_lanes * rows,) into q with a zero row appended
     out_index: torch.Tensor  # (num_lanes * rows,) into out with a scratch row appended
     page_index: torch.Tensor  # (num_lanes * num_blocks * block // page_size,)
-    masked: torch.Tensor  # (num_lanes, 1, num_blocks, rows * group, block) bool
+    masked: torch.Tensor  # (1, num_lanes, num_blocks, rows * group, block) bool
 
 
 def block_size(page_size: int) -> int:
@@ -96,7 +96,7 @@ def _tile(pieces: Sequence[tuple[AttentionSpan, int, int]], *, total_rows: int, 
     masked = masked.reshape(nl, rows * group, num_blocks, block).permute(0, 2, 1, 3)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return AttentionTile(nl, rows, num_blocks, as_long(q_index), as_long(out_index),
-                         as_long(page_index), masked.unsqueeze(1).contiguous())
+                         as_long(page_index), masked.unsqueeze(0).contiguous())
 
 
 def plan_attention(spans: Sequence[AttentionSpan], *, total_rows: int, group: int, page_size: int,
@@ -121,18 +121,21 @@ def plan_attention(spans: Sequence[AttentionSpan], *, total_rows: int, group: in
 
 
 def _gather(pool: torch.Tensor, tile: AttentionTile, block: int) -> torch.Tensor:
-    """(lanes, kv_heads, blocks, block, D) keys or values of a tile's lanes, pool dtype."""
+    """(kv_heads * lanes * blocks, block, D) keys or values of a tile's lanes, pool dtype.
+
+    One copy: index the pages of a (kv_heads, pages, P, D) view of the pool.
+    """
     _, page_size, kvh, d = pool.shape
-    pages = pool.index_select(0, tile.page_index)  # (lanes * pages, P, kvh, D)
-    view = pages.view(tile.num_lanes, tile.num_blocks, block, kvh, d).permute(0, 3, 1, 2, 4)
-    return view.contiguous()
+    pages = torch.index_select(pool.permute(2, 0, 1, 3), 1, tile.page_index)  # (kvh, n, P, D)
+    return pages.view(-1, block, d)
 
 
 def attend_tile(q_ext: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                 tile: AttentionTile) -> torch.Tensor:
     """Attention output (lanes * rows, heads * D) fp32 for one tile.
 
-    q_ext is pre-scaled, in the pool's dtype, with a zero row appended.
+    q_ext is pre-scaled, in the pool's dtype, with a zero row appended. Batched matmuls run
+    over (kv head, lane, block), each of fixed shape.
     """
     _, page_size, kvh, d = k_pool.shape
     heads = q_ext.shape[1]
@@ -141,21 +144,21 @@ def attend_tile(q_ext: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     block = tile.masked.shape[-1]
     m_rows = rows * group
     q = q_ext.index_select(0, tile.q_index).view(nl, rows, kvh, group, d)
-    q = q.permute(0, 2, 1, 3, 4).reshape(nl, kvh, 1, m_rows, d)
-    q = q.expand(nl, kvh, nb, m_rows, d).reshape(-1, m_rows, d)
-    k = _gather(k_pool, tile, block).view(-1, block, d)
-    v = _gather(v_pool, tile, block).view(-1, block, d)
-    s = torch.bmm(q, k.transpose(1, 2)).view(nl, kvh, nb, m_rows, block).float()
+    q = q.permute(2, 0, 1, 3, 4).reshape(kvh, nl, 1, m_rows, d)
+    q = q.expand(kvh, nl, nb, m_rows, d).reshape(-1, m_rows, d)
+    k = _gather(k_pool, tile, block)
+    v = _gather(v_pool, tile, block)
+    s = torch.bmm(q, k.transpose(1, 2)).view(kvh, nl, nb, m_rows, block).float()
     s.masked_fill_(tile.masked, float("-inf"))
     m = s.amax(dim=(2, 4), keepdim=True)  # every row sees position 0: m is finite
     p = s.sub_(m).exp_()  # 0 where masked
-    l = p.sum(dim=-1)  # (nl, kvh, nb, m_rows)
-    a = torch.bmm(p.view(-1, m_rows, block).to(v.dtype), v).view(nl, kvh, nb, m_rows, d).float()
+    l = p.sum(dim=-1)  # (kvh, nl, nb, m_rows)
+    a = torch.bmm(p.view(-1, m_rows, block).to(v.dtype), v).view(kvh, nl, nb, m_rows, d).float()
     # cumsum adds blocks strictly in order: trailing all-masked blocks add exact zeros.
     a = a.cumsum(dim=2)[:, :, -1]
     l = l.cumsum(dim=2)[:, :, -1]
-    o = (a / l.unsqueeze(-1)).view(nl, kvh, rows, group, d)
-    return o.permute(0, 2, 1, 3, 4).reshape(nl * rows, heads * d)
+    o = (a / l.unsqueeze(-1)).view(kvh, nl, rows, group, d)
+    return o.permute(1, 2, 0, 3, 4).reshape(nl * rows, heads * d)
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
