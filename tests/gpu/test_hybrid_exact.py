@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from prefixd.gpu.families.qwen3_5 import HybridModel
-from prefixd.gpu.kv_pool import KVPool
 from prefixd.gpu.families.qwen3_5_config import HybridConfig, hybrid_config_from_hf
 from prefixd.gpu.families.qwen3_5_tiny import random_tensors, tiny_hf_config
+from prefixd.gpu.kv_pool import KVPool
 from prefixd.scheduler.records import LaneWork
 
 PAGE = 16

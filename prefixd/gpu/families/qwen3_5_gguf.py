@@ -126,9 +126,9 @@ def fixup(config: HybridConfig, tensors: dict[str, Any]) -> None:
     for i in c.linear_layers:
         p = f"model.layers.{i}.linear_attn."
         qkv = tensors[p + "in_proj_qkv.weight"]
-        tensors[p + "in_proj_qkv.weight"] = _reorder_tail(qkv, qk, values, dim=0)
+        tensors[p + "in_proj_qkv.weight"] = _reorder_tail(qkv, qk, values)
         conv = tensors[p + "conv1d.weight"]
-        tensors[p + "conv1d.weight"] = _reorder_tail(conv, qk, values, dim=0)
+        tensors[p + "conv1d.weight"] = _reorder_tail(conv, qk, values)
         tensors[p + "in_proj_z.weight"] = tensors[p + "in_proj_z.weight"][values.to(qkv.device)]
         for name in ("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"):
             tensors[p + name] = tensors[p + name][heads.to(qkv.device)]
@@ -136,11 +136,11 @@ def fixup(config: HybridConfig, tensors: dict[str, Any]) -> None:
         tensors[p + "out_proj.weight"] = out[:, values.to(out.device)]
 
 
-def _reorder_tail(t, start: int, index, dim: int):
-    """Rows [start:] of t taken in `index` order (the V part of a q|k|v stack)."""
+def _reorder_tail(t, start: int, index):
+    """t with its rows [start:] taken in `index` order (the V part of a q|k|v stack)."""
     import torch
 
-    return torch.cat([t[:start], t[start:][index.to(t.device)]], dim=dim)
+    return torch.cat([t[:start], t[start:][index.to(t.device)]])
 
 
 def register() -> None:
