@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from prefixd.gpu.attention import AttentionSpan, plan_attention
+from prefixd.gpu.copy import CopyEngine
 from prefixd.gpu.families import build_family
 from prefixd.gpu.kv_pool import KVPool
 from prefixd.gpu.model import RoundInputs
@@ -44,6 +45,7 @@ class ModelRunner:
             logits_row_bytes=4 * config.vocab_size, weights_bytes=int(checkpoint.weights_bytes),
             workspace_bytes_per_row=self.model.workspace_bytes_per_row,
             invariant_rows=self.model.invariant_rows)
+        self.copies = CopyEngine(self.device)  # page and state copies, fenced
         self._samplers: dict[int, LaneSampler] = {}
 
     # Device protocol -------------------------------------------------------------------
@@ -57,6 +59,7 @@ class ModelRunner:
     def run_round(self, plan: RoundPlan) -> RoundResult:
         if not plan.lanes:
             return RoundResult(lanes=())
+        self.copies.wait_all()  # a round must not read pages a copy is still writing
         with torch.inference_mode():
             inputs = self._inputs(plan)
             t0 = time.perf_counter()
@@ -72,18 +75,27 @@ class ModelRunner:
 
     def capture(self, lane: int) -> Any:
         self._check_lane(lane)
+        self.copies.wait_all()
         return self.model.capture(lane)
 
     def restore(self, lane: int, state: Any) -> int:
         self._check_lane(lane)
+        self.copies.wait_all()
         return self.model.restore(lane, state)
 
     def reset_lane(self, lane: int) -> None:
         self._check_lane(lane)
+        self.copies.wait_all()
         self.model.reset(lane)
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
-        return self.kv.copy_pages(src, dst)
+        """Copy pages of every attention layer through the copy engine; waits for it."""
+        if len(src) != len(dst):
+            raise ValueError(f"copy_pages: {len(src)} sources for {len(dst)} destinations")
+        if not src:
+            return 0
+        self.copies.copy_pages(self.kv.pools(), src, dst).wait()
+        return len(src) * self.kv.bytes_per_page
 
     def kv_rows(self, layer: int, page_table: Sequence[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V (n, kv_heads, head_dim) of attention layer `layer`, for tests."""

@@ -29,14 +29,15 @@ def default_runner(request, default_gguf):
     return make_runner(default_gguf, request.param)
 
 
-def check_chunking(runner, n: int) -> None:
+def check_chunking(runner, n: int, *, fives: bool = True) -> None:
     tokens = prompt(n, seed=1)
     one = run_chunks(runner, 0, tokens, lane_pages(0), [n])
     plans = {
-        "5s": [5] * (n // 5) + ([n % 5] if n % 5 else []),
         "mixed": [1, 16, 33, 7, 200, n - 257],
         "255+rest": [255, n - 255],
     }
+    if fives:
+        plans["5s"] = [5] * (n // 5) + ([n % 5] if n % 5 else [])
     for i, (name, chunks) in enumerate(plans.items(), start=1):
         got = run_chunks(runner, i, tokens, lane_pages(i), chunks)
         assert torch.equal(got, one), f"chunks {name}: logits differ"
@@ -100,7 +101,7 @@ def test_tiny_verify_pass_equals_stepwise_decode(tiny_runner):
 
 @pytest.mark.slow
 def test_default_chunked_prefill_equals_one_shot(default_runner):
-    check_chunking(default_runner, 280)
+    check_chunking(default_runner, 270, fives=False)
 
 
 @pytest.mark.slow
