@@ -266,7 +266,9 @@ class HybridModel:
 
 
 def build_qwen3_5(checkpoint, device: torch.device, dtype: torch.dtype, mode: str) -> HybridModel:
-    """The family builder: one code path for every mode (no faster non-invariant variant)."""
+    """The family builder. Only mode "invariant" exists (as for the attention families)."""
+    if mode != "invariant":
+        raise ValueError(f"qwen3_5 has no mode {mode!r}; only 'invariant'")
     return HybridModel(hybrid_config(checkpoint.config), checkpoint.tensors, device=device,
                        dtype=dtype)
 
