@@ -36,6 +36,9 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     return torch.where(medium, blended, scaled)
 
 
+INITIAL_POSITIONS = 32768  # grown on demand: long-context models need not pay up front
+
+
 class RopeTable:
     """cos/sin for positions [0, size), grown by doubling when a round goes past it."""
 
@@ -44,7 +47,7 @@ class RopeTable:
         self.rotary_dim = rotary_dim or config.head_dim
         self.inv_freq = inverse_frequencies(self.rotary_dim, config.rope_theta, config.rope_scaling)
         self.device = device
-        self._build(max(16, size or config.max_context))
+        self._build(max(16, size or min(config.max_context, INITIAL_POSITIONS)))
 
     def _build(self, size: int) -> None:
         pos = torch.arange(size, dtype=torch.int64).to(torch.float32)

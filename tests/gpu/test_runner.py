@@ -131,3 +131,37 @@ def test_cuda_round_is_row_invariant(tiny_llama_dir):
     one = run_chunks(r, 0, tokens, pages(0), [70])
     assert torch.equal(run_chunks(r, 1, tokens, pages(12), [1, 16, 33, 7, 13]), one)
     assert torch.equal(run_chunks(r, 2, tokens, pages(24), [1] * 70), one)
+
+
+def test_rope_table_growth_keeps_earlier_positions_bits(tiny_llama_dir):
+    import json
+
+    from prefixd.gpu.config import config_from_hf
+    from prefixd.gpu.rope import RopeTable
+
+    config = config_from_hf(json.loads((tiny_llama_dir / "config.json").read_text()))
+    table = RopeTable(config, device=torch.device("cpu"), size=16)
+    before = table.lookup(torch.tensor([3, 15]))
+    after = table.lookup(torch.tensor([3, 15, 40]))
+    assert table.size == 64
+    assert torch.equal(before[0], after[0][:2]) and torch.equal(before[1], after[1][:2])
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_type": "linear", "factor": 4.0},
+])
+def test_rope_scaling_frequencies_match_transformers(rope_scaling):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from prefixd.gpu.config import config_from_hf
+    from prefixd.gpu.rope import inverse_frequencies
+
+    hf = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                     rope_theta=500000.0, rope_scaling=rope_scaling, max_position_embeddings=131072)
+    ours = config_from_hf(hf.to_dict())
+    ref, _ = ROPE_INIT_FUNCTIONS[rope_scaling["rope_type"]](hf, torch.device("cpu"))
+    got = inverse_frequencies(ours.head_dim, ours.rope_theta, ours.rope_scaling)
+    assert torch.allclose(got, ref.float(), rtol=1e-6, atol=0)
