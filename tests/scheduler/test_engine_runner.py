@@ -118,3 +118,29 @@ def test_resumed_and_concurrent_turns_equal_cold_solo_in_ids_and_logits_bits(run
         expect = n_prev + 2 if info.invariant_rows else n_prev - 2
         assert resident[k][2].cached_tokens == expect, k
     assert restored[2, 0][2].cached_tokens == (8 if info.invariant_rows else 0)  # the system prompt's full page
+
+
+def test_a_whole_prompt_hit_equals_cold_without_a_forward_for_its_first_token(runner):
+    vocab = runner.info.vocab_size
+    prompt = tuple((11 * i + 5) % vocab for i in range(19))
+    other = tuple((3 * i + 1) % vocab for i in range(9))
+    sampling = SamplingParams(temperature=0.9, seed=4)
+
+    def run(engine, sid, tokens):
+        starts = (16,) if len(tokens) > 16 else ()
+        engine.submit(StreamRequest(sid, tokens, 3, sampling=sampling, chunk_starts=starts, want_logits=True))
+        events = []
+        while not engine.idle:
+            events += engine.step()
+            engine.check_integrity()
+        tok = [ev for ev in events if isinstance(ev, TokenEvent)]
+        return [i for ev in tok for i in ev.ids], [ev.logits for ev in tok], events[-1].usage
+
+    cold = run(Engine(runner, SchedulerConfig(num_lanes=1, grid=8, cache=False)), 1, prompt)
+    engine = Engine(runner, SchedulerConfig(num_lanes=1, grid=8, cache_budget_bytes=1 << 30))  # logits rows fit
+    run(engine, 1, prompt)
+    run(engine, 2, other)  # takes the lane: the prompt's lane is published
+    ids, rows, usage = run(engine, 3, prompt)
+    assert (usage.cache, usage.cached_tokens, usage.prefilled_tokens) == ("hit", 19, 0)
+    assert ids == cold[0]
+    assert all(torch.equal(a, b) for a, b in zip(rows, cold[1], strict=True))
