@@ -217,3 +217,23 @@ def test_store_bytes_are_reported_after_rounds_that_change_the_store_only():
     turn(engine, req(1, SYSTEM))  # 3 prefill rounds keep cuts 4, 8, 10; 2 decode rounds keep nothing
     assert obs.rounds == 5 and len(obs.reports) == 3
     assert obs.reports[-1] == (engine.status()["store"]["bytes"], 65536) == (15072, 65536)
+
+
+def test_a_cache_key_of_another_length_neither_looks_up_nor_keeps():
+    engine, _ = make()
+    out, done = turn(engine, req(1, SYSTEM, cache_key=(1, 2, 3)))
+    stats = engine.status()["store"]
+    assert (stats["entries"], stats["hits"], stats["misses"]) == (0, 0, 0)
+    assert (done.usage.cache, done.note) == ("off", "cache key has 3 tokens but the prompt has 10: nothing reused or kept")
+    assert engine.status()["lanes"][0]["state"] == "free"
+    assert out == cold(req(1, SYSTEM))
+
+
+def test_a_cache_key_of_the_prompts_length_is_the_identity():
+    engine, _ = make()
+    key = tuple(t + 1 for t in SYSTEM)
+    turn(engine, req(1, SYSTEM, cache_key=key))
+    turn(engine, req(2, OTHER))
+    _, by_tokens = turn(engine, req(3, SYSTEM))
+    _, by_key = turn(engine, req(4, SYSTEM, cache_key=key))
+    assert (by_tokens.usage.cache, by_key.usage.cache, by_key.usage.cached_tokens) == ("miss", "hit", 10)
