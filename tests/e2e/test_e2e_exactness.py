@@ -1,0 +1,163 @@
+"""Exactness end to end on the default model: the agent chat's turns give the same token ids
+and the same logits bits at every step whether the store is off, on, on and evicting, the
+conversation continues a resident lane, or all turns run as 8 concurrent streams.
+
+The cold run (store off, one request at a time) generates the replies that later turns feed
+back, so every mode sends byte-identical requests.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import anyio
+import pytest
+
+from prefixd.ipc.client import AsyncClient
+from tests.e2e.agent_chat import (
+    Step,
+    Transcript,
+    TurnKey,
+    alternating,
+    back_to_back,
+    cold_transcript,
+    outputs,
+    replay,
+    replay_concurrently,
+    take_the_lane,
+)
+from tests.e2e.conftest import serve
+from tests.e2e.daemon_proc import DaemonProcess
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 5
+ONE_LANE = ("--lanes", "1", "--max-context", "1024")
+# What --cache-budget pays before the store on this model with one lane (weights, workspace);
+# only a first guess: the fixture reads the daemon's own figure back.
+DEFAULT_MODEL_RESERVED_GUESS = 278_073_984
+# Holds one conversation's pages but not both chats': with the chats alternating, turns evict.
+EVICTING_STORE_BYTES = 12_000_000
+
+
+def run(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return anyio.run(lambda: fn(*args, **kwargs))
+
+
+async def _cold(daemon: DaemonProcess) -> Transcript:
+    async with await AsyncClient.connect(daemon.socket) as client:
+        return await cold_transcript(client, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def cold(default_daemon: DaemonProcess) -> Transcript:
+    return run(_cold, default_daemon)
+
+
+@pytest.fixture(scope="module")
+def one_lane_daemon(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """One lane and an ample store: a conversation's next turn resumes from the store."""
+    yield from serve(default_model, tmp_path_factory.mktemp("d_one_lane"), *ONE_LANE, "--cache-budget", "400M")
+
+
+@pytest.fixture(scope="module")
+def evicting_daemon(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    daemon = DaemonProcess.start_with_store_budget(default_model, tmp_path_factory.mktemp("d_evicting"),
+                                                   EVICTING_STORE_BYTES, DEFAULT_MODEL_RESERVED_GUESS, *ONE_LANE)
+    try:
+        yield daemon
+    finally:
+        assert daemon.stop() == 0, daemon.log.read_text(errors="replace")
+
+
+def assert_usage_adds_up(steps: dict[TurnKey, Step], cold: Transcript) -> None:
+    for key, step in steps.items():
+        usage = step.usage
+        assert usage.prompt_tokens == cold.steps[key].usage.prompt_tokens, key
+        assert usage.prefilled_tokens + usage.cached_tokens == usage.prompt_tokens, key
+        assert usage.completion_tokens == len(step.ids), key
+
+
+def test_cold_run_serves_every_turn_cold(cold: Transcript):
+    assert [key for key in cold.keys] == [("a", i) for i in range(6)] + [("b", 0), ("b", 1)]
+    for key, step in cold.steps.items():
+        assert step.usage.cache == "off", key
+        assert step.usage.cached_tokens == 0, key
+        assert len(step.ids) == len(step.digests) >= 1, key
+    prompts = [cold.steps[("a", i)].usage.prompt_tokens for i in range(6)]
+    assert prompts == sorted(set(prompts)), "each turn re-sends the conversation and adds to it"
+
+
+async def _store_on(daemon: DaemonProcess, cold: Transcript) -> dict[TurnKey, Step]:
+    """Each chat's turns in a row, the lane taken by another request between them."""
+    async with await AsyncClient.connect(daemon.socket) as client:
+
+        async def between(key: TurnKey, step: Step) -> None:
+            await take_the_lane(client)
+
+        return await replay(client, cold, back_to_back(cold.keys), MAX_TOKENS, between=between, namespace="store")
+
+
+async def _alternating(daemon: DaemonProcess, cold: Transcript) -> tuple[list[tuple[TurnKey, Step]], list[dict]]:
+    """The chats' turns alternating; the store's status after each request."""
+    stores: list[dict] = []
+    steps: list[tuple[TurnKey, Step]] = []
+    async with await AsyncClient.connect(daemon.socket) as client:
+
+        async def between(key: TurnKey, step: Step) -> None:
+            steps.append((key, step))
+            stores.append((await client.status())["store"])
+
+        await replay(client, cold, alternating(cold.keys), MAX_TOKENS, between=between, namespace="evicting")
+    return steps, stores
+
+
+def test_store_on_resumes_every_turn_from_the_store_exactly(one_lane_daemon: DaemonProcess, cold: Transcript):
+    steps = run(_store_on, one_lane_daemon, cold)
+    assert outputs(steps) == outputs(cold.steps)
+    assert_usage_adds_up(steps, cold)
+    assert steps[("a", 0)].usage.cache == "miss"
+    for key in [("a", i) for i in range(1, 6)] + [("b", 0), ("b", 1)]:
+        assert steps[key].usage.cache == "hit", key
+        assert steps[key].usage.cached_tokens > 0, key
+    for chat, turns in (("a", 6), ("b", 2)):
+        for i in range(1, turns):
+            # The hit covers at least the whole previous request of the conversation.
+            assert steps[(chat, i)].usage.cached_tokens >= steps[(chat, i - 1)].usage.prompt_tokens, (chat, i)
+
+
+def test_evicting_store_resumes_exactly_while_every_turn_evicts(evicting_daemon: DaemonProcess, cold: Transcript):
+    steps, stores = run(_alternating, evicting_daemon, cold)
+    for key, step in steps:
+        assert (step.ids, step.digests) == (cold.steps[key].ids, cold.steps[key].digests), key
+    assert_usage_adds_up(dict(steps), cold)
+    assert all(step.usage.cached_tokens > 0 for _, step in steps[1:])
+    evicted = [sum(store["evictions"].values()) for store in stores]
+    first = next(i for i, n in enumerate(evicted) if n > 0)
+    assert first <= 4, evicted  # by chat "a"'s third turn the store is full
+    assert all(later > earlier for earlier, later in zip(evicted[first:], evicted[first + 1:])), evicted
+    assert all(store["bytes"] <= EVICTING_STORE_BYTES for store in stores)
+
+
+async def _resident(daemon: DaemonProcess, cold: Transcript) -> dict[TurnKey, Step]:
+    async with await AsyncClient.connect(daemon.socket) as client:
+        return await replay(client, cold, back_to_back(cold.keys), MAX_TOKENS, namespace="resident")
+
+
+def test_resident_continuation_equals_cold(default_daemon: DaemonProcess, cold: Transcript):
+    steps = run(_resident, default_daemon, cold)
+    assert outputs(steps) == outputs(cold.steps)
+    assert_usage_adds_up(steps, cold)
+    for chat, turns in (("a", 6), ("b", 2)):
+        for i in range(1, turns):
+            usage = steps[(chat, i)].usage
+            assert usage.cache == "resident", (chat, i)
+            assert usage.cached_tokens >= steps[(chat, i - 1)].usage.prompt_tokens, (chat, i)
+
+
+def test_eight_concurrent_streams_equal_cold(default_daemon: DaemonProcess, cold: Transcript):
+    steps, most_busy = run(replay_concurrently, default_daemon.socket, cold, MAX_TOKENS, namespace="concurrent")
+    assert outputs(steps) == outputs(cold.steps)
+    assert_usage_adds_up(steps, cold)
+    assert most_busy >= 2, "the streams shared rounds"
+
