@@ -11,7 +11,7 @@ from prefixd.scheduler.events import EngineObserver
 from prefixd.scheduler.lanes import (Lane, PageTables, ResidentMatch, best_resident, free_seat, pages_for,
                                      resident_resume, resident_victims, starts_below)
 from prefixd.scheduler.planner import Schedule, plan_schedule
-from prefixd.scheduler.store import PrefixStore, Snapshot, make_key
+from prefixd.scheduler.store import Hit, PrefixStore, Snapshot, make_key
 from prefixd.scheduler.streams import Stream
 
 
@@ -104,6 +104,9 @@ class Admitter:
     def forget(self, stream: Stream) -> None:
         """A waiting stream left: let go of its hit's pages and pin."""
         self.waiting.remove(stream)
+        self._drop_hit(stream)
+
+    def _drop_hit(self, stream: Stream) -> None:
         if stream.hit is not None:
             self.tables.allocator.decref(stream.hit.pages)
             self.store.unpin(stream.hit)
@@ -192,11 +195,12 @@ class Admitter:
                 self.store.publish(key, schedule, n, lane.pages, Snapshot(), prefilled_upto=n)
         self.tables.release(lane)
 
-    def _place(self, stream: Stream, lane: Lane, resume: int, result: str, hit: object | None) -> Seating:
+    def _place(self, stream: Stream, lane: Lane, resume: int, result: str, hit: Hit | None) -> Seating:
         """Bind `stream` to `lane`, reusing `resume` rows (the lane's own, or `hit`'s pages)."""
         req = stream.req
         self.waiting.remove(stream)
         if result == "resident":
+            self._drop_hit(stream)  # found while it waited; continuing in place wins over any copy
             self._continue_resident(stream, lane, resume)
         else:
             self.tables.release(lane)
@@ -235,7 +239,7 @@ class Admitter:
         if self.store is not None:
             self.store.note_latest(stream.key)
 
-    def _restore(self, lane: Lane, stream: Stream, hit: object | None) -> None:
+    def _restore(self, lane: Lane, stream: Stream, hit: Hit | None) -> None:
         """Start `lane` from `hit` (borrowed pages + snapshot state) or from zero."""
         stream.hit = None
         if hit is None:

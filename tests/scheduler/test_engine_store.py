@@ -8,7 +8,8 @@ from prefixd.scheduler.config import SchedulerConfig
 from prefixd.scheduler.engine import Engine
 from prefixd.scheduler.events import NullObserver
 from prefixd.scheduler.streams import DoneEvent, StreamRequest
-from tests.scheduler.fake_device import FakeDevice, done_by_stream, make_info, run_until_idle, tokens_by_stream
+from tests.scheduler.fake_device import (FakeDevice, done_by_stream, make_info, reference_tokens, run_until_idle,
+                                         tokens_by_stream)
 
 _engines: list[Engine] = []
 
@@ -237,3 +238,17 @@ def test_a_cache_key_of_the_prompts_length_is_the_identity():
     _, by_tokens = turn(engine, req(3, SYSTEM))
     _, by_key = turn(engine, req(4, SYSTEM, cache_key=key))
     assert (by_tokens.usage.cache, by_key.usage.cache, by_key.usage.cached_tokens) == ("miss", "hit", 10)
+
+
+def test_a_waiting_stream_holding_a_store_hit_that_then_continues_a_resident_lane_lets_the_hit_go():
+    engine, _ = make(num_lanes=2, num_pages=10)
+    out1, _ = turn(engine, req(1, SYSTEM))
+    r_prompt = SYSTEM + out1
+    engine.submit(req(2, r_prompt))  # continues lane 0
+    engine.step()
+    s_prompt = r_prompt + reference_tokens(r_prompt, 3) + list(range(300, 320))
+    engine.submit(req(3, s_prompt))  # seat free, pages short: waits holding a hit at row 13
+    engine.step()
+    assert engine.admitter.waiting and next(iter(engine.admitter.waiting)).hit.rows == 13
+    done = done_by_stream(run_until_idle(engine))[3]  # then stream 2's lane turns resident: it continues there
+    assert (done.usage.cache, done.usage.cached_tokens) == ("resident", 15)
