@@ -8,18 +8,8 @@ from typing import Iterator
 
 import pytest
 
-from tests.e2e.daemon_proc import DaemonProcess
+from tests.e2e.daemon_proc import DaemonProcess, serving
 from tests.helpers.tiny_models import default_gguf_path, make_tiny_hf_dir
-
-
-def serve(model: str | Path, workdir: Path, *flags: str) -> Iterator[DaemonProcess]:
-    """Run a daemon for a fixture's lifetime; its clean exit on SIGTERM is checked."""
-    daemon = DaemonProcess.start(model, workdir, *flags)
-    try:
-        yield daemon
-    finally:
-        code = daemon.stop()
-    assert code == 0, f"daemon exited with {code} on SIGTERM:\n{daemon.log.read_text(errors='replace')}"
 
 
 @pytest.fixture(scope="session")
@@ -37,12 +27,12 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def default_daemon(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     """The default model, 8 lanes, store on (a --cache-budget that holds every test's turns)."""
-    yield from serve(default_model, tmp_path_factory.mktemp("d_default"), "--lanes", "8", "--max-context", "1024",
+    yield from serving(default_model, tmp_path_factory.mktemp("d_default"), "--lanes", "8", "--max-context", "1024",
                      "--cache-budget", "512M")
 
 
 @pytest.fixture(scope="session")
 def tiny_daemon(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     """The tiny random llama, 8 lanes, store on."""
-    yield from serve(tiny_llama_dir, tmp_path_factory.mktemp("d_tiny"), "--lanes", "8", "--max-context", "1024",
+    yield from serving(tiny_llama_dir, tmp_path_factory.mktemp("d_tiny"), "--lanes", "8", "--max-context", "1024",
                      "--cache-budget", "64M")

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from prefixd.ipc.errors import ClientError
 from prefixd.ipc.sync_client import SyncClient
@@ -126,3 +126,18 @@ def idle_view(status: dict[str, Any]) -> dict[str, Any]:
         "pages_used": status["pages_used"],
         "pages_free": status["pages_free"],
     }
+
+
+def serving(model: str | Path, workdir: Path, *flags: str) -> Iterator[DaemonProcess]:
+    """For a fixture: run a daemon while the fixture lives; its clean exit on SIGTERM is checked."""
+    daemon = DaemonProcess.start(model, workdir, *flags)
+    yield from stopping(daemon)
+
+
+def stopping(daemon: DaemonProcess) -> Iterator[DaemonProcess]:
+    """Yield `daemon`, then stop it and check it exited 0."""
+    try:
+        yield daemon
+    finally:
+        code = daemon.stop()
+    assert code == 0, f"daemon exited with {code} on SIGTERM:\n{daemon.log.read_text(errors='replace')}"

@@ -26,8 +26,7 @@ from tests.e2e.agent_chat import (
     replay_concurrently,
     take_the_lane,
 )
-from tests.e2e.conftest import serve
-from tests.e2e.daemon_proc import DaemonProcess
+from tests.e2e.daemon_proc import DaemonProcess, serving, stopping
 
 pytestmark = pytest.mark.slow
 
@@ -57,17 +56,14 @@ def cold(default_daemon: DaemonProcess) -> Transcript:
 @pytest.fixture(scope="module")
 def one_lane_daemon(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     """One lane and an ample store: a conversation's next turn resumes from the store."""
-    yield from serve(default_model, tmp_path_factory.mktemp("d_one_lane"), *ONE_LANE, "--cache-budget", "400M")
+    yield from serving(default_model, tmp_path_factory.mktemp("d_one_lane"), *ONE_LANE, "--cache-budget", "400M")
 
 
 @pytest.fixture(scope="module")
 def evicting_daemon(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     daemon = DaemonProcess.start_with_store_budget(default_model, tmp_path_factory.mktemp("d_evicting"),
                                                    EVICTING_STORE_BYTES, DEFAULT_MODEL_RESERVED_GUESS, *ONE_LANE)
-    try:
-        yield daemon
-    finally:
-        assert daemon.stop() == 0, daemon.log.read_text(errors="replace")
+    yield from stopping(daemon)
 
 
 def assert_usage_adds_up(steps: dict[TurnKey, Step], cold: Transcript) -> None:
