@@ -28,11 +28,11 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def default_daemon(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     """The default model, 8 lanes, store on (a --cache-budget that holds every test's turns)."""
     yield from serving(default_model, tmp_path_factory.mktemp("d_default"), "--lanes", "8", "--max-context", "1024",
-                     "--cache-budget", "512M")
+                       "--cache-budget", "512M")
 
 
 @pytest.fixture(scope="session")
 def tiny_daemon(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    """The tiny random llama, 8 lanes, store on."""
+    """The tiny random llama in fp32 (the default model runs bf16), 8 lanes, store on."""
     yield from serving(tiny_llama_dir, tmp_path_factory.mktemp("d_tiny"), "--lanes", "8", "--max-context", "1024",
-                     "--cache-budget", "64M")
+                       "--cache-budget", "64M", "--dtype", "fp32")
