@@ -121,13 +121,11 @@ def plan_attention(spans: Sequence[AttentionSpan], *, total_rows: int, group: in
 
 
 def _gather(pool: torch.Tensor, tile: AttentionTile, block: int) -> torch.Tensor:
-    """(kv_heads * lanes * blocks, block, D) keys or values of a tile's lanes, pool dtype.
-
-    One copy: index the pages of a (kv_heads, pages, P, D) view of the pool.
-    """
+    """(kv_heads * lanes * blocks, block, D) keys or values of a tile's lanes, pool dtype."""
     _, page_size, kvh, d = pool.shape
-    pages = torch.index_select(pool.permute(2, 0, 1, 3), 1, tile.page_index)  # (kvh, n, P, D)
-    return pages.view(-1, block, d)
+    pages = pool.index_select(0, tile.page_index)  # (lanes * pages, P, kvh, D): row copies
+    view = pages.view(tile.num_lanes, tile.num_blocks, block, kvh, d).permute(3, 0, 1, 2, 4)
+    return view.contiguous().view(-1, block, d)
 
 
 def attend_tile(q_ext: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
