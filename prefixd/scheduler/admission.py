@@ -140,7 +140,14 @@ class Admitter:
         need = self._pages_to_seat(stream, rows)
         need += 1 if hit is not None and rows % self.page_size else 0  # copy of a borrowed tail page
         if not self.free_pages(need, spare=(lane,)):
-            return None
+            if any(other.busy for other in self.lanes):
+                return None  # running lanes will give pages back
+            # Nothing runs, so waiting frees nothing: let go of the hit's pin and, if still
+            # short, of everything the store holds unpinned.
+            self._drop_hit(stream)
+            hit, rows = None, 0
+            if not self.free_pages(self._pages_to_seat(stream, 0), spare=(lane,), last_resort=True):
+                return None
         result = "hit" if hit is not None else "miss" if self.reuse_allowed(stream) else "off"
         return self._place(stream, lane, rows, result, hit)
 
@@ -169,8 +176,9 @@ class Admitter:
         pages = min(pages_for(rows, self.page_size), self.tables.allocator.num_pages)  # headroom never blocks forever
         return max(0, pages - pages_for(resume, self.page_size))
 
-    def free_pages(self, need: int, spare: Sequence[Lane]) -> bool:
-        """Make `need` pages free: ask the store, then evict resident lanes (LRU), never `spare`."""
+    def free_pages(self, need: int, spare: Sequence[Lane], *, last_resort: bool = False) -> bool:
+        """Make `need` pages free: ask the store, then evict resident lanes (LRU), never `spare`;
+        with `last_resort`, then clear the store's unpinned entries."""
         allocator = self.tables.allocator
         if allocator.can_allocate(need):
             return True
@@ -182,6 +190,8 @@ class Admitter:
             self.evict_resident(victim)
             if self.store is not None and not allocator.can_allocate(need):
                 self.store.make_room(need)
+        if last_resort and self.store is not None and not allocator.can_allocate(need):
+            self.store.clear()  # entries that only free pages together are not picked one by one
         return allocator.can_allocate(need)
 
     def evict_resident(self, lane: Lane) -> None:

@@ -200,7 +200,9 @@ class Engine:
             keep_cuts_of=self._publishes,
         )
         if not planned and busy:
-            # Every busy lane decodes and none found a page: end the newest so the rest go on.
+            # Every busy lane decodes and none found a page: clear the store, else end the newest.
+            if self.store is not None and self.store.clear():
+                return self._schedule(events)
             self._finish(decoding[-1].stream, "length", events, note=OUT_OF_PAGES_NOTE, keep=False)
             return self._schedule(events)
         return planned

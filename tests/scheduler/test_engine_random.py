@@ -3,7 +3,7 @@ every stream that finishes yields exactly its cold tokens, and nothing leaks."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from prefixd.scheduler.config import SchedulerConfig
@@ -14,8 +14,12 @@ from tests.scheduler.fake_device import FakeDevice, make_info, reference_tokens,
 BASES = [list(range(10, 30)), list(range(10, 22)) + [5] * 8, [7] * 9]
 
 action = st.one_of(
+    st.tuples(st.just("continue"), st.integers(0, 30), st.lists(st.integers(0, 99), min_size=1, max_size=6),
+              st.integers(1, 6)),
     st.tuples(st.just("submit"), st.integers(0, 2), st.integers(1, 20), st.lists(st.integers(0, 99), max_size=6),
               st.integers(1, 6), st.booleans(), st.sampled_from([(), (3,), (5, 9)])),
+    st.tuples(st.just("continue"), st.integers(1, 30), st.lists(st.integers(0, 99), min_size=1, max_size=6),
+              st.integers(1, 6)),
     st.tuples(st.just("cancel"), st.integers(0, 30)),
     st.tuples(st.just("step"), st.integers(1, 3)),
 )
@@ -30,9 +34,9 @@ def cold_tokens(req: StreamRequest, invariant: bool) -> list[int]:
     return tokens_by_stream(run_until_idle(engine)).get(req.stream_id, [])
 
 
-@settings(max_examples=60, deadline=None)
-@given(actions=st.lists(action, max_size=30), lanes=st.integers(1, 3), num_pages=st.sampled_from([12, 24, 64]),
-       budget=st.sampled_from([None, 10_100, 0]), row_budget=st.integers(1, 9), cache=st.booleans(),
+@settings(max_examples=150, deadline=None)
+@given(actions=st.lists(action, min_size=4, max_size=30), lanes=st.integers(1, 3), num_pages=st.sampled_from([10, 12, 24, 64]),
+       budget=st.sampled_from([None, 10_100, 0]), row_budget=st.integers(1, 9), cache=st.sampled_from([True, True, False]),
        invariant=st.booleans())
 def test_random_traffic_yields_cold_tokens_and_leaks_nothing(actions, lanes, num_pages, budget, row_budget, cache,
                                                             invariant):
@@ -66,6 +70,17 @@ def test_random_traffic_yields_cold_tokens_and_leaks_nothing(actions, lanes, num
             requests[sid] = StreamRequest(sid, tuple(prompts[sid]), max_tokens, cache=per_request_cache,
                                           chunk_starts=starts)
             engine.submit(requests[sid])
+        elif act[0] == "continue" and requests:
+            _, prev, extra, max_tokens = act  # the next turn of a conversation: prompt + full reply + more
+            before = requests[list(requests)[prev % len(requests)]]
+            sid += 1
+            prompts[sid] = list(before.tokens) + cold_tokens(before, invariant) + extra
+            limits[sid] = max_tokens
+            if len(prompts[sid]) >= min(63, num_pages * 4):
+                del prompts[sid], limits[sid]
+                continue
+            requests[sid] = StreamRequest(sid, tuple(prompts[sid]), max_tokens, chunk_starts=before.chunk_starts)
+            engine.submit(requests[sid])
         elif act[0] == "cancel":
             engine.cancel(act[1])
         else:
@@ -75,6 +90,8 @@ def test_random_traffic_yields_cold_tokens_and_leaks_nothing(actions, lanes, num
             break
         run(1)
     assert engine.idle
+    for ev in done.values():
+        event(f"{ev.finish_reason} {ev.usage.cache}")
     for s, ev in done.items():
         tokens = got.get(s, [])
         assert tokens == cold_tokens(requests[s], invariant)[: len(tokens)]

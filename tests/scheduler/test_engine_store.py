@@ -252,3 +252,36 @@ def test_a_waiting_stream_holding_a_store_hit_that_then_continues_a_resident_lan
     assert engine.admitter.waiting and next(iter(engine.admitter.waiting)).hit.rows == 13
     done = done_by_stream(run_until_idle(engine))[3]  # then stream 2's lane turns resident: it continues there
     assert (done.usage.cache, done.usage.cached_tokens) == ("resident", 15)
+
+
+def _serve_all(engine, requests):
+    for r in requests:
+        engine.submit(r)
+    return done_by_stream(run_until_idle(engine, max_steps=500))
+
+
+def test_with_nothing_running_a_pinned_hit_is_dropped_rather_than_waiting_forever():
+    # 10 pages; the only entry (pinned by stream 4's hit) holds 9 of them.
+    engine, _ = make(num_pages=10, budget=1)
+    p1 = list(range(10, 27))
+    p2 = p1 + reference_tokens(p1, 6) + [0]
+    p3 = p2 + reference_tokens(p2, 1) + [0, 0, 0]
+    done = _serve_all(engine, [req(1, p1, 6, cache=False), req(2, p2, 1), req(3, p3, 6), req(4, p2, 1)])
+    assert [done[s].usage.cache for s in (1, 2, 3, 4)] == ["off", "miss", "resident", "miss"]
+
+
+def test_with_nothing_running_entries_that_free_pages_only_together_are_cleared():
+    engine, _ = make(num_pages=10, budget=1)
+    b = [10]
+    reqs = [req(1, b + [0, 0, 0], 1, cache=False)]
+    p2 = b + [0, 0, 0] + reference_tokens(b + [0, 0, 0], 1) + [0]
+    reqs += [req(2, p2, 1), req(3, p2, 1)]
+    p4 = p2 + reference_tokens(p2, 1) + [0]
+    reqs += [req(4, p4, 4), req(5, p4 + reference_tokens(p4, 4) + [0], 2)]
+    p6 = list(range(10, 14)) + [0] * 6
+    reqs += [req(6, p6, 6, cache=False)]
+    p7 = p6 + reference_tokens(p6, 6) + [0] * 5
+    reqs += [req(7, p7, 2), req(8, [10], 1, cache=False), req(9, p4 + reference_tokens(p4, 4) + [0] * 6, 1)]
+    done = _serve_all(engine, reqs)
+    assert sorted(done) == list(range(1, 10)) and all(d.finish_reason == "length" for d in done.values())
+    assert engine.status()["store"]["evictions"]["cleared"] > 0
