@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 
+import anyio
+
 from prefixd.ipc.client import AsyncClient, GenerateResult
 from prefixd.ipc.events import Usage
 from tests.e2e.together import run_together
@@ -93,25 +95,40 @@ def turn_messages(system: str, inputs: Sequence[tuple[str, str]], replies: Seque
     return tuple(out)
 
 
+def run_sync(fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+    """Run an async helper below from a synchronous test."""
+    return anyio.run(lambda: fn(*args, **kwargs))
+
+
 async def generate(client: AsyncClient, messages: Sequence[dict[str, str]], **fields: Any) -> Step:
     result = await client.generate(messages=list(messages), logits=True, **fields).collect()
     return Step.of(result)
 
 
-async def cold_transcript(client: AsyncClient, max_tokens: int, system: str = SYSTEM_PROMPT,
-                          chats: dict[str, tuple[tuple[str, str], ...]] = CHATS) -> Transcript:
-    """Run every chat turn by turn with the store off, one request at a time."""
+async def cold_transcript(socket: Path, max_tokens: int) -> Transcript:
+    """Run every chat turn by turn with the store off, one request at a time on an idle
+    daemon; each reply joins the next turn's request."""
     messages: dict[TurnKey, tuple[dict[str, str], ...]] = {}
     steps: dict[TurnKey, Step] = {}
-    for chat, inputs in chats.items():
-        replies: list[str] = []
-        for turn in range(len(inputs)):
-            request = turn_messages(system, inputs, replies)
-            step = await generate(client, request, max_tokens=max_tokens, cache=False)
-            messages[(chat, turn)] = request
-            steps[(chat, turn)] = step
-            replies.append(step.text)
+    async with await AsyncClient.connect(socket) as client:
+        for chat, inputs in CHATS.items():
+            replies: list[str] = []
+            for turn in range(len(inputs)):
+                status = await client.status()
+                assert (status["lanes_busy"], status["waiting"]) == (0, 0), "the cold run is alone on the daemon"
+                request = turn_messages(SYSTEM_PROMPT, inputs, replies)
+                step = await generate(client, request, max_tokens=max_tokens, cache=False)
+                messages[(chat, turn)] = request
+                steps[(chat, turn)] = step
+                replies.append(step.text)
     return Transcript(messages, steps)
+
+
+async def message_starts(socket: Path, transcript: Transcript) -> dict[TurnKey, tuple[int, ...]]:
+    """Each turn's message starts (then the generation prompt's start), from `tokenize`."""
+    async with await AsyncClient.connect(socket) as client:
+        return {key: (await client.tokenize(messages=list(transcript.messages[key]))).message_starts or ()
+                for key in transcript.keys}
 
 
 def alternating(keys: Iterable[TurnKey]) -> list[TurnKey]:
@@ -128,18 +145,6 @@ def back_to_back(keys: Iterable[TurnKey]) -> list[TurnKey]:
     return sorted(keys)
 
 
-async def replay(client: AsyncClient, transcript: Transcript, order: Sequence[TurnKey], max_tokens: int, *,
-                 between: Callable[[TurnKey, Step], Awaitable[None]] | None = None, **fields: Any) -> dict[TurnKey, Step]:
-    """Send the transcript's requests one at a time in `order`; `between(key, step)` runs
-    after each one."""
-    out: dict[TurnKey, Step] = {}
-    for key in order:
-        out[key] = await generate(client, transcript.messages[key], max_tokens=max_tokens, **fields)
-        if between is not None:
-            await between(key, out[key])
-    return out
-
-
 async def take_the_lane(client: AsyncClient) -> None:
     """A one-token request of another namespace, store off: on a one-lane daemon it takes the
     lane, so the conversation's next turn resumes from the store, not a resident lane."""
@@ -147,10 +152,39 @@ async def take_the_lane(client: AsyncClient) -> None:
     assert result.usage.cache == "off"
 
 
-async def replay_concurrently(socket: Path, transcript: Transcript, max_tokens: int,
-                              **fields: Any) -> tuple[dict[TurnKey, Step], int]:
-    """Send every request of the transcript at once, each on its own connection; also
-    return the most lanes seen busy together."""
+async def from_the_store(socket: Path, transcript: Transcript, max_tokens: int) -> dict[TurnKey, Step]:
+    """Each chat's turns in a row, with the lane taken between them (one-lane daemons):
+    every turn after the first resumes from the store."""
+    out: dict[TurnKey, Step] = {}
+    async with await AsyncClient.connect(socket) as client:
+        for key in back_to_back(transcript.keys):
+            out[key] = await generate(client, transcript.messages[key], max_tokens=max_tokens, namespace="store")
+            await take_the_lane(client)
+    return out
+
+
+async def alternating_with_store_stats(socket: Path, transcript: Transcript,
+                                       max_tokens: int) -> list[tuple[TurnKey, Step, dict[str, Any]]]:
+    """The chats' turns alternating; each with the store's stats right after it."""
+    out: list[tuple[TurnKey, Step, dict[str, Any]]] = []
+    async with await AsyncClient.connect(socket) as client:
+        for key in alternating(transcript.keys):
+            step = await generate(client, transcript.messages[key], max_tokens=max_tokens, namespace="evicting")
+            out.append((key, step, (await client.status())["store"]))
+    return out
+
+
+async def continued_in_place(socket: Path, transcript: Transcript, max_tokens: int) -> dict[TurnKey, Step]:
+    """Each chat's turns back to back: every turn after the first extends a resident lane."""
+    async with await AsyncClient.connect(socket) as client:
+        return {key: await generate(client, transcript.messages[key], max_tokens=max_tokens, namespace="resident")
+                for key in back_to_back(transcript.keys)}
+
+
+async def all_at_once(socket: Path, transcript: Transcript, max_tokens: int,
+                      **fields: Any) -> tuple[dict[TurnKey, Step], int]:
+    """Every request of the transcript at once, each on its own connection; also the most
+    lanes seen busy together."""
     requests = {key: {"messages": list(transcript.messages[key]), "max_tokens": max_tokens, "logits": True, **fields}
                 for key in transcript.keys}
     results, most_busy = await run_together(socket, requests)
@@ -160,3 +194,12 @@ async def replay_concurrently(socket: Path, transcript: Transcript, max_tokens: 
 def outputs(steps: dict[TurnKey, Step]) -> dict[TurnKey, tuple[tuple[int, ...], tuple[str, ...]]]:
     """What exactness compares: token ids and logits digests of every step, per turn."""
     return {key: (step.ids, step.digests) for key, step in sorted(steps.items())}
+
+
+def check_usage(steps: dict[TurnKey, Step], cold: Transcript) -> None:
+    """Every turn's usage adds up: same prompt as cold, cached + prefilled = prompt."""
+    for key, step in steps.items():
+        usage = step.usage
+        assert usage.prompt_tokens == cold.steps[key].usage.prompt_tokens, key
+        assert usage.prefilled_tokens + usage.cached_tokens == usage.prompt_tokens, key
+        assert usage.completion_tokens == len(step.ids), key

@@ -8,23 +8,20 @@ back, so every mode sends byte-identical requests.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Iterator
 
-import anyio
 import pytest
 
-from prefixd.ipc.client import AsyncClient
 from tests.e2e.agent_chat import (
-    Step,
     Transcript,
-    TurnKey,
-    alternating,
-    back_to_back,
+    all_at_once,
+    alternating_with_store_stats,
+    check_usage,
     cold_transcript,
+    continued_in_place,
+    from_the_store,
     outputs,
-    replay,
-    replay_concurrently,
-    take_the_lane,
+    run_sync,
 )
 from tests.e2e.daemon_proc import DaemonProcess, serving, stopping
 
@@ -39,18 +36,9 @@ DEFAULT_MODEL_RESERVED_GUESS = 278_073_984
 EVICTING_STORE_BYTES = 12_000_000
 
 
-def run(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    return anyio.run(lambda: fn(*args, **kwargs))
-
-
-async def _cold(daemon: DaemonProcess) -> Transcript:
-    async with await AsyncClient.connect(daemon.socket) as client:
-        return await cold_transcript(client, MAX_TOKENS)
-
-
 @pytest.fixture(scope="module")
 def cold(default_daemon: DaemonProcess) -> Transcript:
-    return run(_cold, default_daemon)
+    return run_sync(cold_transcript, default_daemon.socket, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +54,6 @@ def evicting_daemon(default_model: str, tmp_path_factory: pytest.TempPathFactory
     yield from stopping(daemon)
 
 
-def assert_usage_adds_up(steps: dict[TurnKey, Step], cold: Transcript) -> None:
-    for key, step in steps.items():
-        usage = step.usage
-        assert usage.prompt_tokens == cold.steps[key].usage.prompt_tokens, key
-        assert usage.prefilled_tokens + usage.cached_tokens == usage.prompt_tokens, key
-        assert usage.completion_tokens == len(step.ids), key
-
-
 def test_cold_run_serves_every_turn_cold(cold: Transcript):
     assert [key for key in cold.keys] == [("a", i) for i in range(6)] + [("b", 0), ("b", 1)]
     for key, step in cold.steps.items():
@@ -84,34 +64,10 @@ def test_cold_run_serves_every_turn_cold(cold: Transcript):
     assert prompts == sorted(set(prompts)), "each turn re-sends the conversation and adds to it"
 
 
-async def _store_on(daemon: DaemonProcess, cold: Transcript) -> dict[TurnKey, Step]:
-    """Each chat's turns in a row, the lane taken by another request between them."""
-    async with await AsyncClient.connect(daemon.socket) as client:
-
-        async def between(key: TurnKey, step: Step) -> None:
-            await take_the_lane(client)
-
-        return await replay(client, cold, back_to_back(cold.keys), MAX_TOKENS, between=between, namespace="store")
-
-
-async def _alternating(daemon: DaemonProcess, cold: Transcript) -> tuple[list[tuple[TurnKey, Step]], list[dict]]:
-    """The chats' turns alternating; the store's status after each request."""
-    stores: list[dict] = []
-    steps: list[tuple[TurnKey, Step]] = []
-    async with await AsyncClient.connect(daemon.socket) as client:
-
-        async def between(key: TurnKey, step: Step) -> None:
-            steps.append((key, step))
-            stores.append((await client.status())["store"])
-
-        await replay(client, cold, alternating(cold.keys), MAX_TOKENS, between=between, namespace="evicting")
-    return steps, stores
-
-
 def test_store_on_resumes_every_turn_from_the_store_exactly(one_lane_daemon: DaemonProcess, cold: Transcript):
-    steps = run(_store_on, one_lane_daemon, cold)
+    steps = run_sync(from_the_store, one_lane_daemon.socket, cold, MAX_TOKENS)
     assert outputs(steps) == outputs(cold.steps)
-    assert_usage_adds_up(steps, cold)
+    check_usage(steps, cold)
     assert steps[("a", 0)].usage.cache == "miss"
     for key in [("a", i) for i in range(1, 6)] + [("b", 0), ("b", 1)]:
         assert steps[key].usage.cache == "hit", key
@@ -123,11 +79,12 @@ def test_store_on_resumes_every_turn_from_the_store_exactly(one_lane_daemon: Dae
 
 
 def test_evicting_store_resumes_exactly_while_every_turn_evicts(evicting_daemon: DaemonProcess, cold: Transcript):
-    steps, stores = run(_alternating, evicting_daemon, cold)
-    for key, step in steps:
+    runs = run_sync(alternating_with_store_stats, evicting_daemon.socket, cold, MAX_TOKENS)
+    for key, step, _ in runs:
         assert (step.ids, step.digests) == (cold.steps[key].ids, cold.steps[key].digests), key
-    assert_usage_adds_up(dict(steps), cold)
-    assert all(step.usage.cached_tokens > 0 for _, step in steps[1:])
+        check_usage({key: step}, cold)
+    assert all(step.usage.cached_tokens > 0 for _, step, _ in runs[1:])
+    stores = [store for _, _, store in runs]
     evicted = [sum(store["evictions"].values()) for store in stores]
     first = next(i for i, n in enumerate(evicted) if n > 0)
     assert first <= 4, evicted  # by chat "a"'s third turn the store is full
@@ -135,15 +92,10 @@ def test_evicting_store_resumes_exactly_while_every_turn_evicts(evicting_daemon:
     assert all(store["bytes"] <= EVICTING_STORE_BYTES for store in stores)
 
 
-async def _resident(daemon: DaemonProcess, cold: Transcript) -> dict[TurnKey, Step]:
-    async with await AsyncClient.connect(daemon.socket) as client:
-        return await replay(client, cold, back_to_back(cold.keys), MAX_TOKENS, namespace="resident")
-
-
 def test_resident_continuation_equals_cold(default_daemon: DaemonProcess, cold: Transcript):
-    steps = run(_resident, default_daemon, cold)
+    steps = run_sync(continued_in_place, default_daemon.socket, cold, MAX_TOKENS)
     assert outputs(steps) == outputs(cold.steps)
-    assert_usage_adds_up(steps, cold)
+    check_usage(steps, cold)
     for chat, turns in (("a", 6), ("b", 2)):
         for i in range(1, turns):
             usage = steps[(chat, i)].usage
@@ -152,8 +104,8 @@ def test_resident_continuation_equals_cold(default_daemon: DaemonProcess, cold: 
 
 
 def test_eight_concurrent_streams_equal_cold(default_daemon: DaemonProcess, cold: Transcript):
-    steps, most_busy = run(replay_concurrently, default_daemon.socket, cold, MAX_TOKENS, namespace="concurrent")
+    steps, most_busy = run_sync(all_at_once, default_daemon.socket, cold, MAX_TOKENS, namespace="concurrent")
     assert outputs(steps) == outputs(cold.steps)
-    assert_usage_adds_up(steps, cold)
+    check_usage(steps, cold)
     assert most_busy >= 2, "the streams shared rounds"
 

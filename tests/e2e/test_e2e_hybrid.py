@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
-import anyio
 import pytest
 
 from prefixd.ipc.client import AsyncClient
@@ -22,12 +21,15 @@ from tests.e2e.agent_chat import (
     Step,
     Transcript,
     TurnKey,
-    alternating,
-    back_to_back,
+    all_at_once,
+    alternating_with_store_stats,
+    check_usage,
     cold_transcript,
+    continued_in_place,
+    from_the_store,
+    message_starts,
     outputs,
-    replay,
-    replay_concurrently,
+    run_sync,
     take_the_lane,
 )
 from tests.e2e.daemon_proc import DaemonProcess, serving, stopping
@@ -39,10 +41,6 @@ MAX_TOKENS = 6
 FLAGS = ("--dtype", "fp32", "--max-context", "1024", "--grid", "32")
 HYBRID_RESERVED_GUESS = 25_901_504  # see test_e2e_exactness: a first guess, read back from the daemon
 EVICTING_STORE_BYTES = 800_000  # a few snapshots of this model: the alternating chats evict every turn
-
-
-def run(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    return anyio.run(lambda: fn(*args, **kwargs))
 
 
 @pytest.fixture(scope="module")
@@ -74,17 +72,11 @@ def evicting(hybrid_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     yield from stopping(daemon)
 
 
-async def _cold_and_starts(daemon: DaemonProcess) -> tuple[Transcript, dict[TurnKey, tuple[int, ...]]]:
-    async with await AsyncClient.connect(daemon.socket) as client:
-        cold = await cold_transcript(client, MAX_TOKENS)
-        starts = {key: (await client.tokenize(messages=list(cold.messages[key]))).message_starts for key in cold.keys}
-    return cold, starts  # type: ignore[return-value]
-
-
 @pytest.fixture(scope="module")
 def cold(eight_lanes: DaemonProcess) -> tuple[Transcript, dict[TurnKey, tuple[int, ...]]]:
     """The cold transcript, and each turn's message starts (its cut points)."""
-    return run(_cold_and_starts, eight_lanes)
+    transcript = run_sync(cold_transcript, eight_lanes.socket, MAX_TOKENS)
+    return transcript, run_sync(message_starts, eight_lanes.socket, transcript)
 
 
 def previous_reply_start(key: TurnKey, starts: dict[TurnKey, tuple[int, ...]], cold: Transcript) -> int:
@@ -95,28 +87,16 @@ def previous_reply_start(key: TurnKey, starts: dict[TurnKey, tuple[int, ...]], c
 
 def check(steps: dict[TurnKey, Step], cold: Transcript) -> None:
     assert outputs(steps) == outputs(cold.steps)
-    for key, step in steps.items():
-        usage = step.usage
-        assert usage.prompt_tokens == cold.steps[key].usage.prompt_tokens, key
-        assert usage.prefilled_tokens + usage.cached_tokens == usage.prompt_tokens, key
+    check_usage(steps, cold)
 
 
 def later_turns(cold: Transcript) -> list[TurnKey]:
     return [key for key in cold.keys if key[1] > 0]
 
 
-async def _store_on(daemon: DaemonProcess, cold: Transcript) -> dict[TurnKey, Step]:
-    async with await AsyncClient.connect(daemon.socket) as client:
-
-        async def between(key: TurnKey, step: Step) -> None:
-            await take_the_lane(client)
-
-        return await replay(client, cold, back_to_back(cold.keys), MAX_TOKENS, between=between, namespace="store")
-
-
 def test_store_on_resumes_at_the_previous_reply_start_exactly(one_lane: DaemonProcess, cold):
     transcript, starts = cold
-    steps = run(_store_on, one_lane, transcript)
+    steps = run_sync(from_the_store, one_lane.socket, transcript, MAX_TOKENS)
     check(steps, transcript)
     for key in later_turns(transcript):
         assert steps[key].usage.cache == "hit", key
@@ -124,39 +104,23 @@ def test_store_on_resumes_at_the_previous_reply_start_exactly(one_lane: DaemonPr
     assert steps[("b", 0)].usage.cached_tokens == starts[("b", 0)][1]  # chat "a"'s system prompt
 
 
-async def _resident(daemon: DaemonProcess, cold: Transcript) -> dict[TurnKey, Step]:
-    async with await AsyncClient.connect(daemon.socket) as client:
-        return await replay(client, cold, back_to_back(cold.keys), MAX_TOKENS, namespace="resident")
-
-
 def test_resident_lane_continues_from_its_last_cut_exactly(eight_lanes: DaemonProcess, cold):
     transcript, starts = cold
-    steps = run(_resident, eight_lanes, transcript)
+    steps = run_sync(continued_in_place, eight_lanes.socket, transcript, MAX_TOKENS)
     check(steps, transcript)
     for key in later_turns(transcript):
         assert steps[key].usage.cache == "resident", key
         assert steps[key].usage.cached_tokens == previous_reply_start(key, starts, transcript), key
 
 
-async def _alternating(daemon: DaemonProcess, cold: Transcript) -> tuple[list[tuple[TurnKey, Step]], list[dict]]:
-    stores: list[dict] = []
-    steps: list[tuple[TurnKey, Step]] = []
-    async with await AsyncClient.connect(daemon.socket) as client:
-
-        async def between(key: TurnKey, step: Step) -> None:
-            steps.append((key, step))
-            stores.append((await client.status())["store"])
-
-        await replay(client, cold, alternating(cold.keys), MAX_TOKENS, between=between, namespace="evicting")
-    return steps, stores
-
-
 def test_evicting_store_resumes_exactly_while_every_turn_evicts(evicting: DaemonProcess, cold):
     transcript, _ = cold
-    steps, stores = run(_alternating, evicting, transcript)
-    for key, step in steps:
+    runs = run_sync(alternating_with_store_stats, evicting.socket, transcript, MAX_TOKENS)
+    for key, step, _ in runs:
         assert (step.ids, step.digests) == (transcript.steps[key].ids, transcript.steps[key].digests), key
-    assert all(step.usage.cached_tokens > 0 for _, step in steps[1:])
+        check_usage({key: step}, transcript)
+    assert all(step.usage.cached_tokens > 0 for _, step, _ in runs[1:])
+    stores = [store for _, _, store in runs]
     evicted = [sum(store["evictions"].values()) for store in stores]
     assert all(later > earlier for earlier, later in zip(evicted, evicted[1:])), evicted
     assert all(store["bytes"] <= EVICTING_STORE_BYTES for store in stores)
@@ -165,8 +129,8 @@ def test_evicting_store_resumes_exactly_while_every_turn_evicts(evicting: Daemon
 @pytest.mark.parametrize("cache", [False, True], ids=["store_off", "store_on"])
 def test_eight_concurrent_streams_equal_cold(eight_lanes: DaemonProcess, cold, cache: bool):
     transcript, _ = cold
-    steps, most_busy = run(replay_concurrently, eight_lanes.socket, transcript, MAX_TOKENS, cache=cache,
-                           namespace="concurrent")
+    steps, most_busy = run_sync(all_at_once, eight_lanes.socket, transcript, MAX_TOKENS, cache=cache,
+                                namespace=f"concurrent-{cache}")
     check(steps, transcript)
     assert most_busy >= 2, "the streams shared rounds"
 
@@ -196,7 +160,7 @@ async def _schedules(one: DaemonProcess, eight: DaemonProcess) -> dict[str, Any]
 
 
 def test_a_request_schedule_gives_the_cold_bits_of_that_schedule(one_lane: DaemonProcess, eight_lanes: DaemonProcess):
-    r = run(_schedules, one_lane, eight_lanes)
+    r = run_sync(_schedules, one_lane, eight_lanes)
 
     def exact(result):
         return result.ids, result.logits_sha256
