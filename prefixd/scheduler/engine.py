@@ -84,6 +84,8 @@ class Engine:
                          pool_rows=self.info.num_pages * self.info.page_size)
         if req.stream_id in self._streams:
             raise ValueError(f"stream id {req.stream_id} is already in use")
+        if req.chunk_starts and req.chunk_starts[0] == 0:
+            req = dataclasses.replace(req, chunk_starts=tuple(req.chunk_starts[1:]))  # row 0 always starts one
         stream = Stream(req=req, submit_s=self.clock(), seq=next(self._seq))
         if self.config.cache and req.cache:
             stream.key, stream.note = make_key(

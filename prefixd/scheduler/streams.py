@@ -24,6 +24,7 @@ class StreamRequest:
     """One generation request.
 
     A sampled id in `stop_ids` ends the stream ("stop") and is the last id emitted.
+    `chunk_starts` ascend inside [0, n); a start at 0 (a first message) is implied and dropped.
     `cache_key`, when given, replaces `tokens` as the reuse identity.
     """
 
@@ -88,10 +89,10 @@ def validate_request(req: StreamRequest, *, vocab_size: int, max_context: int, p
             raise RequestError("invalid_token", f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
     if req.max_tokens <= 0:
         raise RequestError("bad_request", f"max_tokens must be positive, got {req.max_tokens}")
-    prev = 0
+    prev = -1
     for s in req.chunk_starts:
         if not prev < s < n:
-            raise RequestError("bad_request", f"chunk_starts must be increasing and inside (0, {n}), got {list(req.chunk_starts)}")
+            raise RequestError("bad_request", f"chunk_starts must be increasing and inside [0, {n}), got {list(req.chunk_starts)}")
         prev = s
     end = 0
     for ident in sorted((im.identity for im in req.images), key=lambda i: i.at):

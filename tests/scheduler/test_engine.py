@@ -193,7 +193,7 @@ def test_generation_stops_with_length_at_max_context():
         (dict(tokens=()), "bad_request"),
         (dict(max_tokens=0), "bad_request"),
         (dict(chunk_starts=(3, 2)), "bad_request"),
-        (dict(chunk_starts=(0,)), "bad_request"),
+        (dict(chunk_starts=(0, 0)), "bad_request"),
         (dict(chunk_starts=(5,)), "bad_request"),
         (dict(images=(ImageRows(ImageIdentity(at=3, tokens=3, gh=1, gw=3, hash=b"x"), None),)), "bad_request"),
     ],
@@ -342,3 +342,10 @@ def test_abort_ends_every_stream_with_error_and_frees_lanes():
         (1, "error", "device failed"), (2, "error", "device failed")]
     assert engine.idle and engine.status()["pages_used"] == 0
     assert engine.status()["lanes"][0]["state"] == "free"
+
+
+def test_a_chunk_start_at_zero_is_implied_and_dropped():
+    engine, device = make(budget=16)
+    engine.submit(req(1, range(10), max_tokens=1, chunk_starts=(0, 6)))
+    run_until_idle(engine)
+    assert [(w.start, len(w.tokens)) for p in device.plans for w in p.lanes] == [(0, 4), (4, 2), (6, 4)]
