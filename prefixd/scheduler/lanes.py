@@ -47,7 +47,6 @@ class Lane:
     images: tuple[ImageIdentity, ...] = ()
     prefilled_upto: int = 0  # rows [0, prefilled_upto) came from the prefill form
     starts: tuple[int, ...] = ()  # chunk starts of the pass that prefilled those rows
-    cuts: tuple[int, ...] = ()  # cuts of that pass's schedule
     stream: Stream | None = None
     resident: bool = False
     last_used: int = 0
@@ -153,7 +152,6 @@ class PageTables:
         del lane.pages[keep:]
         del lane.ids[row:]
         lane.prefilled_upto = min(lane.prefilled_upto, row)
-        lane.cuts = tuple(c for c in lane.cuts if c <= row)
         lane.cut_states = {c: st for c, st in lane.cut_states.items() if c <= row}
         lane.num_borrowed = min(lane.num_borrowed, keep)
         copied = self._copy_last_page(lane) if must_copy else 0
@@ -192,7 +190,6 @@ class PageTables:
         lane.num_borrowed = 0
         lane.prefilled_upto = 0
         lane.starts = ()
-        lane.cuts = ()
         lane.images = ()
         lane.namespace = ""
         lane.frame = 0
