@@ -59,8 +59,7 @@ def test_chat_messages_equal_their_token_ids_with_the_same_starts(daemon: Daemon
     with daemon.client() as client:
         chat = client.tokenize(messages=[SYSTEM, USER])
         by_messages = client.generate(messages=[SYSTEM, USER], max_tokens=6, logits=True, cache=False).collect()
-        starts = [s for s in chat.message_starts if s > 0]  # a start at 0 is implied
-        by_tokens = client.generate(tokens=chat.ids, chunk_starts=starts, max_tokens=6, logits=True,
+        by_tokens = client.generate(tokens=chat.ids, chunk_starts=chat.message_starts, max_tokens=6, logits=True,
                                     cache=False).collect()
         text = client.detokenize(by_messages.ids)
     assert (by_tokens.ids, by_tokens.logits_sha256) == (by_messages.ids, by_messages.logits_sha256)
@@ -71,15 +70,6 @@ def test_chat_messages_equal_their_token_ids_with_the_same_starts(daemon: Daemon
     assert (by_messages.usage.cache, by_messages.usage.cached_tokens, by_messages.usage.prefilled_tokens) == (
         "off", 0, len(chat.ids))
     assert by_messages.text == text
-
-
-@pytest.mark.xfail(strict=True, reason="scheduler/streams.py refuses chunk_starts holding 0, and tokenize's "
-                   "message_starts (documented as a generate's default chunk_starts) always start with 0")
-def test_message_starts_from_tokenize_are_accepted_as_chunk_starts(daemon: DaemonProcess):
-    with daemon.client() as client:
-        chat = client.tokenize(messages=[SYSTEM, USER])
-        result = client.generate(tokens=chat.ids, chunk_starts=chat.message_starts, max_tokens=1, cache=False).collect()
-    assert result.usage.prompt_tokens == len(chat.ids)
 
 
 def test_text_prompt_equals_its_token_ids(daemon: DaemonProcess):
