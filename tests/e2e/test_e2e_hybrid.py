@@ -66,6 +66,11 @@ def one_lane(hybrid_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 @pytest.fixture(scope="module")
+def store_off(hybrid_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    yield from serving(hybrid_dir, tmp_path_factory.mktemp("h_off"), "--lanes", "2", *FLAGS, "--no-cache")
+
+
+@pytest.fixture(scope="module")
 def evicting(hybrid_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     daemon = DaemonProcess.start_with_store_budget(hybrid_dir, tmp_path_factory.mktemp("h_evicting"),
                                                    EVICTING_STORE_BYTES, HYBRID_RESERVED_GUESS, "--lanes", "1", *FLAGS)
@@ -137,6 +142,14 @@ def test_eight_concurrent_streams_equal_cold(eight_lanes: DaemonProcess, cold, c
 
 PROMPT_LEN = 180
 STARTS = (5, 37, 38, 100, 150)  # off the grid on purpose; 38: a one-row chunk
+
+
+def test_a_daemon_with_the_store_off_equals_cold(store_off: DaemonProcess, cold):
+    transcript, _ = cold
+    steps = run_sync(continued_in_place, store_off.socket, transcript, MAX_TOKENS)
+    check(steps, transcript)
+    assert {step.usage.cache for step in steps.values()} == {"off"}
+    assert "store" not in store_off.status()
 
 
 async def _schedules(one: DaemonProcess, eight: DaemonProcess) -> dict[str, Any]:
