@@ -1,6 +1,6 @@
 """The exactness tests on a tiny hybrid (qwen3_5: Gated DeltaNet + gated attention) model
-through real daemons: the agent chat resumed from the store, evicting, continued in place
-and at 8 concurrent lanes equals the cold run; a request with its own chunk starts equals
+through real daemons: the agent chat resumed from the store, evicting, continued in place,
+at 8 concurrent lanes and on a --no-cache daemon equals the cold run; a request with its own chunk starts equals
 the cold run of the same schedule, resumed or among other streams.
 
 The family resumes only at cut points of the request's own schedule (its chunked form and
