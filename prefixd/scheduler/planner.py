@@ -56,7 +56,7 @@ class Schedule:
         if not 0 < end <= self.n:
             raise ValueError(f"end {end} outside (0, {self.n}]")
         chunk_end = self.boundaries[bisect.bisect_left(self.boundaries, end)]
-        return self.grid, tuple(s for s in self.starts if s < end), chunk_end
+        return self.grid, self.starts[:bisect.bisect_left(self.starts, end)], chunk_end
 
     def is_cut(self, row: int) -> bool:
         i = bisect.bisect_left(self.cuts, row)
@@ -83,6 +83,39 @@ def plan_schedule(n: int, starts: Sequence[int], grid: int) -> Schedule:
     return Schedule(n=n, grid=grid, starts=st, boundaries=tuple(boundaries), cuts=cuts)
 
 
+class CutHasher:
+    """`cut_hash` of one prompt at ascending cuts, hashing each token once.
+
+    Asking for a cut below the last one asked starts over from row 0.
+    """
+
+    def __init__(self, tokens: Sequence[int], starts: Sequence[int], grid: int, *,
+                 namespace: str = "", frame: int = 0, images: Sequence[ImageIdentity] = ()) -> None:
+        self.tokens = tokens
+        self.starts = tuple(starts)
+        self.images = tuple(sorted(images, key=lambda i: i.at))
+        ns = namespace.encode()
+        self._head = struct.pack("<qqq", grid, frame, len(ns)) + ns
+        self._h = hashlib.blake2b(self._head, digest_size=16)
+        self._row = 0
+
+    def at(self, cut: int) -> bytes:
+        if not 0 <= cut <= len(self.tokens):
+            raise ValueError(f"cut {cut} outside [0, {len(self.tokens)}]")
+        if cut < self._row:
+            self._h, self._row = hashlib.blake2b(self._head, digest_size=16), 0
+        self._h.update(array("q", self.tokens[self._row:cut]).tobytes())
+        self._row = cut
+        h = self._h.copy()
+        below = self.starts[:bisect.bisect_left(self.starts, cut)]
+        h.update(struct.pack("<qq", cut, len(below)) + array("q", below).tobytes())
+        for im in self.images:
+            if im.at >= cut:
+                break
+            h.update(struct.pack("<qqqqq", im.at, im.tokens, im.gh, im.gw, len(im.hash)) + im.hash)
+        return h.digest()
+
+
 def cut_hash(
     tokens: Sequence[int],
     starts: Sequence[int],
@@ -97,18 +130,6 @@ def cut_hash(
 
     Covers the grid, namespace, frame, the token ids below the cut, the chunk starts below
     the cut and the identity of every image that begins below it. Two requests whose hashes
-    agree at a cut computed their rows below it with the same chunks.
+    agree at a cut computed their rows below it with the same chunks. `starts` ascend.
     """
-    if not 0 <= cut <= len(tokens):
-        raise ValueError(f"cut {cut} outside [0, {len(tokens)}]")
-    h = hashlib.blake2b(digest_size=16)
-    ns = namespace.encode()
-    h.update(struct.pack("<qqq", grid, frame, len(ns)) + ns)
-    h.update(struct.pack("<q", cut))
-    h.update(array("q", tokens[:cut]).tobytes())
-    below = [s for s in starts if s < cut]
-    h.update(struct.pack("<q", len(below)) + array("q", below).tobytes())
-    for im in sorted(images, key=lambda i: i.at):
-        if im.at < cut:
-            h.update(struct.pack("<qqqqq", im.at, im.tokens, im.gh, im.gw, len(im.hash)) + im.hash)
-    return h.digest()
+    return CutHasher(tokens, starts, grid, namespace=namespace, frame=frame, images=images).at(cut)

@@ -104,6 +104,7 @@ class Node:
     children: dict[RowsKey, dict[tuple, Node]] = field(default_factory=dict)  # by rows, chunks
     entries: dict[tuple, Entry] = field(default_factory=dict)
     num_entries_below: int = 0  # entries on this node and in its subtree
+    alive: bool = True  # False once pruned
 
 
 @dataclass(eq=False)

@@ -13,9 +13,10 @@ import time
 from typing import Callable, Sequence
 
 from prefixd.scheduler.pages import PageAllocator
-from prefixd.scheduler.planner import Schedule, cut_hash
+from prefixd.scheduler.planner import Schedule
 from prefixd.scheduler.store import eviction
 from prefixd.scheduler.store.allowance import Ledger
+from prefixd.scheduler.store.cursor import Cursor
 from prefixd.scheduler.store.entries import (CLEARED, REASONS, Entry, EntryInfo, Eviction, Hit,
                                              Node, Snapshot, StoreStats)
 from prefixd.scheduler.store.entries import REPLACED as REPLACED_REASON
@@ -67,13 +68,15 @@ class PrefixStore:
         n = len(key.tokens)
         if schedule.n != n:
             raise ValueError(f"lookup of a key of {n} rows with a schedule of {schedule.n}")
-        path = self._tree.path(key, n, schedule)
+        cur = self._tree.cursor(key, schedule)
+        path = self._tree.path(cur, n)
         best: Entry | None = None
-        for e in self._tree.prefix_entries(path, key):
-            if self._usable(e, key, schedule) and (best is None or e.cut > best.cut):
+        # ascending cuts: the schedule hashes of all of them cost one pass over the prompt
+        for e in sorted(self._tree.prefix_entries(path, key), key=lambda e: e.cut):
+            if self._usable(e, key, schedule, cur) and (best is None or e.cut > best.cut):
                 best = e
         hit = self._hit_from(path, best, n)
-        self._tree.observe(key, moved_below=n)
+        self._tree.observe(cur, moved_below=n)
         self._query_tokens += n
         if hit is None:
             self._misses += 1
@@ -85,12 +88,12 @@ class PrefixStore:
             best.last_used = self._clock()
         return hit
 
-    def _usable(self, e: Entry, key: ReuseKey, schedule: Schedule) -> bool:
+    def _usable(self, e: Entry, key: ReuseKey, schedule: Schedule, cur: Cursor) -> bool:
         if e.cut == len(key.tokens) and e.snapshot.logits is None:
             return False
         if self.invariant_rows:
             return True
-        return schedule.is_cut(e.cut) and e.cut_hash == self._cut_hash(key, schedule, e.cut)
+        return schedule.is_cut(e.cut) and e.cut_hash == self._cut_hash(cur, e.cut)
 
     def _hit_from(self, path: list[Node], best: Entry | None, n: int) -> Hit | None:
         page_rows = 0
@@ -119,7 +122,7 @@ class PrefixStore:
     def note_latest(self, key: ReuseKey) -> None:
         """The conversation's latest prompt is `key` (e.g. a resident continuation that did not
         look up): entries it runs past are marked moved past, and cuts it diverges from shared."""
-        self._tree.observe(key, moved_below=len(key.tokens))
+        self._tree.observe(self._tree.cursor(key, None), moved_below=len(key.tokens))
 
     # ---- publish ------------------------------------------------------------------------
 
@@ -144,8 +147,9 @@ class PrefixStore:
         if cut > prefilled_upto or not key.has_rows(cut):
             self._refused += 1
             return REFUSED
-        node = self._tree.grow(key, cut, pages, schedule)
-        slot = (cut, key.rows_key(node.depth * P, cut), self._cut_hash(key, schedule, cut))
+        cur = self._tree.cursor(key, schedule)
+        node = self._tree.grow(cur, cut, pages)
+        slot = (cut, key.rows_key(node.depth * P, cut), self._cut_hash(cur, cut))
         old = node.entries.get(slot)
         if old is not None:
             old.last_used = self._clock()
@@ -153,9 +157,10 @@ class PrefixStore:
             result = self._overwrite(old, snapshot) if gains_logits else PRESENT
         else:
             entry = self._tree.attach(node, key, slot, pages[cut // P] if cut % P else None, snapshot)
+            cur.pending.append(entry)
             result = self._fit(entry, key, restored)
         if result != SKIPPED:
-            self._tree.observe(key, moved_below=cut)
+            self._tree.observe(cur, moved_below=cut)
         return result
 
     def _fit(self, entry: Entry, key: ReuseKey, restored: Hit | None) -> str:
@@ -246,11 +251,10 @@ class PrefixStore:
                                       before - self._ledger.bytes, tuple(freed)))
         return freed
 
-    def _cut_hash(self, key: ReuseKey, schedule: Schedule, cut: int) -> bytes:
+    def _cut_hash(self, cur: Cursor, cut: int) -> bytes:
         if self.invariant_rows:
             return b""  # row-invariant rows do not depend on the schedule
-        return cut_hash(key.tokens, schedule.starts, schedule.grid, cut, namespace=key.namespace,
-                        frame=key.frame, images=key.images)
+        return cur.cut_hash(cut)
 
     # ---- reporting -----------------------------------------------------------------------
 

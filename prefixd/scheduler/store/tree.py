@@ -10,12 +10,19 @@ them.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Iterable, Iterator, Sequence
 
 from prefixd.scheduler.planner import Schedule
 from prefixd.scheduler.store.allowance import Ledger
+from prefixd.scheduler.store.cursor import Cursor
 from prefixd.scheduler.store.entries import Entry, Node, Snapshot
 from prefixd.scheduler.store.identity import ReuseKey, agrees_from
+
+Treat = Callable[[Entry, int], None]
+
+MAX_CURSORS = 64  # keys whose place in the tree is remembered (one per running request)
+MAX_LOG = 1 << 14  # change log length before its older half is dropped
 
 
 class Tree:
@@ -28,58 +35,81 @@ class Tree:
         self.roots: dict[tuple[str, int], Node] = {}
         self.entries: dict[int, Entry] = {}  # by seq, in creation order
         self.seq = 0
+        self.cursors: OrderedDict[int, Cursor] = OrderedDict()  # by id(key)
+        self.log: list[Node] = []  # nodes created, given an entry or a new continuation
+        self.log_base = 0  # log positions dropped from the front
 
-    def path(self, key: ReuseKey, upto: int, schedule: Schedule) -> list[Node]:
+    def cursor(self, key: ReuseKey, schedule: Schedule | None) -> Cursor:
+        """The cursor of `key` (under `schedule`, when given), made on first use."""
+        cur = self.cursors.get(id(key))
+        if cur is not None and cur.key is key and (schedule is None or cur.schedule is schedule
+                                                   or cur.schedule == schedule):
+            self.cursors.move_to_end(id(key))
+            return cur
+        if cur is not None and cur.schedule is not None and schedule is None:
+            schedule = cur.schedule
+        cur = Cursor(key, schedule, self.page_size, self.invariant_rows, self.log_end)
+        self.cursors[id(key)] = cur
+        self.cursors.move_to_end(id(key))
+        while len(self.cursors) > MAX_CURSORS:
+            self.cursors.popitem(last=False)
+        return cur
+
+    @property
+    def log_end(self) -> int:
+        return self.log_base + len(self.log)
+
+    def _logged(self, node: Node) -> None:
+        self.log.append(node)
+        if len(self.log) > MAX_LOG:
+            half = len(self.log) // 2
+            del self.log[:half]
+            self.log_base += half
+
+    def path(self, cur: Cursor, upto: int) -> list[Node]:
         """The key's root and the nodes of its full pages below `upto` (their lookahead inside
-        the key) chunked as `schedule` chunks them, as far as the tree has them; [] when the
+        the key) chunked as its schedule chunks them, as far as the tree has them; [] when the
         key's root does not exist."""
-        node = self.roots.get((key.namespace, key.frame))
-        if node is None:
-            return []
-        path, P = [node], self.page_size
-        while (node.depth + 1) * P <= upto and key.has_rows((node.depth + 1) * P):
-            end = (node.depth + 1) * P
-            child = node.children.get(key.rows_key(end - P, end), {}).get(self._chunks(schedule, end))
+        cur.trim_path()
+        if not cur.path:
+            root = self.roots.get((cur.key.namespace, cur.key.frame))
+            if root is None:
+                return []
+            cur.path.append(root)
+        path, P = cur.path, self.page_size
+        node = path[-1]
+        while (node.depth + 1) * P <= upto and cur.key.has_rows((node.depth + 1) * P):
+            child = node.children.get(cur.rows(node.depth), {}).get(cur.chunks(node.depth))
             if child is None:
                 break
             path.append(child)
             node = child
-        return path
+        return path[:upto // P + 1]
 
-    def same_rows(self, key: ReuseKey, upto: int) -> list[Node]:
-        """Every node whose rows (and lookahead) are identity-equal to the key's below `upto`,
-        however they were chunked."""
-        root = self.roots.get((key.namespace, key.frame))
-        out, level, P = [], [] if root is None else [root], self.page_size
-        while level:
-            out += level
-            end = (level[0].depth + 1) * P
-            if end > upto or not key.has_rows(end):
-                break
-            rk = key.rows_key(end - P, end)
-            level = [c for n in level for c in n.children.get(rk, {}).values()]
-        return out
-
-    def grow(self, key: ReuseKey, cut: int, pages: Sequence[int], schedule: Schedule) -> Node:
+    def grow(self, cur: Cursor, cut: int, pages: Sequence[int]) -> Node:
         """The node of the key's last full page below `cut`, creating missing nodes on the
         lane's `pages` (with no entry yet: the caller attaches one or prunes)."""
-        node = self.roots.setdefault((key.namespace, key.frame), Node(0, None, None, None))
-        P = self.page_size
+        key, P = cur.key, self.page_size
+        path = self.path(cur, cut)
+        if not path:
+            root = Node(0, None, None, None)
+            self.roots[(key.namespace, key.frame)] = root
+            cur.path.append(root)
+            path = [root]
+        node = path[-1]
         while (node.depth + 1) * P <= cut:
-            end = (node.depth + 1) * P
-            nk = (key.rows_key(end - P, end), self._chunks(schedule, end))
+            nk = (cur.rows(node.depth), cur.chunks(node.depth))
             variants = node.children.setdefault(nk[0], {})
             child = variants.get(nk[1])
             if child is None:
                 child = Node(node.depth + 1, nk, pages[node.depth], node)
                 self.ledger.hold(pages[node.depth])
                 variants[nk[1]] = child
+                self._logged(child)
+                cur.add_level_node(child)
+            cur.path.append(child)
             node = child
         return node
-
-    def _chunks(self, schedule: Schedule, end: int) -> tuple:
-        # a family that is not row-invariant shares a page only between equal chunkings
-        return () if self.invariant_rows else schedule.chunk_key(end)
 
     def attach(self, node: Node, key: ReuseKey, slot: tuple, tail_page: int | None,
                snapshot: Snapshot) -> Entry:
@@ -92,6 +122,7 @@ class Tree:
             self.ledger.hold(tail_page)
         self.ledger.extra_bytes += snapshot.nbytes
         self.entries[e.seq] = e
+        self._logged(node)
         walk: Node | None = node
         while walk is not None:
             walk.num_entries_below += 1
@@ -123,8 +154,10 @@ class Tree:
             if not variants:
                 del node.parent.children[rk]
             freed += self.ledger.release(node.page)  # type: ignore[arg-type]
+            node.alive = False
             node = node.parent
         if node.parent is None and node.num_entries_below == 0:
+            node.alive = False
             self.roots = {k: r for k, r in self.roots.items() if r is not node}
         return freed
 
@@ -135,14 +168,76 @@ class Tree:
                 if key.has_rows(e.cut) and key.rows_key(node.depth * self.page_size, e.cut) == e.tail:
                     yield e
 
-    def observe(self, key: ReuseKey, moved_below: int) -> None:
-        """`key` is its conversation's latest: entries of its identity with a cut below
-        `moved_below` are moved past, and cuts it diverges from after them are shared."""
-        for e in self.prefix_entries(self.same_rows(key, moved_below), key):
+    def observe(self, cur: Cursor, moved_below: int) -> None:
+        """The cursor's key is its conversation's latest: entries of its identity with a cut
+        below `moved_below` are moved past, and cuts it diverges from after them are shared.
+
+        Work is done only for what changed since the key was last observed: nodes other keys
+        logged, levels of rows not observed before, and the key's own new entries.
+        """
+        treat = self._treater(cur.key)
+        P, key = self.page_size, cur.key
+        if cur.log_at < self.log_base:
+            cur.observed = -1  # the log no longer reaches back to this cursor
+        if cur.observed < 0:
+            root = self.roots.get((key.namespace, key.frame))
+            cur.levels, cur.member, cur.pending = [], set(), []
+            if root is not None:
+                cur.levels.append([root])
+                cur.member.add(id(root))
+            for level in cur.levels:
+                self._treat_all(level, key, moved_below, treat)
+            cur.observed = moved_below
+        else:
+            for node in self.log[cur.log_at - self.log_base:]:
+                if node.alive and cur.add_level_node(node):
+                    self._treat_all((node,), key, cur.observed, treat, skip=cur.pending)
+        old = cur.observed
+        top = max(old, moved_below)
+        while cur.levels and len(cur.levels) * P <= top and key.has_rows(len(cur.levels) * P):
+            rk = cur.rows(len(cur.levels) - 1)
+            level = [c for n in cur.levels[-1] if n.alive for c in n.children.get(rk, {}).values()]
+            if not level:
+                break
+            cur.levels.append(level)
+            cur.member.update(id(n) for n in level)
+            self._treat_all(level, key, top, treat, skip=cur.pending)
+        if moved_below > old:  # entries at cuts in [old, moved_below) are now moved past
+            for level in cur.levels[old // P:moved_below // P + 1]:
+                self._treat_all(level, key, moved_below, treat)
+        cur.observed = top
+        for e in cur.pending:
+            if e.attached and e.cut < moved_below:
+                treat(e, moved_below)
+        cur.pending = [e for e in cur.pending if e.attached and e.cut >= moved_below]
+        cur.log_at = self.log_end
+
+    def _treat_all(self, nodes: Iterable[Node], key: ReuseKey, moved_below: int, treat: Treat,
+                   skip: Sequence[Entry] = ()) -> None:
+        for e in self.prefix_entries((n for n in nodes if n.alive), key):
+            if e not in skip:
+                treat(e, moved_below)
+
+    def _treater(self, key: ReuseKey) -> Treat:
+        """Observes one entry of the key's identity; compares the key with each continuation
+        once (both agree below the entry's cut, so agreeing from it is agreeing from row 0)."""
+        agree: dict[int, bool] = {}
+
+        def treat(e: Entry, moved_below: int) -> None:
             if e.cut < moved_below:
                 e.moved_past = True
             cont = e.continuation
-            if cont is None or (agrees_from(cont, key, e.cut) and len(key.tokens) > len(cont.tokens)):
+            if cont is key:
+                return
+            ok = True
+            if cont is not None:
+                ok = agree.get(id(cont), None)  # type: ignore[assignment]
+                if ok is None:
+                    ok = agree[id(cont)] = agrees_from(cont, key, 0)
+            if cont is None or (ok and len(key.tokens) > len(cont.tokens)):
                 e.continuation = key
-            elif not agrees_from(cont, key, e.cut):
+                self._logged(e.node)
+            elif not ok:
                 e.shared = True
+
+        return treat
