@@ -109,3 +109,32 @@ def test_an_entry_that_would_free_nothing_waits_for_the_entries_below_it() -> No
     rig.store.set_budget(KVPP)
     assert rig.victims() == [("", 8, "moved_past")]  # now it alone holds page 1
     assert rig.store.stats().bytes == KVPP
+
+
+def test_make_room_evicts_in_order_entries_that_free_pages_only_together() -> None:
+    rig = Rig(num_pages=3)  # exactly the prompt's pages
+    rig.serve(key(conv(10) + (7, 7, 7)), starts=(9,))  # cuts 9 and 11 share tail page 2
+    assert [(i.cut, i.nbytes) for i in rig.store.describe()] == [(9, 0), (11, LOGITS)]
+    assert rig.alloc.num_free == 0
+    assert rig.store.make_room(3) == 3
+    assert [(v.cut, v.reason, v.trigger, v.pages_freed, v.nbytes)
+            for v in rig.store.drain_evictions()] == [
+        (9, "moved_past", "pages", (), 0),
+        (11, "never_hit", "pages", (2, 1, 0), 3 * KVPP + LOGITS)]
+    assert rig.alloc.num_free == 3
+    rig.store.check_integrity()
+
+
+def test_make_room_frees_a_single_victim_first_and_never_a_lane_held_group() -> None:
+    rig = Rig(num_pages=7)
+    rig.serve(key(conv(10) + (7, 7, 7)), starts=(9,))  # pages 0-2, cuts 9 and 11 together
+    lane = rig.serve(key(conv(20)), cuts=(8,), keep=True)  # pages 3, 4: a lane still holds them
+    rig.serve(key(conv(30)), cuts=(8,))  # pages 5, 6: one victim frees them
+    assert rig.alloc.num_free == 0
+    assert rig.store.make_room(2) == 2
+    assert rig.victims() == [("", 8, "never_hit")]  # conv(30), not the pair ahead of it
+    assert rig.store.make_room(7) == 3  # then the pair; conv(20)'s pages stay with the lane
+    assert rig.victims() == [("", 9, "moved_past"), ("", 11, "never_hit")]
+    assert rig.alloc.num_free == 5
+    rig.alloc.decref(lane.pages)
+    rig.store.check_integrity()

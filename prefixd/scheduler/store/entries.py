@@ -80,7 +80,6 @@ class EntryInfo:
 @dataclass(frozen=True, slots=True)
 class StoreStats:
     bytes: int  # every page the store holds x kv_bytes_per_page + snapshot bytes
-    exclusive_bytes: int  # the same, counting only pages no lane holds now
     budget_bytes: int
     entries: int
     pages: int

@@ -117,11 +117,27 @@ def plan_to_budget(ledger: Ledger, entries: Iterable[Entry], budget_bytes: int,
     return victims if partial else None
 
 
-def next_for_pages(ledger: Ledger, entries: Iterable[Entry]) -> Entry | None:
-    """The first entry in eviction order whose removal returns a page to the allocator."""
+def next_for_pages(ledger: Ledger, entries: Iterable[Entry]) -> list[Entry]:
+    """The next victims, in eviction order, that return a page to the allocator.
+
+    The first entry whose removal alone frees a page; when none does (entries that hold a
+    page only together, e.g. two cuts sharing a tail page), the entries in order, counted
+    together, up to the first whose removal with those before it frees a page. Entries whose
+    release would drop a page a lane holds are passed over. [] when nothing frees a page.
+    """
+    order = candidates(entries)
     shadow = Shadow(ledger)
-    for e in candidates(entries):
+    for e in order:
         r = shadow.release(e)
         if not r.lane_held and r.dropped_pages:
-            return e
-    return None
+            return [e]
+    group: list[Entry] = []
+    for e in order:
+        r = shadow.release(e)
+        if r.lane_held:
+            continue
+        shadow.commit(r)
+        group.append(e)
+        if r.dropped_pages:
+            return group
+    return []

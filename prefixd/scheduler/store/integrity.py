@@ -56,6 +56,9 @@ def check(page_size: int, tree: Tree, ledger: Ledger) -> None:
         raise RuntimeError(f"page uses {dict(uses)} but the ledger holds {ledger.refs}")
     if extra != ledger.extra_bytes:
         raise RuntimeError(f"snapshot bytes {extra} but the ledger counts {ledger.extra_bytes}")
+    held = len(uses) * ledger.kv_bytes_per_page + extra
+    if held != ledger.bytes:
+        raise RuntimeError(f"the store holds {held} bytes but its running total is {ledger.bytes}")
     if sorted(e.seq for e in seen) != sorted(e.seq for e in entries):
         raise RuntimeError("the entry list and the tree disagree")
     for p in ledger.refs:

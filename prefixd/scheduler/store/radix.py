@@ -214,13 +214,15 @@ class PrefixStore:
 
     def make_room(self, num_pages: int) -> int:
         """Evict in eviction order until the allocator has `num_pages` free or nothing more can
-        go; returns the number of pages freed."""
+        go; returns the number of pages freed. Entries that free pages only together go
+        together, in order (see `eviction.next_for_pages`)."""
         freed = 0
         while self.allocator.num_free < num_pages:
-            victim = eviction.next_for_pages(self._ledger, self._tree.entries.values())
-            if victim is None:
+            victims = eviction.next_for_pages(self._ledger, self._tree.entries.values())
+            if not victims:
                 break
-            freed += len(self._evict(victim, "pages"))
+            for v in victims:
+                freed += len(self._evict(v, "pages"))
         return freed
 
     def set_budget(self, budget_bytes: int) -> None:
@@ -259,12 +261,17 @@ class PrefixStore:
     # ---- reporting -----------------------------------------------------------------------
 
     def stats(self) -> StoreStats:
-        return StoreStats(bytes=self._ledger.bytes, exclusive_bytes=self._ledger.exclusive_bytes,
-                          budget_bytes=self.budget_bytes, entries=len(self._tree.entries),
+        """Running totals: costs the same however much the store holds."""
+        return StoreStats(bytes=self._ledger.bytes, budget_bytes=self.budget_bytes, entries=len(self._tree.entries),
                           pages=len(self._ledger.refs), hits=self._hits, misses=self._misses,
                           query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
                           evictions=dict(self._evictions), skipped_saves=self._skipped,
                           refused_keeps=self._refused)
+
+    def exclusive_bytes(self) -> int:
+        """Bytes no lane shares now: what evicting everything would give back. Walks every
+        page the store holds (lanes change refcounts without telling the store)."""
+        return self._ledger.exclusive_bytes
 
     def describe(self) -> list[EntryInfo]:
         """Every entry in creation order, with the bytes it alone holds."""

@@ -177,8 +177,8 @@ class Tree:
         """
         treat = self._treater(cur.key)
         P, key = self.page_size, cur.key
-        if cur.log_at < self.log_base:
-            cur.observed = -1  # the log no longer reaches back to this cursor
+        if cur.log_at < self.log_base or (cur.levels and not cur.levels[0][0].alive):
+            cur.observed = -1  # the log no longer reaches back, or the key's root was pruned
         if cur.observed < 0:
             root = self.roots.get((key.namespace, key.frame))
             cur.levels, cur.member, cur.pending = [], set(), []
@@ -194,6 +194,11 @@ class Tree:
                     self._treat_all((node,), key, cur.observed, treat, skip=cur.pending)
         old = cur.observed
         top = max(old, moved_below)
+        if not cur.levels and (key.namespace, key.frame) in self.roots:  # a root made since
+            root = self.roots[(key.namespace, key.frame)]
+            cur.levels.append([root])
+            cur.member.add(id(root))
+            self._treat_all((root,), key, top, treat, skip=cur.pending)
         while cur.levels and len(cur.levels) * P <= top and key.has_rows(len(cur.levels) * P):
             rk = cur.rows(len(cur.levels) - 1)
             level = [c for n in cur.levels[-1] if n.alive for c in n.children.get(rk, {}).values()]
