@@ -110,7 +110,7 @@ class Sizes:
 
 
 FULL = Sizes(status_calls=500, stream_prompt=64, stream_tokens=128, lanes=8, lane_context=512, lane_tokens=64)
-QUICK = Sizes(status_calls=50, stream_prompt=32, stream_tokens=16, lanes=8, lane_context=64, lane_tokens=12)
+QUICK = Sizes(status_calls=50, stream_prompt=32, stream_tokens=16, lanes=8, lane_context=64, lane_tokens=24)
 
 
 def prompt(n: int, vocab: int, seed: int) -> list[int]:

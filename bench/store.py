@@ -19,7 +19,6 @@ import argparse
 import math
 import sys
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -29,27 +28,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import machine_description, markdown_table, median  # noqa: E402
 from bench.daemon import DaemonHandle, spawn_daemon  # noqa: E402
-from bench.trace import FULL_TRACE, QUICK_TRACE, Trace, build_trace  # noqa: E402
+from bench.trace import (FULL_TRACE, PAGE, QUICK_TRACE, Trace, TurnRecord, build_trace,  # noqa: E402
+                         distinct_prompt_tokens, lcp, lru_cached, unbounded_cached)
 
 OUT = ROOT / "bench" / "out"
-PAGE = 16  # the daemon's default page size, used for the LRU pages too
-
-
-@dataclass(frozen=True)
-class TurnRecord:
-    conversation: int
-    index: int
-    prompt_ids: tuple[int, ...]
-    starts: tuple[int, ...]  # message starts: the daemon's default chunk starts
-    output_ids: tuple[int, ...]
-    cached: int
-    cache: str  # usage.cache: miss | hit | resident | off
-    ttft_s: float  # the daemon's own, from receipt of the request
-    store_bytes: int  # after the turn
-
-    @property
-    def context(self) -> int:
-        return len(self.prompt_ids)
 
 
 @dataclass(frozen=True)
@@ -98,64 +80,6 @@ def run_daemon(name: str, flags: list[str], trace: Trace, args: argparse.Namespa
     return Run(name, turns, wall_s, store, floors)
 
 
-# -- simulations over the replayed token streams -------------------------------------------
-
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def unbounded_cached(turns: list[TurnRecord]) -> list[int]:
-    """Per turn, the longest prefix of its prompt that an earlier request computed (prompt + reply)."""
-    seen: list[tuple[int, ...]] = []
-    out = []
-    for t in turns:
-        out.append(min(len(t.prompt_ids) - 1, max((_lcp(t.prompt_ids, s) for s in seen), default=0)))
-        seen.append(t.prompt_ids + t.output_ids)
-    return out
-
-
-def lru_cached(turns: list[TurnRecord], capacity_pages: int) -> list[int]:
-    """Per turn, tokens a plain LRU cache of full KV pages serves: the leading pages found,
-    each keyed by its token prefix; every page a request computes is then kept, least recently
-    used out first."""
-    cache: OrderedDict[int, None] = OrderedDict()
-    out = []
-    for t in turns:
-        keys = _page_keys(t.prompt_ids)
-        found = 0
-        for key in keys:
-            if key not in cache:
-                break
-            cache.move_to_end(key)
-            found += 1
-        out.append(min(found * PAGE, len(t.prompt_ids) - 1))
-        computed = t.prompt_ids + t.output_ids[:-1]  # the last reply token's row is never computed
-        for key in _page_keys(computed):
-            cache[key] = None
-            cache.move_to_end(key)
-        while len(cache) > capacity_pages:
-            cache.popitem(last=False)
-    return out
-
-
-def _page_keys(ids: tuple[int, ...]) -> list[int]:
-    return [hash(ids[: end]) for end in range(PAGE, len(ids) + 1, PAGE)]
-
-
-def distinct_prompt_tokens(turns: list[TurnRecord]) -> int:
-    """Distinct token prefixes over every prompt: the rows a trie of the prompts holds."""
-    seen: list[tuple[int, ...]] = []
-    total = 0
-    for t in turns:
-        total += len(t.prompt_ids) - max((_lcp(t.prompt_ids, s) for s in seen), default=0)
-        seen.append(t.prompt_ids)
-    return total
-
-
 # -- the floor: prefill only the new rows after the cached context, in this process --------
 
 class FloorMeter:
@@ -182,7 +106,7 @@ class FloorMeter:
 
         ids, n = t.prompt_ids, t.context
         self.runner.start_stream(0, SamplingParams(), ids)
-        valid = _lcp(self.written.get(t.conversation, ()), ids)
+        valid = lcp(self.written.get(t.conversation, ()), ids)
         self._prefill(t.conversation, ids, [(a, min(a + self.grid, t.cached)) for a in range(valid, t.cached, self.grid)])
         chunks = plan_schedule(n, [s for s in t.starts if 0 < s < n], self.grid).chunks(t.cached)
         times = []
@@ -255,9 +179,15 @@ def summary_table(runs: dict[str, Run], floors: list[float | None], kv_bytes_per
         ["store budget: fit / half", " / ".join(f"{runs[k].store.get('budget_bytes', 0) / 2**20:.1f} MiB"
                                                 for k in ("fit", "half")), ""],
         ["requests by cache kind: fit / half", " / ".join(_kinds(runs[k].turns) for k in ("fit", "half")), ""],
-        ["evictions: fit / half", " / ".join(str(runs[k].store.get("evictions", {})) for k in ("fit", "half")), ""],
+        ["evictions; refused keeps; skipped saves: fit / half",
+         " / ".join(_pressure(runs[k].store) for k in ("fit", "half")), ""],
     ]
     return markdown_table(["measure", "value", "goal"], rows)
+
+
+def _pressure(store: dict) -> str:
+    evicted = sum((store.get("evictions") or {}).values())
+    return f"{evicted}; {store.get('refused_keeps', 0)}; {store.get('skipped_saves', 0)}"
 
 
 def _kinds(turns: list[TurnRecord]) -> str:
@@ -279,7 +209,8 @@ def plot(runs: dict[str, Run], floors: list[float | None], path: Path) -> str:
     for name, style in (("off", "o"), ("fit", "s"), ("half", "^")):
         turns = runs[name].turns
         left.scatter([t.context for t in turns], [t.ttft_s * 1e3 for t in turns], marker=style, label=f"store {name}")
-        right.plot([t.store_bytes / 2**20 for t in turns], marker=style, label=f"store {name}")
+        if name != "off":
+            right.plot([t.store_bytes / 2**20 for t in turns], marker=style, label=f"store {name}")
     fit = runs["fit"].turns
     left.scatter([t.context for t, f in zip(fit, floors) if f], [f * 1e3 for f in floors if f], marker="x",
                  color="black", label="floor (new rows only)")

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import random
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 CountTokens = Callable[[str], int]
+PAGE = 16  # the daemon's default page size, used for the simulated LRU pages
 
 
 @dataclass(frozen=True)
@@ -158,3 +160,79 @@ def _word(rng: random.Random) -> str:
 def _sentence(rng: random.Random, num_words: int) -> str:
     words = [_word(rng) if i % 4 != 2 else rng.choice(_VERBS) for i in range(num_words)]
     return " ".join(words).capitalize() + "."
+
+
+# -- a replayed trace, and simulations over its token streams ---------------------------------
+
+@dataclass(frozen=True)
+class TurnRecord:
+    conversation: int
+    index: int
+    prompt_ids: tuple[int, ...]
+    starts: tuple[int, ...]  # message starts: the daemon's default chunk starts
+    output_ids: tuple[int, ...]
+    cached: int
+    cache: str  # usage.cache: miss | hit | resident | off
+    ttft_s: float  # the daemon's own, from receipt of the request
+    store_bytes: int  # after the turn
+
+    @property
+    def context(self) -> int:
+        return len(self.prompt_ids)
+
+
+def lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of `a` and `b`."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def unbounded_cached(turns: list[TurnRecord]) -> list[int]:
+    """Per turn, the longest prefix of its prompt that an earlier request computed (prompt + reply)."""
+    seen: list[tuple[int, ...]] = []
+    out = []
+    for t in turns:
+        out.append(min(len(t.prompt_ids) - 1, max((lcp(t.prompt_ids, s) for s in seen), default=0)))
+        seen.append(t.prompt_ids + t.output_ids)
+    return out
+
+
+def lru_cached(turns: list[TurnRecord], capacity_pages: int) -> list[int]:
+    """Per turn, tokens a plain LRU cache of full KV pages serves: the leading pages found,
+    each keyed by its token prefix; every page a request computes is then kept, least recently
+    used out first."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    out = []
+    for t in turns:
+        keys = _page_keys(t.prompt_ids)
+        found = 0
+        for key in keys:
+            if key not in cache:
+                break
+            cache.move_to_end(key)
+            found += 1
+        out.append(min(found * PAGE, len(t.prompt_ids) - 1))
+        computed = t.prompt_ids + t.output_ids[:-1]  # the last reply token's row is never computed
+        for key in _page_keys(computed):
+            cache[key] = None
+            cache.move_to_end(key)
+        while len(cache) > capacity_pages:
+            cache.popitem(last=False)
+    return out
+
+
+def _page_keys(ids: tuple[int, ...]) -> list[int]:
+    return [hash(ids[: end]) for end in range(PAGE, len(ids) + 1, PAGE)]
+
+
+def distinct_prompt_tokens(turns: list[TurnRecord]) -> int:
+    """Distinct token prefixes over every prompt: the rows a trie of the prompts holds."""
+    seen: list[tuple[int, ...]] = []
+    total = 0
+    for t in turns:
+        total += len(t.prompt_ids) - max((lcp(t.prompt_ids, s) for s in seen), default=0)
+        seen.append(t.prompt_ids)
+    return total
