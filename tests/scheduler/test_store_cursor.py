@@ -102,7 +102,7 @@ def test_publishing_a_long_prompt_walks_each_page_once() -> None:
     finally:
         ReuseKey.rows_key = real  # type: ignore[method-assign]
     assert [r for _, r in served.results] == ["saved"] * 256
-    # one identity per page for the tree, one for each entry's tail slot, one per entry
-    # compared when first observed, and the lookup of an empty store
+    # one identity per page for the tree, one per entry's slot and one per entry when it is
+    # observed moved past (a rescan at every cut would compare each entry at every later cut)
     assert calls == 256 + 256 + 256
     assert rig.store.stats().bytes == 256 * KVPP + LOGITS
