@@ -191,7 +191,7 @@ class Admitter:
             if self.store is not None and not allocator.can_allocate(need):
                 self.store.make_room(need)
         if last_resort and self.store is not None and not allocator.can_allocate(need):
-            self.store.clear()  # entries that only free pages together are not picked one by one
+            self.store.clear()  # last resort: every lane is waiting on pages the store still holds
         return allocator.can_allocate(need)
 
     def evict_resident(self, lane: Lane) -> None:

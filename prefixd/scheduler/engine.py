@@ -316,6 +316,6 @@ class Engine:
         for ev in evictions:
             self.observer.on_eviction(ev.reason, ev.nbytes)
         if evictions or self._store_touched:
-            stats = self.store.stats()  # walks the store's pages: not every decode round
+            stats = self.store.stats()
             self.observer.on_store(stats.bytes, stats.budget_bytes)
         self._store_touched = False
