@@ -12,9 +12,21 @@ All storage lives in one tensor so a copy engine can move a page of every layer 
 
 from __future__ import annotations
 
+import math
+import mmap
 from typing import Sequence
 
 import torch
+
+
+def _zeroed_storage(shape: tuple[int, ...], device: torch.device,
+                    dtype: torch.dtype) -> tuple[mmap.mmap | None, torch.Tensor]:
+    """A zero tensor; on CPU backed by an anonymous mapping, so untouched pages cost no RAM."""
+    if device.type != "cpu":
+        return None, torch.zeros(shape, device=device, dtype=dtype)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, max(nbytes, 1))  # anonymous mappings read as zeros until written
+    return mapping, torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class KVPool:
@@ -29,8 +41,8 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         # Zeros, not empty: masked-out rows are multiplied by exactly 0 and must be finite.
-        self.storage = torch.zeros(2, num_layers, num_pages, page_size, num_kv_heads, head_dim,
-                                   device=device, dtype=dtype)
+        shape = (2, num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self._mapping, self.storage = _zeroed_storage(shape, torch.device(device), dtype)
         self.k = [self.storage[0, i] for i in range(num_layers)]
         self.v = [self.storage[1, i] for i in range(num_layers)]
 
