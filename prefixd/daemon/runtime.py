@@ -70,15 +70,16 @@ def mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 def load_runtime(cfg: DaemonConfig, *, observer: Any,
                  progress: Callable[[str, int, int], None] | None = None) -> Runtime:
     """Load the model named by `cfg.model` and build the engine around it (blocking)."""
+    from prefixd.gpu.backend import free_device_bytes, resolve
     from prefixd.gpu.loading import load_checkpoint
     from prefixd.gpu.runner import ModelRunner
     from prefixd.scheduler.config import SchedulerConfig
     from prefixd.scheduler.engine import Engine
 
-    device, dtype = _torch_device_dtype(cfg)
+    device, dtype = resolve(cfg.device, cfg.dtype)
     checkpoint = load_checkpoint(cfg.model, device=device, dtype=dtype, progress=progress)
     max_context = cfg.resolved_max_context(checkpoint.config.max_context)
-    available = mem_available_bytes() if cfg.device == "cpu" else _device_free_bytes(device)
+    available = mem_available_bytes() if cfg.device == "cpu" else free_device_bytes(device)
     num_pages = plan_num_pages(
         cfg, kv_bytes_per_page=kv_bytes_per_page(checkpoint.config, cfg),
         max_context=max_context, available_bytes=available,
@@ -104,19 +105,3 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         "weights_bytes": info.weights_bytes,
     }
     return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info)
-
-
-def _torch_device_dtype(cfg: DaemonConfig) -> tuple[Any, Any]:
-    # prefixd.gpu's loader and runner take torch objects; the name lookup is all that happens here.
-    import torch
-
-    return torch.device(cfg.device), {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
-
-
-def _device_free_bytes(device: Any) -> int | None:
-    import torch
-
-    if device.type != "cuda":
-        return None
-    free_bytes, _total = torch.cuda.mem_get_info(device)
-    return int(free_bytes)

@@ -1,0 +1,28 @@
+"""Turns the daemon's device and dtype names into torch objects, and reads free device memory.
+
+The daemon passes strings; this is the one place they become torch values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def resolve(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """("cpu" | "cuda[:N]", "bf16" | "fp32") -> torch values; a clear error for a missing GPU."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r}: this torch build sees no CUDA device")
+    return dev, DTYPES[dtype]
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Free memory on a CUDA device; None for the CPU (the daemon reads /proc/meminfo)."""
+    if device.type != "cuda":
+        return None
+    free_bytes, _total = torch.cuda.mem_get_info(device)
+    return int(free_bytes)
