@@ -88,6 +88,15 @@ class ModelRunner:
         self.copies.wait_all()
         self.model.reset(lane)
 
+    def rollback(self, lane: int, num_rows: int) -> int:
+        """Keep the first `num_rows` rows of the lane's last multi-row decode (a rejected draft
+        tail). KV rows past them are simply overwritten later; a family with lane state restores
+        it from its per-row record. Returns bytes copied (0 for attention-only families)."""
+        self._check_lane(lane)
+        self.copies.wait_all()
+        rollback = getattr(self.model, "rollback", None)
+        return 0 if rollback is None else rollback(lane, num_rows)
+
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
         """Copy pages of every attention layer through the copy engine; waits for it."""
         if len(src) != len(dst):

@@ -50,6 +50,11 @@ def _decode(lane: int, pos: int, token: int) -> LaneWork:
     return LaneWork(lane, pos, (token,), _pages(lane), False, sample_rows=(0,), logits_rows=(0,))
 
 
+def _decode_rows(lane: int, pos: int, tokens: list[int]) -> LaneWork:
+    rows = tuple(range(len(tokens)))
+    return LaneWork(lane, pos, tuple(tokens), _pages(lane), False, sample_rows=rows, logits_rows=rows)
+
+
 def _generate(runner: ModelRunner, lane: int, prompt: list[int], bounds: list[int], n: int,
               neighbours: dict[int, list[int]] | None = None):
     """Greedy tokens and logits rows of `lane`; neighbours decode in the same rounds."""
@@ -110,6 +115,20 @@ def test_runner_eight_lanes_equal_solo(hybrid_dir: Path) -> None:
     assert tokens == solo_tokens
     for got, want in zip(rows, solo_rows):
         assert torch.equal(got, want)
+
+
+def test_runner_rollback_equals_a_run_that_only_saw_the_kept_rows(hybrid_dir: Path) -> None:
+    prompt, draft, keep = _prompt(40, seed=3), [11, 22, 33], 1
+    runner = _runner(hybrid_dir)
+    runner.run_round(RoundPlan((_prefill(0, prompt, 0, 40),)))
+    runner.run_round(RoundPlan((_decode_rows(0, 40, draft),)))
+    assert runner.rollback(0, keep) > 0
+    got = runner.run_round(RoundPlan((_decode(0, 40 + keep, 7),))).by_lane()[0].logits
+    ref = _runner(hybrid_dir)
+    ref.run_round(RoundPlan((_prefill(0, prompt, 0, 40),)))
+    ref.run_round(RoundPlan((_decode_rows(0, 40, draft[:keep]),)))
+    want = ref.run_round(RoundPlan((_decode(0, 40 + keep, 7),))).by_lane()[0].logits
+    assert torch.equal(got, want)
 
 
 @pytest.mark.slow
