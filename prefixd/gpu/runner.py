@@ -91,11 +91,15 @@ class ModelRunner:
     def rollback(self, lane: int, num_rows: int) -> int:
         """Keep the first `num_rows` rows of the lane's last multi-row decode (a rejected draft
         tail). KV rows past them are simply overwritten later; a family with lane state restores
-        it from its per-row record. Returns bytes copied (0 for attention-only families)."""
+        it from its per-row record. The copy is issued on the copy engine and may still be in
+        flight on return: every later round, capture, restore and reset waits for it.
+        Returns bytes copied (0 for attention-only families)."""
         self._check_lane(lane)
-        self.copies.wait_all()
-        rollback = getattr(self.model, "rollback", None)
-        return 0 if rollback is None else rollback(lane, num_rows)
+        rollback_copy = getattr(self.model, "rollback_copy", None)
+        if rollback_copy is None:
+            return 0
+        src, dst = rollback_copy(lane, num_rows)
+        return self.copies.scatter([src], [dst]).nbytes
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
         """Copy pages of every attention layer through the copy engine; waits for it."""

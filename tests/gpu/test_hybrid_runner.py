@@ -131,6 +131,18 @@ def test_runner_rollback_equals_a_run_that_only_saw_the_kept_rows(hybrid_dir: Pa
     assert torch.equal(got, want)
 
 
+def test_reset_waits_for_an_in_flight_rollback_copy(hybrid_dir: Path) -> None:
+    """A rejected draft's rollback copy is still in flight when the lane is reset for the next
+    request: the reset must land last (removing the runner's wait makes the held copy win)."""
+    runner = _runner(hybrid_dir)
+    runner.run_round(RoundPlan((_prefill(0, _prompt(40, seed=4), 0, 40),)))
+    runner.run_round(RoundPlan((_decode_rows(0, 40, [5, 6, 7]),)))
+    with runner.copies.defer():
+        runner.rollback(0, 1)
+        runner.reset_lane(0)
+    assert not bool(runner.capture(0).data.any())
+
+
 @pytest.mark.slow
 def test_runner_greedy_matches_transformers(hybrid_dir: Path) -> None:
     from transformers import Qwen3_5ForCausalLM

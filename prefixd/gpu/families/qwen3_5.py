@@ -264,6 +264,10 @@ class HybridModel:
         """Keep only the first `num_rows` rows of the lane's last multi-row decode."""
         return self.states.rollback(lane, num_rows)
 
+    def rollback_copy(self, lane: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(source, destination) of `rollback`, for the runner's copy engine to issue."""
+        return self.states.rollback_copy(lane, num_rows)
+
 
 def build_qwen3_5(checkpoint, device: torch.device, dtype: torch.dtype, mode: str) -> HybridModel:
     """The family builder. Only mode "invariant" exists (as for the attention families)."""

@@ -121,9 +121,15 @@ class LaneStatePool:
     def rollback(self, lane: int, num_rows: int) -> int:
         """Set the lane's state to the state after the first `num_rows` rows of its last
         multi-row decode (1 <= num_rows <= trail rows); returns bytes copied."""
+        src, dst = self.rollback_copy(lane, num_rows)
+        dst.copy_(src)
+        return self.lane_state_bytes
+
+    def rollback_copy(self, lane: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (source, destination) of a rollback, for a caller that issues the copy itself
+        (the runner's copy engine); the lane's record is consumed."""
         trail = self._trails.get(lane)
         if trail is None or not 1 <= num_rows <= trail.buf.shape[0]:
             raise ValueError(f"lane {lane}: no rollback record covering {num_rows} rows")
-        self.live.buf[lane].copy_(trail.buf[num_rows - 1])
         self._trails.pop(lane)
-        return self.lane_state_bytes
+        return trail.buf[num_rows - 1], self.live.buf[lane]
