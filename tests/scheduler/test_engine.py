@@ -9,30 +9,17 @@ from prefixd.scheduler.engine import Engine
 from prefixd.scheduler.events import NullObserver
 from prefixd.scheduler.records import ImageIdentity, ImageRows, SamplingParams
 from prefixd.scheduler.streams import DoneEvent, RequestError, StreamRequest, TokenEvent
+from tests.scheduler import engines
+from tests.scheduler.engines import make_engine
 from tests.scheduler.fake_device import (FakeDevice, done_by_stream, make_info, reference_tokens,
                                          run_until_idle, tokens_by_stream)
 
-_engines: list[Engine] = []
-
-
-@pytest.fixture(autouse=True)
-def _integrity_after_each_test():
-    _engines.clear()
-    yield
-    for engine in _engines:
-        engine.check_integrity()
-
-
 def make(num_lanes=2, grid=4, budget=5, cache=False, **info_kw) -> tuple[Engine, FakeDevice]:
-    device = FakeDevice(make_info(**info_kw))
-    cfg = SchedulerConfig(num_lanes=num_lanes, grid=grid, round_row_budget=budget, cache=cache)
-    engine = Engine(device, cfg, store_factory=lambda **kw: None)
-    _engines.append(engine)
-    return engine, device
+    return make_engine(num_lanes=num_lanes, grid=grid, budget=budget, cache=cache, store=False, **info_kw)
 
 
 def req(sid, tokens, max_tokens=4, **kw) -> StreamRequest:
-    return StreamRequest(stream_id=sid, tokens=tuple(tokens), max_tokens=max_tokens, **kw)
+    return engines.req(sid, tokens, max_tokens, **kw)
 
 
 def shape(plan):
@@ -295,7 +282,7 @@ def test_observer_sees_admission_tokens_and_done():
     rec = Recorder()
     device = FakeDevice(make_info())
     engine = Engine(device, SchedulerConfig(num_lanes=1, grid=4), observer=rec, store_factory=lambda **kw: None)
-    _engines.append(engine)
+    engines.ENGINES.append(engine)
     engine.submit(req(1, range(5), max_tokens=3))
     run_until_idle(engine)
     assert rec.calls == ["admit", ("lookup", "miss", 5, 0), "first", "gap", "gap", ("done", "length", 5, 3)]
@@ -312,7 +299,7 @@ def test_usage_says_off_when_the_cache_is_off():
 def test_when_no_lane_finds_a_page_the_newest_stream_ends_and_the_rest_go_on():
     device = FakeDevice(make_info(num_pages=4))
     engine = Engine(device, SchedulerConfig(num_lanes=2, grid=4, cache=False, decode_headroom_rows=0))
-    _engines.append(engine)
+    engines.ENGINES.append(engine)
     engine.submit(req(1, range(4), max_tokens=10))
     engine.submit(req(2, range(50, 54), max_tokens=10))
     events = run_until_idle(engine)

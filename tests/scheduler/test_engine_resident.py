@@ -2,41 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
 
-from prefixd.scheduler.config import SchedulerConfig
 from prefixd.scheduler.engine import Engine
-from prefixd.scheduler.streams import DoneEvent, StreamRequest
-from tests.scheduler.fake_device import (FakeDevice, done_by_stream, make_info, run_until_idle,
+from prefixd.scheduler.streams import DoneEvent
+from tests.scheduler.engines import make_engine, req, turn
+from tests.scheduler.fake_device import (FakeDevice, done_by_stream, run_until_idle,
                                          tokens_by_stream)
 
-_engines: list[Engine] = []
-
-
-@pytest.fixture(autouse=True)
-def _integrity_after_each_test():
-    _engines.clear()
-    yield
-    for engine in _engines:
-        engine.check_integrity()
-
-
 def make(num_lanes=2, grid=4, budget=16, cache=True, **info_kw) -> tuple[Engine, FakeDevice]:
-    device = FakeDevice(make_info(**info_kw))
-    cfg = SchedulerConfig(num_lanes=num_lanes, grid=grid, round_row_budget=budget, cache=cache)
-    engine = Engine(device, cfg, store_factory=lambda **kw: None)
-    _engines.append(engine)
-    return engine, device
-
-
-def req(sid, tokens, max_tokens=3, **kw) -> StreamRequest:
-    return StreamRequest(stream_id=sid, tokens=tuple(tokens), max_tokens=max_tokens, **kw)
-
-
-def turn(engine, r) -> tuple[list[int], DoneEvent]:
-    engine.submit(r)
-    events = run_until_idle(engine)
-    return tokens_by_stream(events)[r.stream_id], done_by_stream(events)[r.stream_id]
+    return make_engine(num_lanes=num_lanes, grid=grid, budget=budget, cache=cache, store=False, **info_kw)
 
 
 def cold(r, **info_kw) -> list[int]:
