@@ -8,7 +8,8 @@ Spawns `prefixd serve` with 8 lanes and measures, through its socket:
 - per-token streaming overhead: the gap between token events seen by the client minus the
   engine's own gap between those tokens (the daemon's inter-token-latency histogram);
 - aggregate decode tok/s with 8 clients on 8 connections, beside the runner's own 8-lane
-  figure at the same context measured in this process;
+  figure at the same context measured in this process, the two alternated in pairs taken back
+  to back (on a shared machine a ratio of figures taken minutes apart measures the load);
 and, in this process (the daemon does not report forward time), the share of each 8-lane
 decode round that the engine spends outside the model forward.
 """
@@ -147,6 +148,16 @@ async def socket_measures(handle: DaemonHandle, sizes: Sizes, vocab: int) -> dic
             out["engine_gap_s"], _ = histogram_mean(before, after, "prefixd_inter_token_latency_seconds")
             out["engine_round_s"], _ = histogram_mean(before, after, "prefixd_round_duration_seconds")
 
+    return out
+
+
+async def aggregate_tok_s(handle: DaemonHandle, sizes: Sizes, vocab: int) -> float:
+    """Decode tok/s of `sizes.lanes` clients on their own connections, counted while every lane decodes."""
+    import anyio
+
+    from prefixd.ipc.client import AsyncClient
+    from prefixd.ipc.events import TokenEvent
+
     arrivals_by_lane: list[list[float]] = [[] for _ in range(sizes.lanes)]
 
     async def one(lane: int) -> None:
@@ -162,16 +173,40 @@ async def socket_measures(handle: DaemonHandle, sizes: Sizes, vocab: int) -> dic
     start = max(a[0] for a in arrivals_by_lane)  # every lane decodes from here ...
     end = min(a[-1] for a in arrivals_by_lane)  # ... to here
     inside = sum(1 for a in arrivals_by_lane for t in a if start < t <= end)
-    out["socket_tok_s"] = inside / (end - start) if end > start else float("nan")
-    return out
+    return inside / (end - start) if end > start else float("nan")
 
 
-def in_process_measures(args: argparse.Namespace, sizes: Sizes) -> tuple[dict[str, float], int]:
-    """The runner's 8-lane decode tok/s and the engine's outside-forward share, in this process."""
+class RuntimeDecode:
+    """The runner's own 8-lane decode loop (bench/runtime.py) in this process, timed on demand."""
+
+    def __init__(self, model: str, sizes: Sizes) -> None:
+        import torch
+
+        from bench.runtime import RunnerMeasure
+        from bench.runtime import Sizes as RuntimeSizes
+        from prefixd.gpu.loading import load_checkpoint
+
+        device, dtype = torch.device("cpu"), torch.bfloat16
+        checkpoint = load_checkpoint(model, device=device, dtype=dtype)
+        self.vocab = checkpoint.tokenizer.vocab_size
+        self.sizes = sizes
+        self.lanes = {lane: prompt(sizes.lane_context, self.vocab, 100 + lane) for lane in range(sizes.lanes)}
+        rs = RuntimeSizes(prefill=(16,), decode_context=sizes.lane_context, lanes=sizes.lanes,
+                          lane_context=sizes.lane_context, decode_steps=sizes.lane_tokens, repeats=1)
+        self.measure = RunnerMeasure(checkpoint, device=device, dtype=dtype, mode="invariant", sizes=rs, grid=256)
+        self.measure.start_decode(self.lanes)
+        self.measure.decode(self.lanes, sizes.lane_tokens)  # warm-up
+
+    def tok_s(self) -> float:
+        t0 = time.perf_counter()
+        self.measure.decode(self.lanes, self.sizes.lane_tokens)
+        return self.sizes.lanes * self.sizes.lane_tokens / (time.perf_counter() - t0)
+
+
+def engine_measures(model: str, sizes: Sizes, vocab: int) -> dict[str, float]:
+    """The engine's outside-forward share of an all-lanes decode round, in this process."""
     import torch
 
-    from bench.runtime import RunnerMeasure
-    from bench.runtime import Sizes as RuntimeSizes
     from prefixd.gpu.loading import load_checkpoint
     from prefixd.gpu.runner import ModelRunner
     from prefixd.scheduler.config import SchedulerConfig
@@ -180,21 +215,8 @@ def in_process_measures(args: argparse.Namespace, sizes: Sizes) -> tuple[dict[st
     from prefixd.scheduler.streams import StreamRequest
 
     device, dtype = torch.device("cpu"), torch.bfloat16
-    checkpoint = load_checkpoint(args.model, device=device, dtype=dtype)
-    vocab = checkpoint.tokenizer.vocab_size
     lanes = {lane: prompt(sizes.lane_context, vocab, 100 + lane) for lane in range(sizes.lanes)}
-    rs = RuntimeSizes(prefill=(16,), decode_context=sizes.lane_context, lanes=sizes.lanes, lane_context=sizes.lane_context,
-                      decode_steps=sizes.lane_tokens, repeats=3)
-    m = RunnerMeasure(checkpoint, device=device, dtype=dtype, mode="invariant", sizes=rs, grid=256)
-    m.start_decode(lanes)
-    m.decode(lanes, sizes.lane_tokens)  # warm-up
-    times = []
-    for _ in range(rs.repeats):
-        t0 = time.perf_counter()
-        m.decode(lanes, sizes.lane_tokens)
-        times.append(time.perf_counter() - t0)
-    out = {"runtime_tok_s": sizes.lanes * sizes.lane_tokens / median(times)}
-    del m
+    out: dict[str, float] = {}
 
     class Rounds(NullObserver):
         def __init__(self) -> None:
@@ -204,7 +226,7 @@ def in_process_measures(args: argparse.Namespace, sizes: Sizes) -> tuple[dict[st
             self.rows.append((duration_s, forward_s, num_rows, lanes_busy))
 
     pages = sizes.lanes * (-(-(sizes.lane_context + sizes.lane_tokens + 32) // 16))
-    checkpoint = load_checkpoint(args.model, device=device, dtype=dtype)  # a runner takes its tensors
+    checkpoint = load_checkpoint(model, device=device, dtype=dtype)
     runner = ModelRunner(checkpoint, device=device, dtype=dtype, num_lanes=sizes.lanes, num_pages=pages)
     observer = Rounds()
     engine = Engine(runner, SchedulerConfig(num_lanes=sizes.lanes, cache=False), observer=observer)
@@ -216,7 +238,7 @@ def in_process_measures(args: argparse.Namespace, sizes: Sizes) -> tuple[dict[st
     out["engine_rounds"] = len(decode)
     out["engine_round_s"] = median(d for d, _ in decode)
     out["outside_share"] = 1.0 - sum(f for _, f in decode) / sum(d for d, _ in decode)
-    return out, vocab
+    return out
 
 
 def render(sock: dict[str, float], local: dict[str, float], sizes: Sizes) -> str:
@@ -230,13 +252,28 @@ def render(sock: dict[str, float], local: dict[str, float], sizes: Sizes) -> str
          f"{per_token / sock['client_gap_s']:.1%} of a token gap", ""],
         [f"share of a {sizes.lanes}-lane decode round outside the forward (in-process)",
          f"{local['outside_share']:.1%}", f"{int(local['engine_rounds'])} rounds", "< 5%"],
-        [f"aggregate decode, {sizes.lanes} clients @ {sizes.lane_context} ctx, socket",
-         f"{sock['socket_tok_s']:.1f} tok/s", fmt_ratio(sock["socket_tok_s"], local["runtime_tok_s"]) + " of runtime",
-         ">= 0.90x"],
-        [f"runtime {sizes.lanes}-lane decode @ {sizes.lane_context} ctx (in-process)",
-         f"{local['runtime_tok_s']:.1f} tok/s", "", ""],
+        [f"aggregate decode, {sizes.lanes} clients @ {sizes.lane_context} ctx, socket (median)",
+         f"{sock['socket_tok_s']:.1f} tok/s", f"{sock['pair_ratio']:.2f}x of runtime (median of pairs)", ">= 0.90x"],
+        [f"runtime {sizes.lanes}-lane decode @ {sizes.lane_context} ctx (in-process, median)",
+         f"{sock['runtime_tok_s']:.1f} tok/s", "", ""],
     ]
     return markdown_table(["measure", "value", "ratio", "goal"], rows)
+
+
+def alternate(handle: DaemonHandle, runtime: RuntimeDecode, sizes: Sizes, pairs: int) -> list[tuple[float, float, float]]:
+    """(runtime tok/s, socket tok/s, 1-min load average) per pair, the two measured back to back.
+
+    On a shared machine the load changes from one minute to the next: only measures taken
+    side by side are compared.
+    """
+    import anyio
+
+    rows = []
+    for _ in range(pairs):
+        local = runtime.tok_s()
+        sock = anyio.run(aggregate_tok_s, handle, sizes, runtime.vocab)
+        rows.append((local, sock, os.getloadavg()[0]))
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -245,23 +282,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument("--model", default="default")
+    parser.add_argument("--pairs", type=int, default=5, help="runtime/socket aggregate pairs, measured alternately")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
-    local, vocab = in_process_measures(args, sizes)
+    runtime = RuntimeDecode(args.model, sizes)
     flags = ["--lanes", str(sizes.lanes), "--max-context", "4096"]
     with spawn_daemon(flags, model=args.model, metrics=True) as handle:
-        sock = anyio.run(socket_measures, handle, sizes, vocab)
+        sock = anyio.run(socket_measures, handle, sizes, runtime.vocab)
+        pairs = alternate(handle, runtime, sizes, args.pairs)
+    vocab = runtime.vocab
+    del runtime
+    local = engine_measures(args.model, sizes, vocab)
+    sock["runtime_tok_s"] = median(r for r, _, _ in pairs)
+    sock["socket_tok_s"] = median(t for _, t, _ in pairs)
+    sock["pair_ratio"] = median(t / r for r, t, _ in pairs)
     print_machine({"model": args.model, "lanes": str(sizes.lanes)})
     print(render(sock, local, sizes))
+    print()
+    print(markdown_table(["pair", "runtime tok/s", "socket tok/s", "ratio", "load avg (1 min)"],
+                         [[str(i + 1), f"{r:.1f}", f"{t:.1f}", fmt_ratio(t, r), f"{load:.2f}"]
+                          for i, (r, t, load) in enumerate(pairs)]))
     print(f"\n- status: median of {sizes.status_calls} calls on one connection; token gaps: one generate of "
           f"{sizes.stream_tokens} tokens after {sizes.stream_prompt} prompt tokens, the engine's gaps from the "
           "daemon's prefixd_inter_token_latency_seconds histogram over the same tokens")
     print(f"- aggregate: {sizes.lanes} connections, {sizes.lane_tokens} tokens each, counted while every lane decodes;"
-          " runtime: bench/runtime.py's runner loop, same lanes and context, median of 3")
+          f" runtime: bench/runtime.py's runner loop, same lanes, context and tokens; {len(pairs)} pairs, each runtime "
+          "then socket back to back (the machine is shared: only side-by-side figures are compared)")
     print("- outside-forward share: Engine.step() duration vs RoundResult.forward_s over rounds where every lane "
           "decodes one row, measured in-process (the daemon reports no forward time)")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
