@@ -103,7 +103,7 @@ def test_logits_match_after_chunked_prefill_and_while_decoding(pair) -> None:
     tokens = _prompt(150, seed=1)
     want = _theirs(ref, tokens)
     got, lo = [], 0
-    for hi in (13, 77, 141):  # odd chunk sizes, one crossing the 64-row UT block
+    for hi in (13, 77, 141):  # odd chunk sizes crossing the 32-row UT blocks
         got.append(_ours(ours, tokens[lo:hi], lo, True))
         lo = hi
     for pos in range(141, 150):  # then one decode row at a time

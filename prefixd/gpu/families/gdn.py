@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-CHUNK = 64  # rows per UT block of the chunked form; fixed so its bits never depend on T
-GROUP = 8  # blocks computed together by the chunked form
+CHUNK = 32  # rows per UT block of the chunked form; fixed so its bits never depend on T
+GROUP = 16  # blocks computed together by the chunked form
 
 
 # torch's fused silu/sigmoid/softplus compute vector tails with other code (other bits), so a
@@ -153,23 +153,24 @@ def _blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     gc = g.cumsum(dim=-1)  # (n, H, C)
     # decay between rows j <= i; masked before exp so no inf ever appears
     decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
-    k_beta = k * beta.unsqueeze(-1)
-    ut = (k_beta @ k.transpose(-1, -2)) * decay  # only its strictly-lower part is used
-    rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * gc.exp().unsqueeze(-1)], dim=-1)
-    solved = _unit_lower_inverse(ut) @ rhs
-    u = solved[..., :v.shape[-1]].contiguous()  # (n, H, C, dv): values to write
-    # rows [0, C): w, what the old state predicts for them; rows [C, 2C): decayed queries
-    reads = torch.cat([solved[..., v.shape[-1]:], q * gc.exp().unsqueeze(-1)], dim=-2)
-    attn = (q @ k.transpose(-1, -2)) * decay  # (n, H, C, C), diagonal included
+    k_t = k.transpose(-1, -2).contiguous()  # (n, H, dk, C)
+    # beta scales rows of the UT matrix and columns of its inverse: no (C, d)-sized products
+    ut = (k @ k_t) * decay * beta.unsqueeze(-1)  # only its strictly-lower part is used
+    inv = _unit_lower_inverse(ut)
+    gc_exp = gc.exp()
+    u = (inv * beta.unsqueeze(-2)) @ v  # (n, H, C, dv): values to write
+    w = (inv * (beta * gc_exp).unsqueeze(-2)) @ k  # what the old state predicts for them
+    q_decayed = q * gc_exp.unsqueeze(-1)
+    attn = (q @ k_t) * decay  # (n, H, C, C), diagonal included
     last = gc[..., -1:]  # (n, H, 1)
-    k_tail = (k * (last - gc).exp().unsqueeze(-1)).transpose(-1, -2).contiguous()  # (n, H, dk, C)
+    k_tail = k_t * (last - gc).exp().unsqueeze(-2)  # (n, H, dk, C)
     block_decay = last.exp().unsqueeze(-1)  # (n, H, 1, 1)
     out = torch.empty_like(u)
     for i in range(num_blocks):
-        read = reads[i] @ state  # (H, 2C, dv)
-        v_new = u[i] - read[:, :CHUNK]
-        out[i] = read[:, CHUNK:] + attn[i] @ v_new
-        state = state * block_decay[i] + k_tail[i] @ v_new
+        v_new = torch.baddbmm(u[i], w[i], state, alpha=-1.0)
+        torch.matmul(q_decayed[i], state, out=out[i])
+        out[i].baddbmm_(attn[i], v_new)
+        state = (state * block_decay[i]).baddbmm_(k_tail[i], v_new)  # a new tensor, then in place
     out = out.transpose(1, 2).reshape(padded, heads, -1)[:num_rows]
     return out, state
 
