@@ -273,6 +273,8 @@ def alternate(handle: DaemonHandle, runtime: RuntimeDecode, sizes: Sizes, pairs:
         local = runtime.tok_s()
         sock = anyio.run(aggregate_tok_s, handle, sizes, runtime.vocab)
         rows.append((local, sock, os.getloadavg()[0]))
+        print(f"pair {len(rows)}: runtime {local:.1f} tok/s, socket {sock:.1f} tok/s, load {rows[-1][2]:.2f}",
+              file=sys.stderr, flush=True)  # survives a run cut short
     return rows
 
 
@@ -284,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="default")
     parser.add_argument("--pairs", type=int, default=5, help="runtime/socket aggregate pairs, measured alternately")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the spawned daemon is stopped too
     sizes = QUICK if args.quick else FULL
     runtime = RuntimeDecode(args.model, sizes)
     flags = ["--lanes", str(sizes.lanes), "--max-context", "4096"]
