@@ -56,7 +56,8 @@ class AttentionTile:
     q_index: torch.Tensor  # (num_lanes * rows,) into q with a zero row appended
     out_index: torch.Tensor  # (num_lanes * rows,) into out with a scratch row appended
     page_index: torch.Tensor  # (num_lanes * num_blocks * block // page_size,)
-    masked: torch.Tensor  # (1, num_lanes, num_blocks, rows * group, block) bool
+    mask_from: int  # first block where some row of the tile has a masked key
+    masked: torch.Tensor  # (1, num_lanes, num_blocks - mask_from, rows * group, block) bool
 
 
 def block_size(page_size: int) -> int:
@@ -90,13 +91,16 @@ def _tile(pieces: Sequence[tuple[AttentionSpan, int, int]], *, total_rows: int, 
             raise ValueError(f"page table of {len(span.page_table)} pages cannot hold row {end - 1}")
         page_index += table + [table[0]] * (pages_per_lane - len(table))
     nl = len(pieces)
+    # Blocks before mask_from are unmasked for every row: the mask covers only the rest.
+    mask_from = min(qpos) // block
+    span_keys = (num_blocks - mask_from) * block
     qp = torch.tensor(qpos, dtype=torch.long, device=device).view(nl, rows, 1, 1)
-    kpos = torch.arange(num_blocks * block, device=device).view(1, 1, 1, -1)
-    masked = (kpos > qp).expand(nl, rows, group, num_blocks * block)
-    masked = masked.reshape(nl, rows * group, num_blocks, block).permute(0, 2, 1, 3)
+    kpos = torch.arange(mask_from * block, num_blocks * block, device=device).view(1, 1, 1, -1)
+    masked = (kpos > qp).expand(nl, rows, group, span_keys)
+    masked = masked.reshape(nl, rows * group, num_blocks - mask_from, block).permute(0, 2, 1, 3)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return AttentionTile(nl, rows, num_blocks, as_long(q_index), as_long(out_index),
-                         as_long(page_index), masked.unsqueeze(0).contiguous())
+                         as_long(page_index), mask_from, masked.unsqueeze(0).contiguous())
 
 
 def plan_attention(spans: Sequence[AttentionSpan], *, total_rows: int, group: int, page_size: int,
@@ -146,10 +150,11 @@ def attend_tile(q_ext: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     q = q.expand(kvh, nl, nb, m_rows, d).reshape(-1, m_rows, d)
     k = _gather(k_pool, tile, block)
     v = _gather(v_pool, tile, block)
-    s = torch.bmm(q, k.transpose(1, 2)).view(kvh, nl, nb, m_rows, block).float()
-    s.masked_fill_(tile.masked, float("-inf"))
-    m = s.amax(dim=(2, 4), keepdim=True)  # every row sees position 0: m is finite
-    p = s.sub_(m).exp_()  # 0 where masked
+    s = torch.bmm(q, k.transpose(1, 2)).view(kvh, nl, nb, m_rows, block)
+    s[:, :, tile.mask_from:].masked_fill_(tile.masked, float("-inf"))
+    # amax in the pool dtype is exact; s - m promotes to fp32 (the same bits as float(s) - m).
+    m = s.amax(dim=(2, 4), keepdim=True).float()  # every row sees position 0: m is finite
+    p = torch.sub(s, m).exp_()  # 0 where masked
     l = p.sum(dim=-1)  # (kvh, nl, nb, m_rows)
     a = torch.bmm(p.view(-1, m_rows, block).to(v.dtype), v).view(kvh, nl, nb, m_rows, d).float()
     # cumsum adds blocks strictly in order: trailing all-masked blocks add exact zeros.
