@@ -203,3 +203,13 @@ def check_usage(steps: dict[TurnKey, Step], cold: Transcript) -> None:
         assert usage.prompt_tokens == cold.steps[key].usage.prompt_tokens, key
         assert usage.prefilled_tokens + usage.cached_tokens == usage.prompt_tokens, key
         assert usage.completion_tokens == len(step.ids), key
+
+
+def check_runs_equal_cold(runs: list[tuple[TurnKey, Step, dict[str, Any]]], cold: Transcript) -> list[dict[str, Any]]:
+    """Each run's ids and logits digests equal the cold turn's, its usage adds up and every turn
+    after the first reused something; returns the store stats taken after each turn."""
+    for key, step, _ in runs:
+        assert (step.ids, step.digests) == (cold.steps[key].ids, cold.steps[key].digests), key
+        check_usage({key: step}, cold)
+    assert all(step.usage.cached_tokens > 0 for _, step, _ in runs[1:])
+    return [store for _, _, store in runs]

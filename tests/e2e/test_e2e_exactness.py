@@ -15,7 +15,7 @@ import pytest
 from tests.e2e.agent_chat import (
     Transcript,
     all_at_once,
-    alternating_with_store_stats,
+    alternating_with_store_stats, check_runs_equal_cold,
     check_usage,
     cold_transcript,
     continued_in_place,
@@ -80,11 +80,7 @@ def test_store_on_resumes_every_turn_from_the_store_exactly(one_lane_daemon: Dae
 
 def test_evicting_store_resumes_exactly_while_every_turn_evicts(evicting_daemon: DaemonProcess, cold: Transcript):
     runs = run_sync(alternating_with_store_stats, evicting_daemon.socket, cold, MAX_TOKENS)
-    for key, step, _ in runs:
-        assert (step.ids, step.digests) == (cold.steps[key].ids, cold.steps[key].digests), key
-        check_usage({key: step}, cold)
-    assert all(step.usage.cached_tokens > 0 for _, step, _ in runs[1:])
-    stores = [store for _, _, store in runs]
+    stores = check_runs_equal_cold(runs, cold)
     evicted = [sum(store["evictions"].values()) for store in stores]
     first = next(i for i, n in enumerate(evicted) if n > 0)
     assert first <= 4, evicted  # by chat "a"'s third turn the store is full

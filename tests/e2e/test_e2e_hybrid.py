@@ -22,7 +22,7 @@ from tests.e2e.agent_chat import (
     Transcript,
     TurnKey,
     all_at_once,
-    alternating_with_store_stats,
+    alternating_with_store_stats, check_runs_equal_cold,
     check_usage,
     cold_transcript,
     continued_in_place,
@@ -121,11 +121,7 @@ def test_resident_lane_continues_from_its_last_cut_exactly(eight_lanes: DaemonPr
 def test_evicting_store_resumes_exactly_while_every_turn_evicts(evicting: DaemonProcess, cold):
     transcript, _ = cold
     runs = run_sync(alternating_with_store_stats, evicting.socket, transcript, MAX_TOKENS)
-    for key, step, _ in runs:
-        assert (step.ids, step.digests) == (transcript.steps[key].ids, transcript.steps[key].digests), key
-        check_usage({key: step}, transcript)
-    assert all(step.usage.cached_tokens > 0 for _, step, _ in runs[1:])
-    stores = [store for _, _, store in runs]
+    stores = check_runs_equal_cold(runs, transcript)
     evicted = [sum(store["evictions"].values()) for store in stores]
     assert all(later > earlier for earlier, later in zip(evicted, evicted[1:])), evicted
     assert all(store["bytes"] <= EVICTING_STORE_BYTES for store in stores)
