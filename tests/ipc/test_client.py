@@ -80,11 +80,14 @@ class FakeServer:
             self.cancelled[request.id] = anyio.Event()
             tg.start_soon(self.generate, request, framed)
         elif isinstance(request, Cancel):
-            if request.target not in self.cancelled:
+            # Look the target up before the first await: its generate may end (and forget it)
+            # while the reply is being sent.
+            stop = self.cancelled.get(request.target)
+            if stop is None:
                 await framed.send(ErrorReply(request.id, "not_found", f"no generate {request.target}").to_wire())
             else:
+                stop.set()
                 await framed.send(OkReply(request.id).to_wire())
-                self.cancelled[request.target].set()
         elif isinstance(request, Status):
             await framed.send(StatusReply(request.id, {"lanes_busy": len(self.cancelled)}).to_wire())
         elif isinstance(request, Tokenize):
