@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from prefixd.gpu import kernels
 from prefixd.gpu.linear import invariant_rows
 
 DEFAULT_BLOCK = 256
@@ -150,18 +151,24 @@ def attend_tile(q_ext: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     q = q.expand(kvh, nl, nb, m_rows, d).reshape(-1, m_rows, d)
     k = _gather(k_pool, tile, block)
     v = _gather(v_pool, tile, block)
-    s = torch.bmm(q, k.transpose(1, 2)).view(kvh, nl, nb, m_rows, block)
+    s = kernels.bmm(q, k.transpose(1, 2)).view(kvh, nl, nb, m_rows, block)
     s[:, :, tile.mask_from:].masked_fill_(tile.masked, float("-inf"))
     # amax in the pool dtype is exact; s - m promotes to fp32 (the same bits as float(s) - m).
     m = s.amax(dim=(2, 4), keepdim=True).float()  # every row sees position 0: m is finite
     p = torch.sub(s, m).exp_()  # 0 where masked
-    l = p.sum(dim=-1)  # (kvh, nl, nb, m_rows)
-    a = torch.bmm(p.view(-1, m_rows, block).to(v.dtype), v).view(kvh, nl, nb, m_rows, d).float()
-    # cumsum adds blocks strictly in order: trailing all-masked blocks add exact zeros.
-    a = a.cumsum(dim=2)[:, :, -1]
-    l = l.cumsum(dim=2)[:, :, -1]
+    l = kernels.sum_dim(p, -1)  # (kvh, nl, nb, m_rows)
+    a = kernels.bmm(p.view(-1, m_rows, block).to(v.dtype), v).view(kvh, nl, nb, m_rows, d).float()
+    a, l = _sum_blocks(a), _sum_blocks(l)
     o = (a / l.unsqueeze(-1)).view(kvh, nl, rows, group, d)
     return o.permute(1, 2, 0, 3, 4).reshape(nl * rows, heads * d)
+
+
+def _sum_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x summed over its block dim (2) in an order fixed by the lane's own blocks: trailing
+    all-masked blocks add exact zeros. CPU: cumsum adds strictly in order; CUDA: kernels.py."""
+    if x.is_cuda:
+        return kernels.sum_dim(x, 2)
+    return x.cumsum(dim=2)[:, :, -1]
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

@@ -5,13 +5,15 @@ On this project's CPUs (MKL, oneDNN) an fp32 GEMM gives other bits below M = 12 
 M % 4 rows of a small call take another kernel; bmm behaves the same), and a bf16 GEMM gives
 other bits at M = 1 (a GEMV path; rare, since outputs are rounded to bf16). So calls are
 padded to at least `MIN_FP32_ROWS` / `MIN_LOW_ROWS` rows. docs/runtime.md has the probe.
-CUDA uses the same padding; its invariance is checked by the CUDA tests.
+On CUDA the product runs in kernels.py (one fixed Triton configuration for every M); the
+padding is harmless there. Its invariance is checked by the CUDA tests.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from prefixd.gpu import kernels
 
 MIN_FP32_ROWS = 16
 MIN_LOW_ROWS = 4  # bf16 / fp16
@@ -38,7 +40,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x must already hold `invariant_rows(M, weight.dtype)` rows; the bias is added in fp32
     outside the GEMM so its bits do not depend on a fused epilogue.
     """
-    out = F.linear(x.to(weight.dtype), weight).float()
+    out = kernels.mm_t(x.to(weight.dtype), weight).float()
     if bias is not None:
         out = out + bias
     return out

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
 import torch
 
+from prefixd.gpu import kernels
 from prefixd.gpu.attention import AttentionSpan, AttentionTile, attend
 from prefixd.gpu.config import ModelConfig
 from prefixd.gpu.kv_pool import KVPool
@@ -44,7 +46,7 @@ class RoundInputs:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """fp32 RMSNorm over the last dim."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return x * torch.rsqrt(kernels.mean_last(x.pow(2)) + eps) * weight
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from prefixd.gpu import kernels
 from prefixd.gpu.families.gdn import silu
 
 MIN_ROWS = 16  # fp32 GEMM picks other kernels (other bits) for small M: pad up to this
@@ -15,13 +16,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.shape[0]
     if rows < MIN_ROWS:
         x = torch.cat([x, x.new_zeros((MIN_ROWS - rows, x.shape[1]))], dim=0)
+    if x.is_cuda:  # kernels.py: one fixed kernel for every M; the bias added outside it
+        out = kernels.mm_t(x, weight, x.dtype)
+        return (out if bias is None else out + bias)[:rows]
     return F.linear(x, weight, bias)[:rows]
 
 
 def rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm: computed in float32, scaled by (1 + w), cast back to x's dtype."""
     xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = xf * torch.rsqrt(kernels.mean_last(xf.pow(2)) + eps)
     return (out * weight_plus_one).to(x.dtype)
 
 
@@ -29,7 +33,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
                    dtype: torch.dtype) -> torch.Tensor:
     """RMSNorm(x) * w * silu(gate) over the last dim (the GDN output norm), result in dtype."""
     xf = x.to(dtype).float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    normed = (xf * torch.rsqrt(kernels.mean_last(xf.pow(2)) + eps)).to(dtype)
     return ((weight * normed).float() * silu(gate)).to(dtype)
 
 

@@ -1,0 +1,134 @@
+"""Matrix products and sums whose bits for a row never depend on the rest of the call.
+
+On CPU these are the plain torch ops: the callers pad row counts where the BLAS needs it
+(linear.py) and torch's CPU reductions add a row's elements in an order fixed by the row
+alone.
+
+On CUDA the libraries choose a kernel per call shape: cuBLAS may split K across thread blocks
+when a call has few rows or few batches, and torch's reductions split a row across more
+threads when there are few rows. Either changes the order of the additions, so a row's bits
+would depend on how many rows share the round. Here CUDA runs Triton kernels with one fixed
+configuration: each output tile is reduced over K in BLOCK_K steps, in order, by one program,
+and a row sum adds fixed-width column chunks, then reduces the chunk lanes in a fixed tree.
+Rows, batches and masks only choose which programs run, never what a program adds.
+Without Triton (a CUDA torch that lacks it) the torch ops run, and invariance is not claimed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU builds may not have it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and triton is not None
+
+
+MM_BLOCK_M, MM_BLOCK_N, MM_BLOCK_K, MM_WARPS, MM_STAGES = 64, 64, 32, 4, 3
+SUM_BLOCK_R, SUM_BLOCK_C = 16, 256
+MAX_GRID_Z = 65535  # CUDA's limit on the third grid dimension (the batch)
+
+if triton is not None:
+
+    @triton.jit
+    def _bmm_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
+                    s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    IEEE: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        batch = tl.program_id(2).to(tl.int64)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + batch * s_ab + rm[:, None].to(tl.int64) * s_am + rk[None, :] * s_ak
+        b_ptrs = b_ptr + batch * s_bb + rk[:, None] * s_bk + rn[None, :].to(tl.int64) * s_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (rk[None, :] + k0 < K), other=0.0)
+            b = tl.load(b_ptrs, mask=(rk[:, None] + k0 < K) & (rn[None, :] < N), other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * s_ak
+            b_ptrs += BLOCK_K * s_bk
+        c_ptrs = c_ptr + batch * s_cb + rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _row_sum_kernel(x_ptr, out_ptr, R, C, s_r, s_c,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_C)
+        row_off = rows[:, None].to(tl.int64) * s_r
+        acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+        for c0 in tl.range(0, C, BLOCK_C):
+            mask = (rows[:, None] < R) & (cols[None, :] + c0 < C)
+            x = tl.load(x_ptr + row_off + (cols[None, :] + c0) * s_c, mask=mask, other=0.0)
+            acc += x.to(tl.float32)
+        tl.store(out_ptr + rows, tl.sum(acc, axis=1), mask=rows < R)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(B, M, K) @ (B, K, N) -> (B, M, N) in `out_dtype` (default a's dtype), fp32 accumulation.
+
+    Both operands share a dtype; fp32 operands multiply in full fp32 (no TF32)."""
+    out_dtype = out_dtype or a.dtype
+    if not _use_triton(a):
+        return torch.bmm(a, b).to(out_dtype)
+    if a.dtype != b.dtype:
+        raise TypeError(f"bmm operands differ in dtype: {a.dtype} and {b.dtype}")
+    batches, m, k = a.shape
+    n = b.shape[2]
+    c = torch.empty((batches, m, n), dtype=out_dtype, device=a.device)
+    for lo in range(0, batches, MAX_GRID_Z):
+        hi = min(batches, lo + MAX_GRID_Z)
+        _launch_bmm(a[lo:hi], b[lo:hi], c[lo:hi], m, n, k)
+    return c
+
+
+def _launch_bmm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, m: int, n: int, k: int) -> None:
+    grid = (triton.cdiv(m, MM_BLOCK_M), triton.cdiv(n, MM_BLOCK_N), a.shape[0])
+    _bmm_kernel[grid](a, b, c, m, n, k, *a.stride(), *b.stride(), *c.stride(),
+                      BLOCK_M=MM_BLOCK_M, BLOCK_N=MM_BLOCK_N, BLOCK_K=MM_BLOCK_K,
+                      IEEE=a.dtype == torch.float32, num_warps=MM_WARPS, num_stages=MM_STAGES)
+
+
+def mm_t(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x (M, K) @ weight (N, K).T -> (M, N) in `out_dtype` (default weight's dtype)."""
+    out_dtype = out_dtype or weight.dtype
+    if not _use_triton(x):
+        return torch.nn.functional.linear(x, weight).to(out_dtype)
+    return bmm(x.unsqueeze(0), weight.t().unsqueeze(0), out_dtype)[0]
+
+
+def sum_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x summed over `dim` (dropped), fp32 on CUDA; on CPU `x.sum(dim)` in x's dtype."""
+    if not _use_triton(x):
+        return x.sum(dim=dim)
+    moved = x.movedim(dim, -1)
+    shape = moved.shape[:-1]
+    rows = moved.reshape(-1, moved.shape[-1])  # a copy only when the dims do not flatten
+    out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        grid = (triton.cdiv(rows.shape[0], SUM_BLOCK_R),)
+        _row_sum_kernel[grid](rows, out, rows.shape[0], rows.shape[1], rows.stride(0), rows.stride(1),
+                              BLOCK_R=SUM_BLOCK_R, BLOCK_C=SUM_BLOCK_C, num_warps=4)
+    return out.view(shape)
+
+
+def mean_last(x: torch.Tensor) -> torch.Tensor:
+    """Mean over the last dim, kept as a dim of 1 (fp32 input)."""
+    if not _use_triton(x):
+        return x.mean(-1, keepdim=True)
+    return (sum_dim(x, -1) / x.shape[-1]).unsqueeze(-1)
