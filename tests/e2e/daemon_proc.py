@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 from prefixd.ipc.errors import ClientError
 from prefixd.ipc.sync_client import SyncClient
+from tests.helpers.device import TEST_DEVICE
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIXD = [sys.executable, "-m", "prefixd.daemon.cli"]
@@ -26,7 +27,7 @@ LIVENESS_S = 300  # bounds on waiting for a process, never asserted
 def process_env() -> dict[str, str]:
     """The environment for daemon and CLI processes: this checkout first, no PREFIXD_* settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXD_")}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -51,6 +52,8 @@ class DaemonProcess:
         sock = workdir / "run" / "prefixd.sock"
         log = workdir / "daemon.log"
         args = [*PREFIXD, "serve", "--model", str(model), "--socket", str(sock), "--metrics-addr", "", *flags]
+        if TEST_DEVICE != "cpu" and "--device" not in flags:
+            args += ["--device", TEST_DEVICE]
         with log.open("wb") as out:
             proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=process_env())
         daemon = cls(proc, sock, log)

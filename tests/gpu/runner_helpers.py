@@ -11,8 +11,9 @@ import torch
 from prefixd.gpu.loading import load_checkpoint
 from prefixd.gpu.runner import ModelRunner
 from prefixd.scheduler.records import LaneWork, RoundPlan
+from tests.helpers.device import TEST_DEVICE
 
-CPU = torch.device("cpu")
+DEVICE = torch.device(TEST_DEVICE)
 PAGE = 16
 
 
@@ -22,7 +23,7 @@ def lane_pages(lane: int) -> tuple[int, ...]:
 
 
 def make_runner(spec: str | Path, dtype: torch.dtype, *, num_lanes: int = 8, num_pages: int = 160,
-                page_size: int = PAGE, device: torch.device = CPU) -> ModelRunner:
+                page_size: int = PAGE, device: torch.device = DEVICE) -> ModelRunner:
     ckpt = load_checkpoint(spec, device=device, dtype=dtype)
     return ModelRunner(ckpt, device=device, dtype=dtype, num_lanes=num_lanes, num_pages=num_pages,
                        page_size=page_size)

@@ -12,6 +12,7 @@ from prefixd.gpu.families.qwen3_5_config import HybridConfig, hybrid_config_from
 from prefixd.gpu.families.qwen3_5_tiny import random_tensors, tiny_hf_config
 from prefixd.gpu.kv_pool import KVPool
 from prefixd.scheduler.records import LaneWork
+from tests.helpers.device import TEST_DEVICE
 
 PAGE = 16
 PAGES_PER_LANE = 16
@@ -19,7 +20,7 @@ PAGES_PER_LANE = 16
 
 def _model(config: HybridConfig, num_lanes: int = 9, dtype: torch.dtype = torch.float32) -> HybridModel:
     """A model with lane states and its own KV pool (as `model.kv`, for these tests)."""
-    cpu = torch.device("cpu")
+    cpu = torch.device(TEST_DEVICE)  # the CPU unless PREFIXD_TEST_DEVICE says otherwise
     model = HybridModel(config, random_tensors(config, seed=11), device=cpu, dtype=dtype)
     model.new_lane_states(num_lanes)
     model.kv = KVPool(num_layers=model.num_kv_layers, num_pages=num_lanes * PAGES_PER_LANE,

@@ -12,6 +12,7 @@ from prefixd.gpu.families.qwen3_5_tiny import make_tiny_hybrid_dir
 from prefixd.gpu.loading import load_checkpoint
 from prefixd.gpu.runner import ModelRunner
 from prefixd.scheduler.records import LaneWork, RoundPlan, SamplingParams
+from tests.helpers.device import TEST_DEVICE
 
 PAGE = 16
 PAGES_PER_LANE = 12
@@ -28,7 +29,7 @@ def hybrid_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -
 
 
 def _runner(path: Path, num_lanes: int = 8) -> ModelRunner:
-    cpu = torch.device("cpu")
+    cpu = torch.device(TEST_DEVICE)  # the CPU unless PREFIXD_TEST_DEVICE says otherwise
     checkpoint = load_checkpoint(path, device=cpu, dtype=torch.float32)
     runner = ModelRunner(checkpoint, device=cpu, dtype=torch.float32, num_lanes=num_lanes,
                          num_pages=num_lanes * PAGES_PER_LANE, page_size=PAGE)

