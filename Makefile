@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 MODEL_ARGS ?=
 
-.PHONY: run test setup bench clean
+.PHONY: run test setup bench devcarry clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,16 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/runtime.py
+
+# What bench/device_check.sh needs on a GPU machine that lacks it: Python 3.12 wheels of
+# gguf and pytest-asyncio (the versions installed here) and the tiny test models' tokenizer.
+devcarry: $(STAMP)
+	rm -rf .devcarry && mkdir -p .devcarry/whl
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux2014_x86_64 -d .devcarry/whl $$($(PY) -c "import importlib.metadata as m; \
+	  print(*(f'{p}=={m.version(p)}' for p in ('gguf', 'pytest-asyncio')))")
+	$(PY) -c "import shutil; from tests.helpers.tiny_models import _tokenizer_files; \
+	  shutil.copytree(_tokenizer_files(), '.devcarry/tokenizer')"
 
 clean:
 	rm -rf $(VENV)
