@@ -11,6 +11,7 @@ import pytest
 
 from prefixd.ipc.events import DoneEvent, TokenEvent
 from tests.e2e.daemon_proc import PREFIXD, DaemonProcess, idle_view, process_env
+from tests.helpers.device import TEST_DEVICE
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 USER = {"role": "user", "content": "Name three primary colours."}
@@ -31,7 +32,7 @@ def daemon(request: pytest.FixtureRequest) -> DaemonProcess:
 def test_status_describes_the_model_and_idle_lanes(daemon: DaemonProcess, request: pytest.FixtureRequest):
     status = daemon.status()
     model = status["model"]
-    assert (model["family"], model["vocab_size"], model["device"], model["lanes"]) == ("llama", 49152, "cpu", 8)
+    assert (model["family"], model["vocab_size"], model["device"], model["lanes"]) == ("llama", 49152, TEST_DEVICE, 8)
     assert model["hidden_size"] == (576 if "default" in request.node.callspec.id else 64)
     assert status["socket"] == str(daemon.socket)
     assert status["max_context"] == 1024
