@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from prefixd.gpu import kernels
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -17,6 +19,10 @@ def resolve(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device {device!r}: this torch build sees no CUDA device")
+    if dev.type == "cuda" and not kernels.triton_available():
+        # without it a row's bits would depend on the round: refuse rather than be inexact
+        raise RuntimeError(f"device {device!r}: prefixd's row-invariant CUDA kernels need Triton "
+                           "(CUDA builds of torch install it; else `pip install triton`)")
     return dev, DTYPES[dtype]
 
 

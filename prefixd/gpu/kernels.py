@@ -11,7 +11,7 @@ would depend on how many rows share the round. Here CUDA runs Triton kernels wit
 configuration: each output tile is reduced over K in BLOCK_K steps, in order, by one program,
 and a row sum adds fixed-width column chunks, then reduces the chunk lanes in a fixed tree.
 Rows, batches and masks only choose which programs run, never what a program adds.
-Without Triton (a CUDA torch that lacks it) the torch ops run, and invariance is not claimed.
+backend.resolve refuses a CUDA device when Triton is missing (CUDA builds of torch bring it).
 """
 
 from __future__ import annotations
