@@ -3,10 +3,14 @@
     python bench/hybrid.py            # the full table (a ~0.5B model; minutes on an idle machine)
     python bench/hybrid.py --quick    # a smoke run: a small model and short prompts
     python bench/hybrid.py --device cuda
+    python bench/hybrid.py --gdn-only     # only the chunked vs token-by-token GDN rows
+    python bench/hybrid.py --trace        # only the reply re-prefill on the agent trace
 
 Prints markdown tables: prefill tok/s at 512/2048/4096, decode tok/s at 1 and 8 lanes,
 snapshot bytes per cut and capture/restore time against a plain copy of the same bytes,
-and the chunked Gated DeltaNet form against token-by-token recurrence at 4096 rows.
+the chunked Gated DeltaNet form against token-by-token recurrence at 4096 rows, and the
+reply re-prefill per turn of the quick agent trace replayed through a daemon
+(bench/hybrid_trace.py).
 Medians of several repeats; nothing here asserts a time.
 """
 
@@ -23,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench import hybrid_trace  # noqa: E402
 from bench.common import fmt_rate, markdown_table, median, print_machine, rate, time_calls  # noqa: E402
 from prefixd.gpu.families import gdn  # noqa: E402
 from prefixd.gpu.families.qwen3_5_config import (hybrid_config_from_hf, hybrid_tensor_shapes,  # noqa: E402
@@ -180,9 +185,10 @@ def bench_recurrence(fields, sizes, device) -> list[list[str]]:
             _, s = gdn.step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s)
         _sync(device)
 
+    # both forms are quick to run: more repeats give steadier medians
     chunked_s = median(time_calls(lambda: (gdn.chunked(q, k, v, g, beta, state), _sync(device)),
-                                  sizes.repeats))
-    steps_s = median(time_calls(steps, 1))
+                                  3 * sizes.repeats))
+    steps_s = median(time_calls(steps, sizes.repeats))
     return [[f"GDN layer, {rows} rows, chunked form", fmt_rate(rows / chunked_s)],
             [f"GDN layer, {rows} rows, token by token", fmt_rate(rows / steps_s)],
             ["chunked speed-up", f"{steps_s / chunked_s:.1f}x"]]
@@ -193,6 +199,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small model, short prompts")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--gdn-only", action="store_true",
+                        help="only the GDN layer rows (chunked vs token by token)")
+    parser.add_argument("--trace", action="store_true",
+                        help="only the reply re-prefill on the quick agent trace (through a daemon)")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     fields = QUICK_MODEL if args.quick else SMALL_QWEN3_5
@@ -206,13 +216,20 @@ def main() -> None:
     print(markdown_table(["config", "value"], sorted((k, str(v)) for k, v in fields.items())))
     print()
     with torch.inference_mode():
-        rows = bench_prefill(fields, sizes, device, dtype)
-        rows += bench_decode(fields, sizes, device, dtype)
-        print(markdown_table(["throughput", "tok/s"], rows))
-        print()
-        print(markdown_table(["snapshot", "value"], bench_snapshot(fields, sizes, device, dtype)))
-        print()
-        print(markdown_table(["recurrence", "rows/s"], bench_recurrence(fields, sizes, device)))
+        if args.gdn_only:
+            print(markdown_table(["recurrence", "rows/s"], bench_recurrence(fields, sizes, device)))
+            return
+        if not args.trace:
+            rows = bench_prefill(fields, sizes, device, dtype)
+            rows += bench_decode(fields, sizes, device, dtype)
+            print(markdown_table(["throughput", "tok/s"], rows))
+            print()
+            print(markdown_table(["snapshot", "value"], bench_snapshot(fields, sizes, device, dtype)))
+            print()
+            print(markdown_table(["recurrence", "rows/s"], bench_recurrence(fields, sizes, device)))
+            print()
+        if device.type == "cpu":  # the daemon the trace goes through serves on the CPU
+            print(hybrid_trace.table(hybrid_trace.measure(fields, dtype)))
 
 
 if __name__ == "__main__":
