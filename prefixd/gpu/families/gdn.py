@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-CHUNK = 32  # rows per UT block of the chunked form; fixed so its bits never depend on T
-GROUP = 16  # blocks computed together by the chunked form
+CHUNK = 16  # rows per UT block of the chunked form; fixed so its bits never depend on T
+GROUP = 4  # blocks computed together by the chunked form
 
 
 # torch's fused silu/sigmoid/softplus compute vector tails with other code (other bits), so a
@@ -83,35 +83,51 @@ def conv_states_after_rows(x: torch.Tensor, conv_state: torch.Tensor) -> torch.T
     return torch.stack([window[j + 1:j + 1 + keep] for j in range(x.shape[0])])
 
 
-def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    if x.shape[0] == rows:
-        return x
-    pad = x.new_zeros((rows - x.shape[0], *x.shape[1:]))
-    return torch.cat([x, pad], dim=0)
+def _to_blocks(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Rows (T, H, ...) into blocks `out` (n, H, C, ...), zero rows after the last one."""
+    num_rows, size = x.shape[0], out.shape[2]
+    full = num_rows // size
+    if full:
+        out[:full].copy_(x[:full * size].unflatten(0, (full, size)).transpose(1, 2))
+    rem = num_rows - full * size
+    if rem:
+        out[full, :, :rem].copy_(x[full * size:].transpose(0, 1))
+        out[full, :, rem:].zero_()
 
 
-_BLOCK = 16  # sub-block of the UT inverse: substitution inside, matmuls across
+def _from_blocks(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """Blocks (n, H, C, ...) back into rows `out` (T, H, ...), dropping the padding rows."""
+    num_rows, size = out.shape[0], blocks.shape[2]
+    full = num_rows // size
+    if full:
+        out[:full * size].unflatten(0, (full, size)).copy_(blocks[:full].transpose(1, 2))
+    rem = num_rows - full * size
+    if rem:
+        out[full * size:].copy_(blocks[full, :, :rem].transpose(0, 1))
 
 
-def _unit_lower_inverse(ut: torch.Tensor) -> torch.Tensor:
-    """(I + strictly_lower(ut))^-1 for a batch of (C, C) blocks (batched triangular solves
-    are slow on small blocks). Diagonal 16x16 blocks are inverted by forward substitution,
-    the blocks below them by block forward substitution:
-    X_ij = -X_ii (sum_{k<i} L_ik X_kj)."""
-    size = ut.shape[-1]
-    lower = ut.tril(-1)
-    inv = torch.zeros_like(ut)
-    eye = torch.eye(_BLOCK, dtype=ut.dtype, device=ut.device)
-    for lo in range(0, size, _BLOCK):
-        hi = lo + _BLOCK
-        block = -lower[..., lo:hi, lo:hi]
-        for i in range(1, _BLOCK):
-            row = block[..., i:i + 1, :i].clone()
-            block[..., i:i + 1, :i] = row + row @ block[..., :i, :i]
-        inv[..., lo:hi, lo:hi] = block + eye
-        if lo:
-            below = lower[..., lo:hi, :lo] @ inv[..., :lo, :lo]
-            inv[..., lo:hi, :lo] = -(inv[..., lo:hi, lo:hi] @ below)
+def _unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
+    """(I + strictly_lower(a))^-1 for a batch (..., C, C), C a power of two.
+
+    Recursive doubling over 2x2 block splits, all blocks of one size at once (strided views
+    of the result): inv = [[X11, 0], [X21, X22]] with X21 = -X22 L21 X11. Starting from
+    I - L makes the 2x2 diagonal blocks exact; each level overwrites the blocks below the
+    diagonal blocks of its size.
+    """
+    size = a.shape[-1]
+    lower = a.tril(-1)
+    inv = torch.eye(size, dtype=a.dtype, device=a.device) - lower
+    lead, lead_strides = a.shape[:-2], inv.stride()[:-2]
+    half = 2
+    while half < size:
+        shape = (*lead, size // (2 * half), half, half)
+        strides = (*lead_strides, 2 * half * (size + 1), size, 1)
+        x11 = inv.as_strided(shape, strides, 0)
+        x22 = inv.as_strided(shape, strides, half * (size + 1))
+        x21 = inv.as_strided(shape, strides, half * size)
+        l21 = lower.as_strided(shape, strides, half * size)
+        x21.copy_(x22 @ (l21 @ x11)).neg_()
+        half *= 2
     return inv
 
 
@@ -126,53 +142,83 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     beta = 0, g = 0 write nothing and decay nothing). GROUP blocks at a time are computed
     together (temporaries stay cache-sized); only the state hand-over runs block by block.
     """
-    if q.shape[0] == 0:
-        return v.new_zeros(v.shape), state
-    outs = []
-    step_rows = CHUNK * GROUP
-    for lo in range(0, q.shape[0], step_rows):
-        hi = lo + step_rows
-        out, state = _blocks(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state)
-        outs.append(out)
-    return torch.cat(outs) if len(outs) > 1 else outs[0], state
-
-
-def _blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-            beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`chunked` over at most GROUP blocks, computed together."""
     num_rows, heads, dk = k.shape
-    num_blocks = -(-num_rows // CHUNK)
-    padded = num_blocks * CHUNK
-
-    def blocks(x: torch.Tensor) -> torch.Tensor:  # (T, H, ...) -> (n, H, C, ...) contiguous
-        x = _pad_rows(x, padded).reshape(num_blocks, CHUNK, heads, *x.shape[2:])
-        return x.transpose(1, 2).contiguous()
-
-    q, k, v, g, beta = (blocks(t) for t in (q, k, v, g, beta))
-    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    gc = g.cumsum(dim=-1)  # (n, H, C)
-    # decay between rows j <= i; masked before exp so no inf ever appears
-    decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
-    k_t = k.transpose(-1, -2).contiguous()  # (n, H, dk, C)
-    # beta scales rows of the UT matrix and columns of its inverse: no (C, d)-sized products
-    ut = (k @ k_t) * decay * beta.unsqueeze(-1)  # only its strictly-lower part is used
-    inv = _unit_lower_inverse(ut)
-    gc_exp = gc.exp()
-    u = (inv * beta.unsqueeze(-2)) @ v  # (n, H, C, dv): values to write
-    w = (inv * (beta * gc_exp).unsqueeze(-2)) @ k  # what the old state predicts for them
-    q_decayed = q * gc_exp.unsqueeze(-1)
-    attn = (q @ k_t) * decay  # (n, H, C, C), diagonal included
-    last = gc[..., -1:]  # (n, H, 1)
-    k_tail = k_t * (last - gc).exp().unsqueeze(-2)  # (n, H, dk, C)
-    block_decay = last.exp().unsqueeze(-1)  # (n, H, 1, 1)
-    out = torch.empty_like(u)
-    for i in range(num_blocks):
-        v_new = torch.baddbmm(u[i], w[i], state, alpha=-1.0)
-        torch.matmul(q_decayed[i], state, out=out[i])
-        out[i].baddbmm_(attn[i], v_new)
-        state = (state * block_decay[i]).baddbmm_(k_tail[i], v_new)  # a new tensor, then in place
-    out = out.transpose(1, 2).reshape(padded, heads, -1)[:num_rows]
+    out = v.new_empty(v.shape)
+    if num_rows == 0:
+        return out, state
+    ws = _Workspace(min(GROUP, -(-num_rows // CHUNK)), heads, dk, v.shape[-1], q.device)
+    gates = torch.stack([g, beta], dim=-1)  # (T, H, 2)
+    state = state.clone()  # updated in place block by block
+    step_rows = CHUNK * GROUP
+    for lo in range(0, num_rows, step_rows):
+        hi = lo + step_rows
+        state = _group(q[lo:hi], k[lo:hi], v[lo:hi], gates[lo:hi], state, out[lo:hi], ws)
     return out, state
+
+
+class _Workspace:
+    """Buffers for up to `blocks` blocks, reused by every group of one call (fresh memory
+    costs a page fault per page on first touch)."""
+
+    def __init__(self, blocks: int, heads: int, dk: int, dv: int, device: torch.device) -> None:
+        f32 = {"dtype": torch.float32, "device": device}
+        size = CHUNK
+        self.kq = torch.empty(blocks, heads, 2 * size, dk, **f32)  # [k; q] per block
+        self.v = torch.empty(blocks, heads, size, dv, **f32)
+        self.gates = torch.empty(blocks, heads, size, 2, **f32)  # g | beta
+        self.mix = torch.empty(blocks, heads, 2 * size, size, **f32)
+        self.k_scaled = torch.empty(blocks, heads, size, dk, **f32)
+        self.u = torch.empty(blocks, heads, 2 * size, dv, **f32)
+        self.w = torch.empty(blocks, heads, 2 * size, dk, **f32)
+        self.k_tail = torch.empty(blocks, heads, size, dk, **f32)
+        self.above = torch.ones(size, size, dtype=torch.bool, device=device).triu(1)
+        self.eye = torch.eye(size, **f32)
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """a @ b over leading dims (n, H) into `out` (contiguous), as one batched product."""
+    torch.bmm(a.flatten(0, 1), b.flatten(0, 1), out=out.view(-1, *out.shape[2:]))
+    return out
+
+
+def _group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor,
+           state: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> torch.Tensor:
+    """`chunked` over at most GROUP blocks: writes `out` (T, H, dv), updates `state` in place.
+
+    Per block, with D the causal decay matrix, A = (k k^T * D) beta-scaled by rows and
+    inv = (I + strictly_lower(A))^-1 beta-scaled by columns:
+        u = inv v, w = inv (k * exp(gc))          (value to write, old-state prediction)
+        v_new = u - w S, out = q_dec S + (q k^T * D) v_new
+              = (attn u) + (q_dec - attn w) S     (so one product with S gives both)
+    """
+    num_rows, heads, _ = k.shape
+    size, num_blocks = CHUNK, -(-num_rows // CHUNK)
+    kq, vb, gb = ws.kq[:num_blocks], ws.v[:num_blocks], ws.gates[:num_blocks]
+    kb, qb = kq[:, :, :size], kq[:, :, size:]
+    for x, blocks in ((k, kb), (q, qb), (v, vb), (gates, gb)):
+        _to_blocks(x, blocks)
+    gc, bt = gb[..., 0].cumsum(dim=-1), gb[..., 1]  # (n, H, C)
+    # decay between rows j <= i; masked before exp so no inf ever appears
+    decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill_(ws.above, float("-inf")).exp_()
+    mix = _bmm(kq, kb.transpose(-1, -2), ws.mix[:num_blocks])  # [k k^T; q k^T], then * D
+    mix.view(num_blocks, heads, 2, size, size).mul_(decay.unsqueeze(2))
+    ut = mix[:, :, :size].mul_(bt.unsqueeze(-1))  # only its strictly-lower part is used
+    inv = _unit_lower_inverse(ut).mul_(bt.unsqueeze(-2))
+    ut.copy_(ws.eye)  # mix = [I; attn]: the products below give both halves
+    mix = mix @ inv  # (n, H, 2C, C): [inv; attn inv]
+    gexp = gc.exp().unsqueeze(-1)
+    u = _bmm(mix, vb, ws.u[:num_blocks])  # (n, H, 2C, dv): [u; attn u]
+    w = _bmm(mix, torch.mul(kb, gexp, out=ws.k_scaled[:num_blocks]), ws.w[:num_blocks])
+    w[:, :, size:].addcmul_(qb, gexp, value=-1.0)  # (n, H, 2C, dk): [w; attn w - q_dec]
+    last = gc[..., -1:]  # (n, H, 1)
+    k_tail = torch.mul(kb, (last - gc).exp().unsqueeze(-1), out=ws.k_tail[:num_blocks])
+    k_tail = k_tail.transpose(-1, -2)  # (n, H, dk, C)
+    block_decay = last.exp().unsqueeze(-1)  # (n, H, 1, 1)
+    for i in range(num_blocks):
+        u[i].baddbmm_(w[i], state, alpha=-1.0)  # [v_new; out] of block i
+        state.mul_(block_decay[i]).baddbmm_(k_tail[i], u[i, :, :size])
+    _from_blocks(u[:, :, size:], out)
+    return state
 
 
 def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
