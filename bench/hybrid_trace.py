@@ -129,7 +129,7 @@ def measure(fields: dict, dtype: torch.dtype, shape: TraceShape = QUICK_TRACE, r
     with tempfile.TemporaryDirectory(prefix="prefixd-hybrid-") as tmp:
         model = write_model_dir(Path(tmp) / "model", fields, dtype)
         checkpoint = load_checkpoint(str(model), device=torch.device("cpu"), dtype=dtype)
-        count_tokens = lambda s: len(checkpoint.tokenizer.encode(s))  # noqa: E731
+        count_tokens = lambda s: len(checkpoint.tokenizer.encode(s))
         trace = build_trace(shape, count_tokens)
         max_context = 4096
         flags = ["--lanes", "1", "--max-context", str(max_context), "--grid", str(GRID),

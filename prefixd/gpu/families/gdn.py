@@ -139,21 +139,47 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     to the value heads; v: (T, Hv, dv) float32; g, beta: (T, Hv) float32; state:
     (Hv, dk, dv) float32. Returns (out (T, Hv, dv) float32, new state). Blocks of CHUNK rows
     are counted from row 0 of this call, the last one padded with zero rows (k = 0,
-    beta = 0, g = 0 write nothing and decay nothing). GROUP blocks at a time are computed
-    together (temporaries stay cache-sized); only the state hand-over runs block by block.
+    beta = 0, g = 0 write nothing and decay nothing). The gates of all blocks are computed
+    at once, the rest GROUP blocks at a time (temporaries stay cache-sized); only the state
+    hand-over runs block by block.
     """
     num_rows, heads, dk = k.shape
     out = v.new_empty(v.shape)
     if num_rows == 0:
         return out, state
-    ws = _Workspace(min(GROUP, -(-num_rows // CHUNK)), heads, dk, v.shape[-1], q.device)
-    gates = torch.stack([g, beta], dim=-1)  # (T, H, 2)
+    num_blocks = -(-num_rows // CHUNK)
+    gates = _Gates(g, beta, num_blocks)
+    ws = _Workspace(min(GROUP, num_blocks), heads, dk, v.shape[-1], q.device)
     state = state.clone()  # updated in place block by block
-    step_rows = CHUNK * GROUP
-    for lo in range(0, num_rows, step_rows):
-        hi = lo + step_rows
-        state = _group(q[lo:hi], k[lo:hi], v[lo:hi], gates[lo:hi], state, out[lo:hi], ws)
+    for first in range(0, num_blocks, GROUP):
+        lo, hi = first * CHUNK, (first + GROUP) * CHUNK
+        _group(q[lo:hi], k[lo:hi], v[lo:hi], gates.slice(first, first + GROUP), state, out[lo:hi], ws)
     return out, state
+
+
+class _Gates:
+    """Decay factors and write strengths of every block, (n, H, ...) float32."""
+
+    def __init__(self, g: torch.Tensor, beta: torch.Tensor, num_blocks: int) -> None:
+        heads, size = g.shape[1], CHUNK
+        both = torch.empty(num_blocks, heads, size, 2, dtype=torch.float32, device=g.device)
+        _to_blocks(torch.stack([g, beta], dim=-1), both)
+        gc = both[..., 0].cumsum(dim=-1)  # (n, H, C) log-decay since the block start
+        above = torch.ones(size, size, dtype=torch.bool, device=g.device).triu(1)
+        # decay between rows j <= i; masked before exp so no inf ever appears
+        self.decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill_(above, float("-inf")).exp_()
+        self.beta_rows = both[..., 1:]  # (n, H, C, 1)
+        self.beta_cols = both[..., 1].unsqueeze(-2)  # (n, H, 1, C)
+        last = gc[..., -1:]
+        self.from_start = gc.exp().unsqueeze(-1)  # (n, H, C, 1): decay since the block start
+        self.to_end = (last - gc).exp().unsqueeze(-1)  # (n, H, C, 1): decay to the block end
+        self.block = last.exp().unsqueeze(-1)  # (n, H, 1, 1): decay over the whole block
+
+    def slice(self, lo: int, hi: int) -> _Gates:
+        part = object.__new__(_Gates)
+        for name, value in vars(self).items():
+            setattr(part, name, value[lo:hi])
+        return part
 
 
 class _Workspace:
@@ -165,13 +191,11 @@ class _Workspace:
         size = CHUNK
         self.kq = torch.empty(blocks, heads, 2 * size, dk, **f32)  # [k; q] per block
         self.v = torch.empty(blocks, heads, size, dv, **f32)
-        self.gates = torch.empty(blocks, heads, size, 2, **f32)  # g | beta
         self.mix = torch.empty(blocks, heads, 2 * size, size, **f32)
         self.k_scaled = torch.empty(blocks, heads, size, dk, **f32)
         self.u = torch.empty(blocks, heads, 2 * size, dv, **f32)
         self.w = torch.empty(blocks, heads, 2 * size, dk, **f32)
         self.k_tail = torch.empty(blocks, heads, size, dk, **f32)
-        self.above = torch.ones(size, size, dtype=torch.bool, device=device).triu(1)
         self.eye = torch.eye(size, **f32)
 
 
@@ -181,8 +205,8 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor,
-           state: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> torch.Tensor:
+def _group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: _Gates,
+           state: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> None:
     """`chunked` over at most GROUP blocks: writes `out` (T, H, dv), updates `state` in place.
 
     Per block, with D the causal decay matrix, A = (k k^T * D) beta-scaled by rows and
@@ -191,34 +215,26 @@ def _group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tenso
         v_new = u - w S, out = q_dec S + (q k^T * D) v_new
               = (attn u) + (q_dec - attn w) S     (so one product with S gives both)
     """
-    num_rows, heads, _ = k.shape
-    size, num_blocks = CHUNK, -(-num_rows // CHUNK)
-    kq, vb, gb = ws.kq[:num_blocks], ws.v[:num_blocks], ws.gates[:num_blocks]
+    size, num_blocks = CHUNK, gates.block.shape[0]
+    kq, vb = ws.kq[:num_blocks], ws.v[:num_blocks]
     kb, qb = kq[:, :, :size], kq[:, :, size:]
-    for x, blocks in ((k, kb), (q, qb), (v, vb), (gates, gb)):
+    for x, blocks in ((k, kb), (q, qb), (v, vb)):
         _to_blocks(x, blocks)
-    gc, bt = gb[..., 0].cumsum(dim=-1), gb[..., 1]  # (n, H, C)
-    # decay between rows j <= i; masked before exp so no inf ever appears
-    decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill_(ws.above, float("-inf")).exp_()
     mix = _bmm(kq, kb.transpose(-1, -2), ws.mix[:num_blocks])  # [k k^T; q k^T], then * D
-    mix.view(num_blocks, heads, 2, size, size).mul_(decay.unsqueeze(2))
-    ut = mix[:, :, :size].mul_(bt.unsqueeze(-1))  # only its strictly-lower part is used
-    inv = _unit_lower_inverse(ut).mul_(bt.unsqueeze(-2))
+    mix.unflatten(2, (2, size)).mul_(gates.decay.unsqueeze(2))
+    ut = mix[:, :, :size].mul_(gates.beta_rows)  # only its strictly-lower part is used
+    inv = torch.linalg.solve_triangular(ut, ws.eye.expand_as(ut), upper=False, unitriangular=True)
     ut.copy_(ws.eye)  # mix = [I; attn]: the products below give both halves
-    mix = mix @ inv  # (n, H, 2C, C): [inv; attn inv]
-    gexp = gc.exp().unsqueeze(-1)
+    mix = mix @ inv.mul_(gates.beta_cols)  # (n, H, 2C, C): [inv; attn inv]
     u = _bmm(mix, vb, ws.u[:num_blocks])  # (n, H, 2C, dv): [u; attn u]
-    w = _bmm(mix, torch.mul(kb, gexp, out=ws.k_scaled[:num_blocks]), ws.w[:num_blocks])
-    w[:, :, size:].addcmul_(qb, gexp, value=-1.0)  # (n, H, 2C, dk): [w; attn w - q_dec]
-    last = gc[..., -1:]  # (n, H, 1)
-    k_tail = torch.mul(kb, (last - gc).exp().unsqueeze(-1), out=ws.k_tail[:num_blocks])
-    k_tail = k_tail.transpose(-1, -2)  # (n, H, dk, C)
-    block_decay = last.exp().unsqueeze(-1)  # (n, H, 1, 1)
-    for i in range(num_blocks):
-        u[i].baddbmm_(w[i], state, alpha=-1.0)  # [v_new; out] of block i
-        state.mul_(block_decay[i]).baddbmm_(k_tail[i], u[i, :, :size])
+    w = _bmm(mix, torch.mul(kb, gates.from_start, out=ws.k_scaled[:num_blocks]), ws.w[:num_blocks])
+    w[:, :, size:].addcmul_(qb, gates.from_start, value=-1.0)  # (n, H, 2C, dk): [w; attn w - q_dec]
+    k_tail = torch.mul(kb, gates.to_end, out=ws.k_tail[:num_blocks]).transpose(-1, -2)
+    for u_i, w_i, v_new, k_i, decay in zip(u.unbind(), w.unbind(), u[:, :, :size].unbind(),
+                                          k_tail.unbind(), gates.block.unbind()):
+        u_i.baddbmm_(w_i, state, alpha=-1.0)  # [v_new; out] of block i
+        state.mul_(decay).baddbmm_(k_i, v_new)
     _from_blocks(u[:, :, size:], out)
-    return state
 
 
 def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
