@@ -19,7 +19,9 @@ see identical keys.
 
 Rows of a round are grouped into tiles: all short (decode/verify) lanes share one tile,
 padded to the longest; a prefill lane gets tiles of `tile_rows` rows, each seeing only the
-blocks up to its last row, so memory stays O(tile_rows * context).
+blocks up to its last row, so memory stays O(tile_rows * context) and a tile's scores stay
+cache-sized. A prefill lane's keys and values are gathered from the pool once per layer, for
+its last tile, and its earlier tiles read a prefix of them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from prefixd.gpu import kernels
 from prefixd.gpu.linear import invariant_rows
 
 DEFAULT_BLOCK = 256
-TILE_ROWS = 128
+TILE_ROWS = 32  # query rows per prefill tile: its scores stay cache-sized at long context
 DECODE_ROWS = 8
 
 
@@ -58,7 +60,8 @@ class AttentionTile:
     out_index: torch.Tensor  # (num_lanes * rows,) into out with a scratch row appended
     page_index: torch.Tensor  # (num_lanes * num_blocks * block // page_size,)
     mask_from: int  # first block where some row of the tile has a masked key
-    masked: torch.Tensor  # (1, num_lanes, num_blocks - mask_from, rows * group, block) bool
+    masked: torch.Tensor  # (num_lanes, num_blocks - mask_from, 1, rows * group, block) bool
+    kv_group: int  # tiles of one group share one K/V gather: that of the group's widest tile
 
 
 def block_size(page_size: int) -> int:
@@ -74,7 +77,8 @@ def _padded_rows(length: int, group: int, dtype: torch.dtype) -> int:
 
 
 def _tile(pieces: Sequence[tuple[AttentionSpan, int, int]], *, total_rows: int, group: int,
-          page_size: int, block: int, device: torch.device, dtype: torch.dtype) -> AttentionTile:
+          page_size: int, block: int, device: torch.device, dtype: torch.dtype,
+          kv_group: int) -> AttentionTile:
     """One tile over (span, first, count): rows [first, first + count) of each span."""
     rows = _padded_rows(max(c for _, _, c in pieces), group, dtype)
     ends = [s.start + f + c for s, f, c in pieces]
@@ -101,7 +105,7 @@ def _tile(pieces: Sequence[tuple[AttentionSpan, int, int]], *, total_rows: int, 
     masked = masked.reshape(nl, rows * group, num_blocks - mask_from, block).permute(0, 2, 1, 3)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return AttentionTile(nl, rows, num_blocks, as_long(q_index), as_long(out_index),
-                         as_long(page_index), mask_from, masked.unsqueeze(0).contiguous())
+                         as_long(page_index), mask_from, masked.unsqueeze(2).contiguous(), kv_group)
 
 
 def plan_attention(spans: Sequence[AttentionSpan], *, total_rows: int, group: int, page_size: int,
@@ -114,61 +118,63 @@ def plan_attention(spans: Sequence[AttentionSpan], *, total_rows: int, group: in
     tiles = []
     if short:
         tiles.append(_tile(short, total_rows=total_rows, group=group, page_size=page_size,
-                           block=block, device=device, dtype=dtype))
-    for s in spans:
+                           block=block, device=device, dtype=dtype, kv_group=0))
+    for kv_group, s in enumerate(spans, start=1):
         if s.length <= decode_rows:
             continue
-        for first in range(0, s.length, tile_rows):
+        # the widest tile first: the group's gather is made for it, the others read a prefix
+        for first in reversed(range(0, s.length, tile_rows)):
             count = min(tile_rows, s.length - first)
             tiles.append(_tile([(s, first, count)], total_rows=total_rows, group=group,
-                               page_size=page_size, block=block, device=device, dtype=dtype))
+                               page_size=page_size, block=block, device=device, dtype=dtype,
+                               kv_group=kv_group))
     return tiles
 
 
 def _gather(pool: torch.Tensor, tile: AttentionTile, block: int) -> torch.Tensor:
-    """(kv_heads * lanes * blocks, block, D) keys or values of a tile's lanes, pool dtype."""
-    _, page_size, kvh, d = pool.shape
+    """(lanes, blocks, kv_heads, block, D) keys or values of a tile's lanes, pool dtype."""
+    _, _, kvh, d = pool.shape
     pages = pool.index_select(0, tile.page_index)  # (lanes * pages, P, kvh, D): row copies
-    view = pages.view(tile.num_lanes, tile.num_blocks, block, kvh, d).permute(3, 0, 1, 2, 4)
-    return view.contiguous().view(-1, block, d)
+    view = pages.view(tile.num_lanes, tile.num_blocks, block, kvh, d).permute(0, 1, 3, 2, 4)
+    return view.contiguous()
 
 
-def attend_tile(q_ext: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+def attend_tile(q_ext: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 tile: AttentionTile) -> torch.Tensor:
     """Attention output (lanes * rows, heads * D) fp32 for one tile.
 
-    q_ext is pre-scaled, in the pool's dtype, with a zero row appended. Batched matmuls run
-    over (kv head, lane, block), each of fixed shape.
+    q_ext is pre-scaled, in the pool's dtype, with a zero row appended; k and v are the
+    tile's gathered blocks, (lanes, blocks, kv_heads, block, D), or a wider gather of the
+    same lane (its leading blocks are this tile's). Batched matmuls run over
+    (lane, block, kv head), each of fixed shape.
     """
-    _, page_size, kvh, d = k_pool.shape
+    nl, rows, nb = tile.num_lanes, tile.rows, tile.num_blocks
+    _, _, kvh, block, d = k.shape
     heads = q_ext.shape[1]
     group = heads // kvh
-    nl, rows, nb = tile.num_lanes, tile.rows, tile.num_blocks
-    block = tile.masked.shape[-1]
     m_rows = rows * group
+    k, v = k[:, :nb], v[:, :nb]  # a view: contiguous, as one lane's leading blocks
     q = q_ext.index_select(0, tile.q_index).view(nl, rows, kvh, group, d)
-    q = q.permute(2, 0, 1, 3, 4).reshape(kvh, nl, 1, m_rows, d)
-    q = q.expand(kvh, nl, nb, m_rows, d).reshape(-1, m_rows, d)
-    k = _gather(k_pool, tile, block)
-    v = _gather(v_pool, tile, block)
-    s = kernels.bmm(q, k.transpose(1, 2)).view(kvh, nl, nb, m_rows, block)
-    s[:, :, tile.mask_from:].masked_fill_(tile.masked, float("-inf"))
+    q = q.permute(0, 2, 1, 3, 4).reshape(nl, 1, kvh, m_rows, d)
+    q = q.expand(nl, nb, kvh, m_rows, d).reshape(-1, m_rows, d)
+    s = kernels.bmm(q, k.reshape(-1, block, d).transpose(1, 2)).view(nl, nb, kvh, m_rows, block)
+    s[:, tile.mask_from:].masked_fill_(tile.masked, float("-inf"))
     # amax in the pool dtype is exact; s - m promotes to fp32 (the same bits as float(s) - m).
-    m = s.amax(dim=(2, 4), keepdim=True).float()  # every row sees position 0: m is finite
+    m = s.amax(dim=(1, 4), keepdim=True).float()  # every row sees position 0: m is finite
     p = torch.sub(s, m).exp_()  # 0 where masked
-    l = kernels.sum_dim(p, -1)  # (kvh, nl, nb, m_rows)
-    a = kernels.bmm(p.view(-1, m_rows, block).to(v.dtype), v).view(kvh, nl, nb, m_rows, d).float()
-    a, l = _sum_blocks(a), _sum_blocks(l)
-    o = (a / l.unsqueeze(-1)).view(kvh, nl, rows, group, d)
-    return o.permute(1, 2, 0, 3, 4).reshape(nl * rows, heads * d)
+    l = kernels.sum_dim(p, -1)  # (nl, nb, kvh, m_rows)
+    a = kernels.bmm(p.view(-1, m_rows, block).to(v.dtype), v.reshape(-1, block, d))
+    a, l = _sum_blocks(a.view(nl, nb, kvh, m_rows, d).float()), _sum_blocks(l)
+    o = (a / l.unsqueeze(-1)).view(nl, kvh, rows, group, d)
+    return o.permute(0, 2, 1, 3, 4).reshape(nl * rows, heads * d)
 
 
 def _sum_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x summed over its block dim (2) in an order fixed by the lane's own blocks: trailing
+    """x summed over its block dim (1) in an order fixed by the lane's own blocks: trailing
     all-masked blocks add exact zeros. CPU: cumsum adds strictly in order; CUDA: kernels.py."""
     if x.is_cuda:
-        return kernels.sum_dim(x, 2)
-    return x.cumsum(dim=2)[:, :, -1]
+        return kernels.sum_dim(x, 1)
+    return x.cumsum(dim=1)[:, -1]
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -183,6 +189,10 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     r, heads, d = q.shape
     q_ext = torch.cat([q, q.new_zeros(1, heads, d)], dim=0).to(k_pool.dtype)
     out = q.new_zeros(r + 1, heads * d)
-    for tile in tiles:
-        out.index_copy_(0, tile.out_index, attend_tile(q_ext, k_pool, v_pool, tile))
+    block = tiles[0].masked.shape[-1] if tiles else 0
+    gathered: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    for tile in tiles:  # a group's widest tile comes first
+        if gathered is None or gathered[0] != tile.kv_group:
+            gathered = (tile.kv_group, _gather(k_pool, tile, block), _gather(v_pool, tile, block))
+        out.index_copy_(0, tile.out_index, attend_tile(q_ext, gathered[1], gathered[2], tile))
     return out[:r]
