@@ -45,17 +45,6 @@ def test_chunked_and_step_forms_compute_the_gated_delta_rule(rows: int) -> None:
         torch.testing.assert_close(final.double(), want_state, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("size", [2, 4, 16, 32])
-def test_unit_lower_inverse_inverts_every_matrix_of_the_batch(size: int) -> None:
-    gen = torch.Generator().manual_seed(size)
-    a = 0.5 * torch.randn(3, 5, size, size, generator=gen, dtype=torch.float64)
-    a.diagonal(dim1=-2, dim2=-1).fill_(7.0)  # ignored: only the strictly-lower part counts
-    inv = gdn._unit_lower_inverse(a)
-    want = torch.linalg.inv(torch.eye(size, dtype=torch.float64) + a.tril(-1))
-    torch.testing.assert_close(inv, want, atol=1e-12, rtol=1e-12)
-    assert torch.equal(inv.triu(1), torch.zeros_like(inv))
-
-
 def test_chunked_and_step_forms_differ_in_bits() -> None:
     """Why the family has invariant_rows = False: decoded rows are not prefilled rows."""
     q, k, v, g, beta, state = _inputs(96, seed=3)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 CHUNK = 16  # rows per UT block of the chunked form; fixed so its bits never depend on T
-GROUP = 4  # blocks computed together by the chunked form
+GROUP = 8  # blocks computed together by the chunked form
 
 
 # torch's fused silu/sigmoid/softplus compute vector tails with other code (other bits), so a
@@ -104,31 +104,6 @@ def _from_blocks(blocks: torch.Tensor, out: torch.Tensor) -> None:
     rem = num_rows - full * size
     if rem:
         out[full * size:].copy_(blocks[full, :, :rem].transpose(0, 1))
-
-
-def _unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
-    """(I + strictly_lower(a))^-1 for a batch (..., C, C), C a power of two.
-
-    Recursive doubling over 2x2 block splits, all blocks of one size at once (strided views
-    of the result): inv = [[X11, 0], [X21, X22]] with X21 = -X22 L21 X11. Starting from
-    I - L makes the 2x2 diagonal blocks exact; each level overwrites the blocks below the
-    diagonal blocks of its size.
-    """
-    size = a.shape[-1]
-    lower = a.tril(-1)
-    inv = torch.eye(size, dtype=a.dtype, device=a.device) - lower
-    lead, lead_strides = a.shape[:-2], inv.stride()[:-2]
-    half = 2
-    while half < size:
-        shape = (*lead, size // (2 * half), half, half)
-        strides = (*lead_strides, 2 * half * (size + 1), size, 1)
-        x11 = inv.as_strided(shape, strides, 0)
-        x22 = inv.as_strided(shape, strides, half * (size + 1))
-        x21 = inv.as_strided(shape, strides, half * size)
-        l21 = lower.as_strided(shape, strides, half * size)
-        x21.copy_(x22 @ (l21 @ x11)).neg_()
-        half *= 2
-    return inv
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
