@@ -43,7 +43,9 @@ def decode_work(lane: Lane, stream: Stream, page_size: int) -> LaneWork:
 def prefill_work(lane: Lane, stream: Stream, page_size: int, cuts: Sequence[int], keep_cuts: bool) -> PlannedWork:
     """The stream's next prefill chunk; the last chunk samples the first token.
 
-    With `keep_cuts`, a chunk ending at a cut also returns the logits row there for a snapshot.
+    With `keep_cuts`, the last chunk also returns its logits row for the snapshot at the
+    prompt's end. Earlier cuts keep no logits row: a chat prompt ends with its generation
+    prompt, never at a message start, so only a request repeating the whole prompt can use one.
     """
     start, end = stream.chunks[stream.next_chunk]
     if start != lane.num_rows:
@@ -52,7 +54,7 @@ def prefill_work(lane: Lane, stream: Stream, page_size: int, cuts: Sequence[int]
     final = stream.next_chunk == len(stream.chunks) - 1
     cut = end if end in cuts else None
     sample_rows = (last,) if final else ()
-    want = (final and stream.req.want_logits) or (keep_cuts and cut is not None)
+    want = final and (stream.req.want_logits or keep_cuts)
     work = LaneWork(
         lane=lane.index,
         start=start,

@@ -83,7 +83,7 @@ def test_evicting_store_resumes_exactly_while_every_turn_evicts(evicting_daemon:
     stores = check_runs_equal_cold(runs, cold)
     evicted = [sum(store["evictions"].values()) for store in stores]
     first = next(i for i, n in enumerate(evicted) if n > 0)
-    assert first <= 4, evicted  # by chat "a"'s third turn the store is full
+    assert first <= 6, evicted  # by chat "a"'s fourth turn the store is full
     assert all(later > earlier for earlier, later in zip(evicted[first:], evicted[first + 1:])), evicted
     assert all(store["bytes"] <= EVICTING_STORE_BYTES for store in stores)
 

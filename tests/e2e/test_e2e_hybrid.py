@@ -40,7 +40,7 @@ MAX_TOKENS = 6
 # a small grid: prompts prefill in many chunks.
 FLAGS = ("--dtype", "fp32", "--max-context", "1024", "--grid", "32")
 HYBRID_RESERVED_GUESS = 25_901_504  # see test_e2e_exactness: a first guess, read back from the daemon
-EVICTING_STORE_BYTES = 800_000  # a few snapshots of this model: the alternating chats evict every turn
+EVICTING_STORE_BYTES = 500_000  # a few snapshots of this model: the alternating chats evict every turn
 
 
 @pytest.fixture(scope="module")

@@ -62,6 +62,19 @@ def test_a_whole_prompt_hit_samples_its_first_token_without_a_forward():
     assert [(w.start, w.prefill, w.tokens) for w in first_plan.lanes] == [(10, False, (out1[0],))]
 
 
+def test_only_the_prompts_end_keeps_a_logits_row():
+    engine, device = make()
+    turn(engine, req(1, SYSTEM))  # chunks end at cuts 4, 8 and 10
+    prefill = [w for p in device.plans for w in p.lanes if w.prefill]
+    assert [(w.start, w.logits_rows) for w in prefill] == [(0, ()), (4, ()), (8, (1,))]
+    assert [(e.cut, e.nbytes) for e in engine.store.describe()] == [(4, 0), (8, 0), (10, 1024 + 4000)]
+    turn(engine, req(2, OTHER))  # the lane is published and let go
+    num_plans = len(device.plans)
+    _, done = turn(engine, req(3, SYSTEM[:8]))  # a prompt ending at cut 8 recomputes its last row
+    assert (done.usage.cache, done.usage.cached_tokens, done.usage.prefilled_tokens) == ("hit", 7, 1)
+    assert [(w.start, w.tokens) for w in device.plans[num_plans].lanes] == [(7, (SYSTEM[7],))]
+
+
 def test_keeps_happen_at_the_cuts_the_pass_prefilled():
     engine, _ = make(budget=4)
     engine.submit(req(1, range(100, 112), max_tokens=5))
@@ -120,7 +133,9 @@ def test_turns_equal_cold_runs_with_the_store_unbounded_evicting_and_off():
     assert outs[True, None] == outs[True, TIGHT] == outs[False, None]
     assert stats[True, None]["hits"] == 6 and stats[True, None]["hit_tokens"] == 95
     assert stats[True, TIGHT]["budget_bytes"] == 3 * 1024
-    assert stats[True, TIGHT]["skipped_saves"] > 0 and stats[True, TIGHT]["hits"] == 2
+    # 3 pages: cuts inside a prompt (pages only) fit and are evicted as turns move past them
+    evicted = {k: v for k, v in stats[True, TIGHT]["evictions"].items() if v}
+    assert stats[True, TIGHT]["skipped_saves"] > 0 and evicted == {"moved_past": 4, "never_hit": 7}
 
 
 NON_INVARIANT = dict(invariant_rows=False)
@@ -161,8 +176,8 @@ def test_status_reports_lanes_pages_and_exact_store_bytes():
     assert status["lanes"] == [{"lane": 0, "state": "resident", "rows": 12, "pages": 3}]
     assert (status["pages_used"], status["pages_free"], status["waiting"]) == (3, 61, 0)
     store = status["store"]
-    # cuts 4, 8, 10: two full pages + the tail page of rows 8..9, and three logits rows
-    assert (store["entries"], store["pages"], store["bytes"]) == (3, 3, 3 * 1024 + 3 * 4000)
+    # cuts 4, 8, 10: two full pages + the tail page of rows 8..9, and the logits row at 10
+    assert (store["entries"], store["pages"], store["bytes"]) == (3, 3, 3 * 1024 + 4000)
     assert (store["misses"], store["hits"], store["query_tokens"]) == (1, 0, 10)
 
 
@@ -190,7 +205,7 @@ def test_store_bytes_are_reported_after_rounds_that_change_the_store_only():
     engine, _ = make(observer=obs)
     turn(engine, req(1, SYSTEM))  # 3 prefill rounds keep cuts 4, 8, 10; 2 decode rounds keep nothing
     assert obs.rounds == 5 and len(obs.reports) == 3
-    assert obs.reports[-1] == (engine.status()["store"]["bytes"], 65536) == (15072, 65536)
+    assert obs.reports[-1] == (engine.status()["store"]["bytes"], 65536) == (7072, 65536)
 
 
 def test_a_cache_key_of_another_length_neither_looks_up_nor_keeps():
