@@ -12,6 +12,7 @@ the engine thread sleeps on a condition while it has nothing to run.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hashlib
 import logging
 import threading
@@ -27,6 +28,8 @@ log = logging.getLogger("prefixd.engine")
 T = TypeVar("T")
 
 DEFAULT_EVENT_BUFFER = 1024  # events queued per stream before its client counts as not reading
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)
+RETAINED_FREE_BYTES = 1 << 30  # free heap kept before malloc gives memory back to the kernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +53,22 @@ def logits_sha256(rows: Any) -> tuple[str, ...]:
     if array.ndim == 1:
         array = array[None, :]
     return tuple(hashlib.sha256(row.tobytes()).hexdigest() for row in array)
+
+
+def retain_freed_memory() -> bool:
+    """Make glibc malloc keep freed memory for reuse instead of handing it back to the kernel.
+
+    Every lane round allocates and frees the same large temporaries; memory given back (a
+    trimmed heap top, an unmapped block) is faulted in again page by page on the next round.
+    So: no blocks of their own mapping, and no trimming below RETAINED_FREE_BYTES. The
+    process then holds its largest round's working memory. Process-wide; returns False,
+    changing nothing, where the C library has no mallopt (not glibc).
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_TRIM_THRESHOLD, RETAINED_FREE_BYTES)) and bool(mallopt(_M_MMAP_MAX, 0))
 
 
 class EngineHost:
@@ -78,6 +97,8 @@ class EngineHost:
     # -- lifecycle (event loop) -------------------------------------------------------------
 
     async def start(self) -> None:
+        """Start the engine thread (and keep freed memory for its rounds, `retain_freed_memory`)."""
+        retain_freed_memory()
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="prefixd-engine", daemon=True)
         self._thread.start()
