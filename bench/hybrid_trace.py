@@ -75,8 +75,7 @@ def write_model_dir(path: Path, fields: dict, dtype: torch.dtype) -> Path:
     return path
 
 
-_REPLY_WORDS = ("the result shows the parser reads each record and the cache keeps the last "
-                "page so the next request resumes from there while the worker checks the index").split()
+_REPLY_WORDS = ["the", "result", "shows", "the", "parser", "reads", "each", "record", "and", "the", "cache", "keeps", "the", "last", "page", "so", "the", "next", "request", "resumes", "from", "there", "while", "the", "worker", "checks", "the", "index"]
 
 
 def _reply_text(num_tokens: int, count_tokens) -> str:
@@ -156,14 +155,17 @@ def measure(fields: dict, dtype: torch.dtype, shape: TraceShape = QUICK_TRACE, r
 
 
 def table(costs: list[TurnCost]) -> str:
-    """Per turn: tokens by kind, the daemon's TTFT and the re-prefill's time and share of it."""
+    """Per turn: tokens by kind, the daemon's TTFT, the re-prefill's time and its share of the
+    turn's prefill timed here (both back to back) and of the daemon's TTFT."""
     rows = []
     for c in costs:
         later = c.index > 0  # a first turn has no reply before it
         rows.append([c.conversation, c.index, c.context, c.cached, c.prefilled, c.new, c.reply,
                      c.reprefilled if later else "-", f"{c.ttft_s * 1e3:,.0f}", f"{c.prefill_s * 1e3:,.0f}",
                      f"{c.reprefill_s * 1e3:,.0f}" if later else "-",
+                     f"{c.reprefill_s / c.prefill_s:.1%}" if later else "-",
                      f"{c.reprefill_s / c.ttft_s:.1%}" if later else "-"])
     headers = ["conv", "turn", "context", "cached", "prefilled", "new", "reply tokens", "re-prefilled",
-               "daemon TTFT ms", "prefill ms (here)", "re-prefill ms (here)", "share of TTFT"]
+               "daemon TTFT ms", "prefill ms (here)", "re-prefill ms (here)", "share of prefill (here)",
+               "share of daemon TTFT"]
     return markdown_table(headers, rows)
