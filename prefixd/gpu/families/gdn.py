@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from prefixd.gpu import kernels
+
 CHUNK = 16  # rows per UT block of the chunked form; fixed so its bits never depend on T
 GROUP = 8  # blocks computed together by the chunked form
 
@@ -43,7 +45,7 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (float32 in, float32 out)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+    return x * torch.rsqrt(kernels.sum_dim(x * x, -1).unsqueeze(-1) + eps)
 
 
 def gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
@@ -220,10 +222,10 @@ def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     Element-wise products and sums over dk only, so a lane's bits do not depend on B.
     """
     state = state * g.exp()[..., None, None]
-    read = (state * k.unsqueeze(-1)).sum(dim=-2)  # (B, Hv, dv) = k^T S
+    read = kernels.sum_dim(state * k.unsqueeze(-1), -2)  # (B, Hv, dv) = k^T S
     delta = (v - read) * beta.unsqueeze(-1)
     state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    out = (state * q.unsqueeze(-1)).sum(dim=-2)
+    out = kernels.sum_dim(state * q.unsqueeze(-1), -2)
     return out, state
 
 
