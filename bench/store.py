@@ -90,8 +90,10 @@ class FloorMeter:
     def __init__(self, checkpoint: object, num_conversations: int, max_context: int, grid: int) -> None:
         import torch
 
+        from prefixd.daemon.engine_host import retain_freed_memory
         from prefixd.gpu.runner import ModelRunner
 
+        retain_freed_memory()  # as the daemon does: the floor must not pay page faults it does not
         per_conv = math.ceil(max_context / PAGE)
         self.pages = [tuple(range(c * per_conv, (c + 1) * per_conv)) for c in range(num_conversations)]
         self.runner = ModelRunner(checkpoint, device=torch.device("cpu"), dtype=torch.bfloat16, num_lanes=1,
