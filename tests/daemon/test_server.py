@@ -207,3 +207,30 @@ async def test_a_failed_round_ends_its_streams_with_error_and_the_daemon_goes_on
         assert ok.text == "cd"
         await wait_idle(server)
     assert server.exit_code == 0
+
+
+async def test_the_model_loads_on_a_thread_that_has_ended_before_serving(tmp_path, monkeypatch):
+    """A load on a thread that lives on keeps a second OpenMP pool beside the engine
+    thread's, which then runs its forward at about half speed (docs/benchmarks.md, Store)."""
+    import threading
+
+    from prefixd.daemon.server import run_on_own_thread
+
+    seen: list[threading.Thread] = []
+    assert await run_on_own_thread(lambda a, b: (seen.append(threading.current_thread()), a + b)[1], 2, 3) == 5
+    assert seen[0] is not threading.main_thread() and seen[0].name == "prefixd-load"
+    assert not seen[0].is_alive()
+    with pytest.raises(ValueError, match="bad model"):
+        await run_on_own_thread(lambda: (_ for _ in ()).throw(ValueError("bad model")))
+    from tests.daemon import harness
+
+    real = harness.fake_runtime_factory
+    loaded_on: list[threading.Thread] = []
+
+    def recording(device):
+        factory = real(device)
+        return lambda cfg, observer: (loaded_on.append(threading.current_thread()), factory(cfg, observer))[1]
+
+    monkeypatch.setattr(harness, "fake_runtime_factory", recording)
+    async with running_server(tmp_path):
+        assert len(loaded_on) == 1 and not loaded_on[0].is_alive()
