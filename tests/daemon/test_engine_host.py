@@ -38,6 +38,10 @@ def _faults_of_a_second_block(mode: str) -> int:
 
 
 def test_a_freed_block_is_reused_without_page_faults_once_freed_memory_is_retained():
-    pages = BLOCK_BYTES // 4096
-    assert _faults_of_a_second_block("default") >= pages  # the probe sees the faults it counts
-    assert _faults_of_a_second_block("retain") < pages // 100
+    # The kernel decides how much one fault maps (4 KiB pages, 16 KiB folios, 2 MiB huge
+    # pages), so the retained run is measured against the default run of the same probe on
+    # the same machine, not against a page count.
+    default = _faults_of_a_second_block("default")
+    assert default >= BLOCK_BYTES // (2 << 20)  # the probe sees the faults it counts, whatever their size
+    retained = _faults_of_a_second_block("retain")
+    assert retained * 8 <= default, (retained, default)
