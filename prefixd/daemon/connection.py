@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from array import array
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,6 +34,7 @@ from prefixd.ipc.messages import check_before_payloads
 
 log = logging.getLogger("prefixd.connection")
 
+_LOOP_DETOKENIZE_IDS = 1024  # longer detokenizes run off the event loop
 _FLUSH_S = 1.0  # how long a closing connection may take to send its last frames
 _CLOSED = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError)
 
@@ -163,7 +165,11 @@ class Connection:
         await self._send(reply)
 
     async def _on_detokenize(self, msg: dict[str, Any]) -> None:
-        await self._send(self.services.builder.detokenize(msg))
+        ids = msg.get("ids")
+        if isinstance(ids, (list, array)) and len(ids) > _LOOP_DETOKENIZE_IDS:
+            await self._send(await anyio.to_thread.run_sync(self.services.builder.detokenize, msg))
+        else:  # the common short case costs less than a thread hop
+            await self._send(self.services.builder.detokenize(msg))
 
     async def _on_cancel(self, msg: dict[str, Any]) -> None:
         request_id, target = self.services.builder.cancel(msg)

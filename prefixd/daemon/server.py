@@ -319,6 +319,7 @@ class Server:
             "server": f"prefixd {prefixd.__version__}",
             "model": dict(self._runtime.model_info),
             "connections": len(self._connections),
+            "buffered_bytes": self.buffers.used_bytes,
             "uptime_s": time.monotonic() - self._started_s,
             "socket": str(self.socket_path) if self.socket_path else None,
             "shutting_down": self.should_exit,
