@@ -102,6 +102,7 @@ class FieldReader:
         return value
 
     def list(self, name: str, default: Any = _MISSING) -> Any:
+        """An array of any values (an int32 memfd array is not one: only `ints` takes those)."""
         value = self._take(name, default)
         if value is not default and type(value) is not list:
             raise self.error(name, f"must be an array, got {_kind(value)}")
@@ -170,7 +171,8 @@ class FieldReader:
 
 
 def _kind(value: Any) -> str:
-    names = {dict: "map", list: "array", str: "string", bytes: "binary", memoryview: "binary"}
+    names = {dict: "map", list: "array", str: "string", bytes: "binary", memoryview: "binary",
+             array: "int32 memfd array"}
     return names.get(type(value), "nil" if value is None else type(value).__name__)
 
 

@@ -327,3 +327,20 @@ async def test_memfd_token_ids_generate_what_inline_ids_generate(tmp_path):
         assert via_memfd == inline.text
         assert via_memfd.startswith("efghij")
         await wait_idle(server)
+
+
+@pytest.mark.parametrize(
+    ("field", "ids", "code", "message"),
+    [
+        ("tokens", [5, 300, 6], "invalid_token", "token id 300 is outside the vocabulary [0, 259)"),
+        ("tokens", [5, -2], "invalid_token", "tokens: -2 outside [0, 2147483647]"),
+        ("messages", [5], "bad_request", "messages: must be an array, got int32 memfd array"),
+    ],
+)
+async def test_memfd_int32_arrays_are_range_and_type_checked(tmp_path, field, ids, code, message):
+    async with running_server(tmp_path) as server:
+        fd = _memfd(struct.pack(f"<{len(ids)}i", *ids), seal=True)
+        fields = {field: MemfdRef(0, 4 * len(ids), Dtype.INT32)}
+        frames = await _send_refs(server, fields, [fd])
+        assert (frames[0]["id"], frames[0]["code"]) == (4, code)
+        assert message in frames[0]["message"]
