@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -22,6 +23,7 @@ log = logging.getLogger("prefixd.metrics")
 
 MAX_SCRAPE_CONNECTIONS = 16  # a scraper needs one; a few dashboards and curls fit beside it
 SCRAPE_TIMEOUT_S = 10.0  # a scrape of the registry answers in milliseconds
+_ACCEPT_BACKOFF_S = 0.1  # pause after a failed accept (EMFILE) before the server loop retries
 
 
 class MetricsAddrError(ValueError):
@@ -73,6 +75,13 @@ class _BoundedServer(ThreadingWSGIServer):
         self.num_active = 0
         self.peak_active = 0  # the most connections served at once
         self.num_refused = 0  # connections closed at once because every slot was taken
+
+    def get_request(self) -> Any:
+        try:
+            return super().get_request()
+        except OSError:  # out of descriptors: the caller drops it; pause instead of spinning
+            time.sleep(_ACCEPT_BACKOFF_S)
+            raise
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._lock:
