@@ -21,8 +21,9 @@ import anyio
 import anyio.abc
 
 import prefixd
-from prefixd.daemon.config import DaemonConfig
+from prefixd.daemon.admission import AcceptErrors, refuse_connection, return_freed_memory
 from prefixd.daemon.bounds import ConnectionBounds
+from prefixd.daemon.config import DaemonConfig
 from prefixd.daemon.connection import Connection, Services
 from prefixd.daemon.engine_host import EngineHost
 from prefixd.daemon.listener import PeerPolicy, bind_listening_socket, peer_cred
@@ -30,7 +31,6 @@ from prefixd.daemon.requests import RequestBuilder
 from prefixd.daemon.runtime import Runtime, load_runtime
 from prefixd.daemon.systemd import Notifier, take_activation_socket
 from prefixd.ipc.framing import Limits
-from prefixd.daemon.admission import AcceptErrors, refuse_connection, return_freed_memory
 from prefixd.ipc.transport import BufferBudget, FramedStream
 from prefixd.metrics import Metrics, MetricsExporter, MetricsObserver, parse_metrics_addr
 

@@ -11,7 +11,6 @@ import struct
 
 import anyio
 import msgpack
-import pytest
 
 from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.ipc.client import AsyncClient
