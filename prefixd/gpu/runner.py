@@ -71,7 +71,8 @@ class ModelRunner:
                                forward_s=forward_s)
 
     def sample(self, lane: int, logits: torch.Tensor, row: int = 0) -> int:
-        return self._sampler(lane).sample(logits[row])
+        sampler = self._sampler(lane)  # a stored row: the stream's first token
+        return sampler.sample(logits[row], sampler.first_position)
 
     def capture(self, lane: int) -> Any:
         self._check_lane(lane)
@@ -194,7 +195,8 @@ class ModelRunner:
         return torch.tensor(rows, dtype=torch.long, device=self.device), where
 
     def _lane_result(self, w: LaneWork, logits: torch.Tensor | None, where: dict) -> LaneResult:
-        sampled = tuple(self._sampler(w.lane).sample(logits[where[(w.lane, r)]]) for r in w.sample_rows)
+        sampled = tuple(self._sampler(w.lane).sample(logits[where[(w.lane, r)]], w.start + r + 1)
+                        for r in w.sample_rows)
         rows = None
         if w.logits_rows:
             idx = torch.tensor([where[(w.lane, r)] for r in w.logits_rows], device=self.device)

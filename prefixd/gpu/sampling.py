@@ -1,8 +1,10 @@
 """Per-lane token sampling: penalties, filters, and a seeded inverse-CDF draw.
 
-A lane's sampler is independent of every other lane: it owns its generator and draws
-exactly one uniform number per `sample()` call, whatever the round holds, so a seeded
-stream gives the same tokens alone, beside other lanes, or interleaved in any order.
+A sampled token is a pure function of (logits row, params, seed, repetition history,
+absolute position): the uniform number for the token at position p is a counter-based hash
+of (seed, p) (`position_uniform`), not the next draw of a stateful generator. So a seeded
+stream gives the same tokens alone, beside other lanes, interleaved in any order, and when
+verify rows sample positions a later round samples again (drafted equals undrafted).
 
 Processing order for one logits row (the same order transformers applies them):
 
@@ -28,6 +30,25 @@ from prefixd.scheduler.records import SamplingParams
 _NEG_INF = float("-inf")
 _MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
 _TOP_P_FIRST_K = 256
+_MASK64 = 2**64 - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection on 64-bit ints with full avalanche."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) that draws the token at absolute `position` of a stream
+    seeded with `seed`: 53 bits of a two-round splitmix64 hash of (seed, position). Plain
+    integer arithmetic, so it is the same on every device and needs no generator state."""
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}")
+    key = _mix64((seed + 0x9E3779B97F4A7C15) & _MASK64)
+    bits = _mix64((key ^ (position * 0x9E3779B97F4A7C15)) & _MASK64)
+    return (bits >> 11) * 2.0**-53
 
 
 def validate_params(params: SamplingParams) -> None:
@@ -140,7 +161,10 @@ def pick_token(row: torch.Tensor, u: float) -> int:
 
 
 class LaneSampler:
-    """Sampling state of one stream: params, a private generator, repetition history."""
+    """Sampling state of one stream: params, its seed, repetition history.
+
+    The stream's first generated token sits at `first_position` (the history's length: the
+    history is the prompt)."""
 
     def __init__(
         self,
@@ -158,10 +182,7 @@ class LaneSampler:
         self.vocab_size = vocab_size
         self.tokenizer_vocab = tokenizer_vocab
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
-        # A CPU generator: the uniform stream of a seed is the same on every device.
-        self._generator = torch.Generator(device="cpu")
-        self._generator.manual_seed(self.seed)
-        self.num_draws = 0
+        self.first_position = len(history)
         self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         if history:
             ids = torch.tensor(list(history), dtype=torch.long)
@@ -169,13 +190,14 @@ class LaneSampler:
                 raise ValueError(f"history holds an id outside [0, {vocab_size})")
             self._seen[ids.to(device)] = True
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """Choose the next token from one (vocab_size,) float32 row; records it in the
-        history and advances the generator by exactly one draw."""
+    def sample(self, logits: torch.Tensor, position: int) -> int:
+        """Choose the token at absolute `position` (the row after the one that gave `logits`)
+        from one (vocab_size,) float32 row, and record it in the repetition history. The draw
+        depends on (seed, position) only: sampling a position again gives the same token for
+        the same row and history."""
         if logits.shape != (self.vocab_size,):
             raise ValueError(f"logits shape {tuple(logits.shape)} != ({self.vocab_size},)")
-        u = float(torch.rand((), generator=self._generator, dtype=torch.float64).item())
-        self.num_draws += 1
+        u = position_uniform(self.seed, position)
         row = apply_penalties_and_filters(logits, self.params, self._seen, self.tokenizer_vocab)
         token = greedy_token(row) if self.params.greedy else pick_token(row, u)
         self.observe(token)
@@ -186,3 +208,20 @@ class LaneSampler:
         if not 0 <= token < self.vocab_size:
             raise ValueError(f"token {token} outside [0, {self.vocab_size})")
         self._seen[token] = True
+
+    def verify(self, rows: torch.Tensor, drafts: Sequence[int], position: int) -> list[int]:
+        """Sample verify rows: `rows` (1 + k, vocab_size) are the logits after the last accepted
+        token and after each of the k `drafts`; `position` is where the first sampled token
+        goes. Row i is sampled only while every earlier sampled token equalled its draft, so
+        the repetition history never holds a rejected draft. Returns the accepted drafts plus
+        one more token (the first that differed, or the token after the last draft): exactly
+        what sampling the positions one round at a time gives."""
+        if rows.shape[0] != len(drafts) + 1:
+            raise ValueError(f"{rows.shape[0]} verify rows for {len(drafts)} drafts")
+        out: list[int] = []
+        for i in range(rows.shape[0]):
+            token = self.sample(rows[i], position + i)
+            out.append(token)
+            if i == len(drafts) or token != drafts[i]:
+                break
+        return out

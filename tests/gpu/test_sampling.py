@@ -16,6 +16,7 @@ from prefixd.gpu.sampling import (
     greedy_token,
     min_p_filter,
     pick_token,
+    position_uniform,
     repetition_penalty,
     top_k_filter,
     top_p_filter,
@@ -49,7 +50,7 @@ def no_seen(vocab: int = VOCAB) -> torch.Tensor:
 def test_greedy_picks_the_largest_logit():
     row = torch.zeros(VOCAB)
     row[[1, 9, 33]] = torch.tensor([2.0, 1.9, 2.5])
-    assert sampler(SamplingParams()).sample(row) == 33
+    assert sampler(SamplingParams()).sample(row, 0) == 33
 
 
 def test_greedy_ties_go_to_the_lowest_id():
@@ -65,14 +66,14 @@ def test_greedy_never_picks_a_padded_id():
     row = torch.zeros(VOCAB)
     row[60] = 10.0  # beyond the tokenizer's 50 ids
     row[12] = 1.0
-    assert sampler(SamplingParams(), tok_vocab=50).sample(row) == 12
+    assert sampler(SamplingParams(), tok_vocab=50).sample(row, 0) == 12
 
 
 def test_sampling_never_picks_a_padded_id():
     row = torch.zeros(VOCAB)
     row[50:] = 30.0  # padded ids carry almost all the mass
     s = sampler(SamplingParams(temperature=1.0, seed=5), tok_vocab=50)
-    assert all(s.sample(row) < 50 for _ in range(200))
+    assert all(s.sample(row, pos) < 50 for pos in range(200))
 
 
 def test_top_k_keeps_the_k_largest_ids():
@@ -132,10 +133,10 @@ def test_repetition_penalty_changes_the_greedy_choice_over_prompt_and_generated(
     row = torch.zeros(VOCAB)
     row[[4, 5, 6]] = torch.tensor([3.0, 2.0, 1.9])
     s = sampler(SamplingParams(repetition_penalty=2.0), history=[4])
-    assert s.sample(row) == 5  # 4 penalised to 1.5 (prompt history)
-    assert s.sample(row) == 6  # 5 penalised to 1.0 (its own generated token)
-    assert s.sample(row) == 4  # 6 penalised to 0.95
-    assert s.sample(row) == 4  # each id is penalised once, however often it occurred
+    assert s.sample(row, 1) == 5  # 4 penalised to 1.5 (prompt history)
+    assert s.sample(row, 2) == 6  # 5 penalised to 1.0 (its own generated token)
+    assert s.sample(row, 3) == 4  # 6 penalised to 0.95
+    assert s.sample(row, 4) == 4  # each id is penalised once, however often it occurred
 
 
 def test_pick_token_walks_the_cdf_in_id_order():
@@ -164,8 +165,8 @@ def test_temperature_sharpens_the_distribution():
     row = torch.tensor([1.0, 0.0] + [-30.0] * (VOCAB - 2))
     hot = sampler(SamplingParams(temperature=100.0, seed=3))
     cold = sampler(SamplingParams(temperature=0.05, seed=3))
-    hot_tokens = [hot.sample(row) for _ in range(300)]
-    assert [cold.sample(row) for _ in range(300)] == [0] * 300
+    hot_tokens = [hot.sample(row, pos) for pos in range(300)]
+    assert [cold.sample(row, pos) for pos in range(300)] == [0] * 300
     assert len(set(hot_tokens)) > 10
 
 
@@ -200,12 +201,13 @@ def test_a_draw_is_always_a_surviving_unpadded_id(seed, u, top_k, top_p, min_p):
 
 # --- seeds and lane independence ------------------------------------------------------
 
+PINNED_UNIFORMS = [0.452325976722, 0.789889752544, 0.705197820285]
 PARAMS = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, min_p=0.01, repetition_penalty=1.1)
 
 
 def run_lane(seed: int, rows: list[torch.Tensor]) -> list[int]:
     s = sampler(replace(PARAMS, seed=seed), history=[1, 2, 3])
-    return [s.sample(r) for r in rows]
+    return [s.sample(r, s.first_position + i) for i, r in enumerate(rows)]
 
 
 def test_same_seed_gives_same_tokens():
@@ -226,20 +228,68 @@ def test_lanes_interleaved_in_any_order_match_each_alone():
     order = [lane for lane in range(3) for _ in range(30)]
     random.Random(7).shuffle(order)
     for lane in order:
-        got[lane].append(lanes[lane].sample(rows[lane][len(got[lane])]))
+        i = len(got[lane])
+        got[lane].append(lanes[lane].sample(rows[lane][i], 3 + i))
     assert got == alone
 
 
-def test_every_sample_call_advances_the_generator_once():
+def test_position_uniform_is_a_fixed_hash_of_seed_and_position():
+    # pinned values: the draw for a (seed, position) never changes between releases
+    assert [round(position_uniform(9, p), 12) for p in range(3)] == PINNED_UNIFORMS
+    assert position_uniform(9, 5) == position_uniform(9, 5)
+    assert position_uniform(9, 5) != position_uniform(10, 5)
+    us = [position_uniform(1, p) for p in range(20000)]
+    assert all(0.0 <= u < 1.0 for u in us)
+    assert abs(sum(us) / len(us) - 0.5) < 0.01
+    assert len(set(us)) == len(us)
+
+
+def test_a_token_depends_on_its_position_not_on_how_many_draws_came_before():
+    rows = random_rows(12)
+    fresh = [run_lane_at(55, rows[i], 40 + i) for i in range(12)]
+    s = sampler(replace(PARAMS, seed=55, repetition_penalty=1.0), history=[1, 2, 3])
+    for i in range(12):  # draws for other positions first must not move this one
+        s.sample(rows[(i + 5) % 12], 1000 + i)
+        assert s.sample(rows[i], 40 + i) == fresh[i]
+
+
+def run_lane_at(seed: int, row: torch.Tensor, position: int) -> int:
+    s = sampler(replace(PARAMS, seed=seed, repetition_penalty=1.0), history=[1, 2, 3])
+    return s.sample(row, position)
+
+
+def verify_groups(seed: int, rows: list[torch.Tensor], drafts: list[int], group: int) -> list[int]:
+    """Sample a stream the way drafted rounds do: each round verifies up to `group` - 1
+    drafted tokens (the rows after the last accepted token and after each draft), and the
+    next round starts after the tokens it accepted."""
+    s = sampler(replace(PARAMS, seed=seed), history=[1, 2, 3])
+    out: list[int] = []
+    while len(out) < len(rows):
+        pos = len(out)
+        k = min(group, len(rows) - pos) - 1
+        out += s.verify(torch.stack(rows[pos : pos + k + 1]), drafts[pos : pos + k], s.first_position + pos)
+    return out
+
+
+@pytest.mark.parametrize("group", [2, 3, 5])
+def test_sampling_in_verify_groups_gives_the_one_by_one_stream(group):
+    """Drafted equals undrafted for sampling: rows sampled in verify groups of any size,
+    with rejections that make a later round sample again, give the undrafted tokens. A
+    sampler keyed by call or round count instead of position fails this."""
+    rows = random_rows(40, seed=8)
+    undrafted = run_lane(321, rows)
+    drafts = [t if i % 4 else (t + 1) % VOCAB for i, t in enumerate(undrafted)]  # every 4th wrong
+    assert verify_groups(321, rows, drafts, group) == undrafted
+    assert verify_groups(321, rows, undrafted, group) == undrafted
+
+
+def test_verify_stops_at_the_first_rejected_draft_and_keeps_it_out_of_the_history():
     row = torch.zeros(VOCAB)
-    greedy = sampler(SamplingParams(seed=9))
-    for _ in range(5):
-        greedy.sample(row)
-    assert greedy.num_draws == 5
-    ref = torch.Generator().manual_seed(9)
-    for _ in range(5):
-        torch.rand((), generator=ref, dtype=torch.float64)
-    assert torch.equal(greedy._generator.get_state(), ref.get_state())
+    row[[4, 5, 6]] = torch.tensor([3.0, 2.0, 1.9])
+    s = sampler(SamplingParams(repetition_penalty=2.0), history=[])
+    # row 0 picks 4 (draft 4 accepted); row 1 picks 5 (draft 9 rejected): row 2 is not sampled
+    assert s.verify(torch.stack([row, row, row]), [4, 9], 0) == [4, 5]
+    assert s.sample(row, 2) == 6  # 9 was never seen: 6 (1.9) beats the penalised 4 and 5
 
 
 def test_no_seed_draws_a_fresh_one():
@@ -264,7 +314,7 @@ def test_bad_params_raise(params):
 
 def test_wrong_logits_shape_raises():
     with pytest.raises(ValueError):
-        sampler(SamplingParams()).sample(torch.zeros(VOCAB + 1))
+        sampler(SamplingParams()).sample(torch.zeros(VOCAB + 1), 0)
 
 
 # --- agreement with transformers' processors ------------------------------------------
@@ -317,13 +367,13 @@ def test_repetition_penalty_matches_transformers_bitwise(penalty):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_lane_gives_the_cpu_lane_tokens():
-    """The uniform stream comes from a CPU generator, so a seed picks the same tokens on
-    both devices (rows with well separated probabilities: no draw lands on an edge)."""
+    """The uniform number is an integer hash of (seed, position), so a seed picks the same
+    tokens on both devices (rows with well separated probabilities: no draw lands on an edge)."""
     rows = random_rows(30, vocab=HF_VOCAB, seed=21)
     tokens = {}
     for name in ("cpu", "cuda"):
         device = torch.device(name)
         s = LaneSampler(replace(PARAMS, seed=77), [1, 2, 3], vocab_size=HF_VOCAB,
                         tokenizer_vocab=HF_VOCAB - 10, device=device)
-        tokens[name] = [s.sample(r.to(device)) for r in rows]
+        tokens[name] = [s.sample(r.to(device), 3 + i) for i, r in enumerate(rows)]
     assert tokens["cuda"] == tokens["cpu"]
