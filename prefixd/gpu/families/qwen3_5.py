@@ -24,6 +24,7 @@ from prefixd.gpu.attention import AttentionSpan, attend, plan_attention
 from prefixd.gpu.families import gdn
 from prefixd.gpu.families.qwen3_5_config import LINEAR, HybridConfig, hybrid_config, model_config
 from prefixd.gpu.families.qwen3_5_gguf import register
+from prefixd.gpu.families.qwen3_5_mtp import check_mtp_config, mtp_hidden, prepare_mtp
 from prefixd.gpu.families.qwen3_5_ops import PartialRope, gated_rms_norm, linear, rms_norm
 from prefixd.gpu.families.qwen3_5_state import HybridState, LaneStatePool
 from prefixd.gpu.families.qwen3_5_weights import plus_one, prepare_layer
@@ -64,13 +65,15 @@ class HybridModel:
                  device: torch.device, dtype: torch.dtype) -> None:
         self.hybrid, self.device, self.dtype = config, device, dtype
         self.config = model_config(config)
-        self.num_kv_layers = len(config.full_layers)
+        check_mtp_config(config)
         t = {name: w.to(device=device, dtype=dtype) for name, w in tensors.items()}
         self.embed = t["model.embed_tokens.weight"]
         self.lm_head = self.embed if config.tie_embeddings else t["lm_head.weight"]
         self.final_norm = plus_one(t["model.norm.weight"])
         self.layers = [prepare_layer(config, t, i) for i in range(config.num_layers)]
         self.rope = PartialRope(config.rotary_dim, config.rope_theta, device)
+        self.mtp = prepare_mtp(config, t, kv_slot=len(config.full_layers))  # [] without MTP
+        self.num_kv_layers = len(config.full_layers) + len(self.mtp)
         self.states: LaneStatePool | None = None
 
     def new_lane_states(self, num_lanes: int) -> None:
@@ -110,11 +113,45 @@ class HybridModel:
             x.index_copy_(0, rows_idx, rows.to(self.dtype))
         cos, sin = self.rope.cos_sin(inputs.positions[:n], self.dtype)
         rnd = _Round(spans, inputs.slots, cos, sin, inputs.tiles)
-        return self._layers(x, rnd, kv).float()
+        return self._keep_carry(self._layers(x, rnd, kv).float(), spans)
 
     @torch.inference_mode()
     def forward_works(self, works: Sequence[LaneWork], kv: KVPool) -> torch.Tensor:
         """`forward` for a list of LaneWork (tests and benches; images not supported)."""
+        rnd = self._round_of(works, kv)
+        ids = self._index(t for w in works for t in w.tokens)
+        return self._keep_carry(self._layers(self.embed.index_select(0, ids), rnd, kv).float(), rnd.spans)
+
+    @torch.inference_mode()
+    def mtp_works(self, hidden: torch.Tensor, works: Sequence[LaneWork], kv: KVPool, step: int = 0) -> torch.Tensor:
+        """MTP rows (rows, hidden) for `works` whose tokens are the tokens *after* the rows
+        of `hidden` (final-normed, one per work row, at the works' positions); MTP layer
+        `step` modulo their number. Writes the MTP KV layer of the works' pages."""
+        if not self.mtp:
+            raise RuntimeError("this checkpoint has no MTP head")
+        rnd = self._round_of(works, kv)
+        ids = self._index(t for w in works for t in w.tokens)
+        return mtp_hidden(self, self.mtp[step % len(self.mtp)], hidden, ids, rnd, kv)
+
+    def draft_carry(self, lane: int) -> torch.Tensor:
+        """The lane's draft carry (hidden,) float32: its last row's final-normed hidden."""
+        if self.states is None or self.states.live.carry is None:
+            raise RuntimeError("no draft carry: no MTP head or no lane states")
+        return self.states.live.carry[lane]
+
+    def _keep_carry(self, hidden: torch.Tensor, spans: Sequence[_Span]) -> torch.Tensor:
+        """Store each lane's last hidden row as its draft carry (and, for a verify, the row
+        after each verify row in its rollback record); returns `hidden`."""
+        carry = self.states.live.carry if self.states is not None else None
+        if carry is None:
+            return hidden
+        for s in spans:
+            carry[s.lane].copy_(hidden[s.hi - 1])
+            if not s.prefill and s.hi - s.lo > 1:
+                self.states.trail(s.lane).carry.copy_(hidden[s.lo:s.hi])
+        return hidden
+
+    def _round_of(self, works: Sequence[LaneWork], kv: KVPool) -> _Round:
         spans, attn_spans, lo = [], [], 0
         for w in works:
             spans.append(_Span(w.lane, w.start, lo, lo + len(w.tokens), tuple(w.page_table),
@@ -125,14 +162,11 @@ class HybridModel:
         positions = [p for w in works for p in range(w.start, w.start + len(w.tokens))]
         slots = [w.page_table[p // page] * page + p % page
                  for w in works for p in range(w.start, w.start + len(w.tokens))]
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        cos, sin = self.rope.cos_sin(as_long(positions), self.dtype)
+        cos, sin = self.rope.cos_sin(self._index(positions), self.dtype)
         tiles = plan_attention(attn_spans, total_rows=lo, page_size=page, device=self.device,
                                dtype=kv.dtype,
                                group=self.hybrid.num_heads // self.hybrid.num_kv_heads)
-        rnd = _Round(spans, as_long(slots), cos, sin, tuple(tiles))
-        ids = as_long([t for w in works for t in w.tokens])
-        return self._layers(self.embed.index_select(0, ids), rnd, kv).float()
+        return _Round(spans, self._index(slots), cos, sin, tuple(tiles))
 
     def _layers(self, x: torch.Tensor, rnd: _Round, kv: KVPool) -> torch.Tensor:
         if self.states is None:

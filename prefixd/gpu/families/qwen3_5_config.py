@@ -38,6 +38,7 @@ class HybridConfig:
     lin_num_v_heads: int
     lin_k_dim: int
     lin_v_dim: int
+    num_mtp_layers: int = 0  # multi-token-prediction layers the checkpoint ships (mtp.*)
 
     @property
     def num_layers(self) -> int:
@@ -112,6 +113,7 @@ def hybrid_config_from_hf(raw: Mapping[str, Any]) -> HybridConfig:
             lin_num_v_heads=int(d.get("linear_num_value_heads", 32)),
             lin_k_dim=int(d.get("linear_key_head_dim", 128)),
             lin_v_dim=int(d.get("linear_value_head_dim", 128)),
+            num_mtp_layers=int(d.get("mtp_num_hidden_layers", 0)),
         )
     except KeyError as exc:
         raise HybridConfigError(f"config.json: missing key {exc.args[0]!r}") from None
@@ -173,6 +175,35 @@ def hybrid_tensor_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
                 shapes[a + "k_proj.bias"] = (c.num_kv_heads * c.head_dim,)
                 shapes[a + "v_proj.bias"] = (c.num_kv_heads * c.head_dim,)
                 shapes[a + "o_proj.bias"] = (c.hidden_size,)
+    shapes.update(mtp_tensor_shapes(c))
+    return shapes
+
+
+def mtp_tensor_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the multi-token-prediction head (none when the config has no MTP
+    layer): fc over [norm(embedding) | norm(hidden)], one gated-attention decoder layer per
+    MTP layer with the main layers' names under `mtp.layers.{j}.`, and a final norm."""
+    c = config
+    if c.num_mtp_layers == 0:
+        return {}
+    h = c.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+        "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)}
+    q, kv = 2 * c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    for j in range(c.num_mtp_layers):
+        p = f"mtp.layers.{j}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, h),
+            p + "mlp.up_proj.weight": (c.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, c.intermediate_size),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, c.num_heads * c.head_dim),
+            p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)})
+        if c.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,)})
     return shapes
 
 

@@ -9,6 +9,10 @@ llama.cpp's converter stores a Qwen3.5 text model differently from Hugging Face:
 - A_log as ssm_a = -exp(A_log); dt_bias as ssm_dt.bias; conv1d squeezed to (C, K);
 - zero-centred RMSNorm weights as 1 + w (every norm except the GDN output norm).
 
+The gguf package's `qwen35` tensor list has no NextN (MTP) tensors, so its converter drops
+`mtp.*`; a file that does carry them (`qwen35.nextn_predict_layers` > 0) is read with the
+NextN names other architectures use, MTP layer j as block num_layers + j.
+
 `register` puts the family (HF and GGUF) in the registry; the GGUF fixup
 undoes the three rewrites above on the loaded tensors. No torch import at module level.
 """
@@ -57,6 +61,7 @@ def hybrid_config_from_gguf(meta: Mapping[str, Any]) -> HybridConfig:
         lin_num_k_heads=int(_req(meta, f"{a}.ssm.group_count")), lin_num_v_heads=v_heads,
         lin_k_dim=int(_req(meta, f"{a}.ssm.state_size")),
         lin_v_dim=int(_req(meta, f"{a}.ssm.inner_size")) // v_heads,
+        num_mtp_layers=int(meta.get(f"{a}.nextn_predict_layers", 0)),
     )
 
 
@@ -86,6 +91,11 @@ _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight"
            "lm_head.weight": "output.weight"}
 
 
+# MTP layer j is block num_layers + j, as llama.cpp's NextN tensors (gguf MODEL_TENSOR.NEXTN_*)
+_MTP = {"fc.weight": "nextn.eh_proj.weight", "pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+        "pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "norm.weight": "nextn.shared_head_norm.weight"}
+
+
 def gguf_names(config: HybridConfig) -> dict[str, str]:
     """HF name -> GGUF name for every tensor `config` expects."""
     from prefixd.gpu.families.qwen3_5_config import hybrid_tensor_shapes
@@ -94,6 +104,11 @@ def gguf_names(config: HybridConfig) -> dict[str, str]:
     for name in hybrid_tensor_shapes(config):
         if name in _GLOBAL:
             out[name] = _GLOBAL[name]
+        elif name.startswith("mtp.layers."):
+            layer, suffix = name[len("mtp.layers."):].split(".", 1)
+            out[name] = f"blk.{config.num_layers + int(layer)}.{_LAYER[suffix]}"
+        elif name.startswith("mtp."):  # shared by the MTP layers: stored on the first
+            out[name] = f"blk.{config.num_layers}.{_MTP[name[len('mtp.'):]]}"
         else:
             layer, suffix = name[len("model.layers."):].split(".", 1)
             out[name] = f"blk.{layer}.{_LAYER[suffix]}"

@@ -2,9 +2,11 @@
 
 Each lane owns one contiguous byte row, so a snapshot is a single copy:
 
-    lane row: | rec L0 | rec L1 | ... | conv L0 | conv L1 | ... |
+    lane row: | rec L0 | rec L1 | ... | conv L0 | conv L1 | ... | carry |
     rec  Li: (Hv, dk, dv) float32      the Gated DeltaNet state of linear layer i
     conv Li: (K-1, conv_dim) dtype     the last K-1 conv inputs of linear layer i
+    carry:   (hidden,) float32         the MTP draft carry: the final-normed hidden row of
+                                       the lane's last row (only with an MTP head)
 
 Segments start on 16-byte boundaries; `lane_state_bytes` is the row length, padding included.
 The same layout is used for the rollback record: row j holds the state after decode row j.
@@ -50,6 +52,10 @@ class StateViews:
         for off in layout.conv_offsets:
             raw = buf[:, off:off + layout.conv_bytes].view(layout.conv_dtype)
             self.conv.append(raw.view(rows, *layout.conv_shape))  # (rows, K-1, C)
+        self.carry: torch.Tensor | None = None  # (rows, hidden) float32
+        if layout.carry_bytes:
+            off = layout.carry_offset
+            self.carry = buf[:, off:off + layout.carry_bytes].view(torch.float32)
 
 
 class StateLayout:
@@ -67,7 +73,9 @@ class StateLayout:
         self.rec_offsets = [i * _aligned(self.rec_bytes) for i in range(num)]
         base = num * _aligned(self.rec_bytes)
         self.conv_offsets = [base + i * _aligned(self.conv_bytes) for i in range(num)]
-        self.lane_state_bytes = base + num * _aligned(self.conv_bytes)
+        self.carry_offset = base + num * _aligned(self.conv_bytes)
+        self.carry_bytes = 4 * c.hidden_size if c.num_mtp_layers else 0
+        self.lane_state_bytes = self.carry_offset + _aligned(self.carry_bytes)
 
 
 class LaneStatePool:

@@ -42,13 +42,41 @@ def make_tiny_hybrid_model(seed: int = 0, **overrides: Any):
     return model
 
 
-def make_tiny_hybrid_dir(path: Path, seed: int = 0, **overrides: Any) -> Path:
-    """Save `make_tiny_hybrid_model(seed, **overrides)` as an HF directory at `path`."""
+def make_tiny_hybrid_dir(path: Path, seed: int = 0, mtp_layers: int = 0, **overrides: Any) -> Path:
+    """Save `make_tiny_hybrid_model(seed, **overrides)` as an HF directory at `path`; with
+    `mtp_layers` > 0 the checkpoint also ships that many random MTP layers (`mtp.*`, which
+    transformers ignores on load) and config.json says `mtp_num_hidden_layers`."""
     model = make_tiny_hybrid_model(seed, **overrides)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
+    if mtp_layers:
+        _add_mtp(path, mtp_layers, seed)
     return path
+
+
+def _add_mtp(path: Path, num_layers: int, seed: int) -> None:
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from prefixd.gpu.families.qwen3_5_config import hybrid_config_from_hf, mtp_tensor_shapes
+
+    raw = json.loads((path / "config.json").read_text())
+    raw["mtp_num_hidden_layers"] = num_layers
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    shapes = mtp_tensor_shapes(hybrid_config_from_hf(raw))
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors.update(_random(shapes, seed=seed + 1000, scale=0.1))
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _random(shapes: dict, *, seed: int, scale: float) -> dict:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return {name: (0.1 if name.endswith("norm.weight") else scale) * torch.randn(shape, generator=gen)
+            for name, shape in sorted(shapes.items())}
 
 
 def random_tensors(config, *, seed: int = 0, dtype=None, scale: float = 0.02) -> dict:
