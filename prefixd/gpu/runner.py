@@ -195,10 +195,24 @@ class ModelRunner:
         return torch.tensor(rows, dtype=torch.long, device=self.device), where
 
     def _lane_result(self, w: LaneWork, logits: torch.Tensor | None, where: dict) -> LaneResult:
-        sampled = tuple(self._sampler(w.lane).sample(logits[where[(w.lane, r)]], w.start + r + 1)
-                        for r in w.sample_rows)
+        if w.drafts:
+            sampled = self._verify(w, logits, where)
+        else:
+            sampled = tuple(self._sampler(w.lane).sample(logits[where[(w.lane, r)]], w.start + r + 1)
+                            for r in w.sample_rows)
         rows = None
         if w.logits_rows:
             idx = torch.tensor([where[(w.lane, r)] for r in w.logits_rows], device=self.device)
             rows = logits.index_select(0, idx)
         return LaneResult(lane=w.lane, sampled=sampled, logits=rows)
+
+    def _verify(self, w: LaneWork, logits: torch.Tensor, where: dict) -> tuple[int, ...]:
+        """Sample verify rows up to the first rejected draft; roll the lane's state back to
+        the last accepted row when a draft was rejected (the copy may still be in flight)."""
+        if w.sample_rows != tuple(range(len(w.tokens))) or len(w.tokens) != len(w.drafts) + 1:
+            raise ValueError(f"lane {w.lane}: verify rows must be 1 + {len(w.drafts)} rows, each sampled")
+        idx = torch.tensor([where[(w.lane, r)] for r in w.sample_rows], device=self.device)
+        sampled = self._sampler(w.lane).verify(logits.index_select(0, idx), w.drafts, w.start + 1)
+        if len(sampled) < len(w.tokens):
+            self.rollback(w.lane, len(sampled))
+        return tuple(sampled)

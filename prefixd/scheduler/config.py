@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from prefixd.scheduler.device import DeviceInfo
 
+DRAFT_MODES = frozenset({"ngram", "off"})
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -22,6 +24,8 @@ class SchedulerConfig:
     cache: bool = True
     cache_budget_bytes: int | None = None
     decode_headroom_rows: int = 16  # decode rows a stream must find room for when admitted
+    draft: str = "off"  # "ngram" (prompt lookup) or "off"
+    draft_max: int = 4  # most drafted tokens a lane verifies in one round
 
     def __post_init__(self) -> None:
         if self.num_lanes <= 0:
@@ -34,6 +38,10 @@ class SchedulerConfig:
             raise ValueError(f"max_context must be at least 2, got {self.max_context}")
         if self.cache_budget_bytes is not None and self.cache_budget_bytes < 0:
             raise ValueError(f"cache_budget_bytes must be >= 0, got {self.cache_budget_bytes}")
+        if self.draft not in DRAFT_MODES:
+            raise ValueError(f"draft must be one of {sorted(DRAFT_MODES)}, got {self.draft!r}")
+        if self.draft_max < 0:
+            raise ValueError(f"draft_max must be >= 0, got {self.draft_max}")
         if self.decode_headroom_rows < 0:
             raise ValueError(f"decode_headroom_rows must be >= 0, got {self.decode_headroom_rows}")
 

@@ -15,11 +15,12 @@ from typing import Callable
 from prefixd.scheduler.admission import Admitter
 from prefixd.scheduler.config import SchedulerConfig, store_budget_bytes
 from prefixd.scheduler.device import Device
+from prefixd.scheduler.drafting import new_drafter
 from prefixd.scheduler.events import EngineObserver, NullObserver
 from prefixd.scheduler.lanes import Lane, PageTables, check_page_refs
 from prefixd.scheduler.pages import PageAllocator
 from prefixd.scheduler.planner import Schedule, plan_schedule
-from prefixd.scheduler.records import DeviceRows, LaneResult, RoundPlan, RoundResult
+from prefixd.scheduler.records import DeviceRows, LaneResult, LaneWork, RoundPlan, RoundResult
 from prefixd.scheduler.rounds import PlannedWork, plan_round
 from prefixd.scheduler.store import PrefixStore, Snapshot, make_key
 from prefixd.scheduler.streams import DoneEvent, Stream, StreamRequest, TokenEvent, validate_request
@@ -70,6 +71,7 @@ class Engine:
         self._seq = itertools.count()
         self._tick = itertools.count(1)
         self._store_touched = True
+        self._drafted = [0, 0]  # drafted, accepted tokens since start
         self.admitter = Admitter(
             lanes=self.lanes, tables=self.tables, device=device, store=self.store,
             schedules=self._schedules, observer=self.observer, clock=clock, grid=config.grid,
@@ -87,6 +89,7 @@ class Engine:
         if req.chunk_starts and req.chunk_starts[0] == 0:
             req = dataclasses.replace(req, chunk_starts=tuple(req.chunk_starts[1:]))  # row 0 always starts one
         stream = Stream(req=req, submit_s=self.clock(), seq=next(self._seq))
+        stream.drafter = new_drafter(self.config.draft if req.draft else "off", req.tokens, self.config.draft_max)
         if self.config.cache and req.cache:
             stream.key, stream.note = make_key(
                 req.tokens, cache_key=req.cache_key, namespace=req.namespace, frame=req.frame,
@@ -160,6 +163,8 @@ class Engine:
             "pages_used": self.allocator.num_used,
             "page_size": self.info.page_size,
             "max_context": self.max_context,
+            "draft": {"mode": self.config.draft, "max": self.config.draft_max,
+                      "drafted_tokens": self._drafted[0], "accepted_tokens": self._drafted[1]},
         }
         if self.store is not None:
             out["store"] = dataclasses.asdict(self.store.stats())
@@ -200,6 +205,7 @@ class Engine:
             room_for_row=self._room_for_row,
             cuts_of=lambda s: self._schedules[s.stream_id].cuts,
             keep_cuts_of=self._publishes,
+            drafts_of=self._drafts_for,
         )
         if not planned and busy:
             # Every busy lane decodes and none found a page: clear the store, else end the newest.
@@ -213,6 +219,21 @@ class Engine:
         rows = lane.num_rows + 1
         need = self.tables.pages_needed(lane, rows)
         return need == 0 or (self.admitter.free_pages(need, spare=()) and self.tables.grow(lane, rows))
+
+    def _drafts_for(self, lane: Lane) -> tuple[int, ...]:
+        """Tokens the lane's stream drafts this round: none without a drafter, past the stream's
+        token or context limit, or when pages for the verify rows are short."""
+        stream = lane.stream
+        if stream is None or stream.drafter is None:
+            return ()
+        done = stream.num_prompt + len(stream.generated)
+        limit = min(stream.req.max_tokens - len(stream.generated), self.max_context - done) - 1
+        drafts = stream.drafter.propose(stream.generated, limit)
+        rows = lane.num_rows + 1 + len(drafts)
+        need = self.tables.pages_needed(lane, rows)
+        if drafts and need and not (self.admitter.free_pages(need, spare=()) and self.tables.grow(lane, rows)):
+            return ()
+        return drafts
 
     def _keeps_cuts(self, stream: Stream) -> bool:
         """Whether `stream` keeps anything at its cuts (a snapshot, or the lane's state at its last cut)."""
@@ -245,12 +266,44 @@ class Engine:
                 if p.cut is not None and self._keeps_cuts(stream):
                     self._keep_cut(lane, stream, p.cut, res)
             else:
-                lane.ids.extend(work.tokens)
-                lane.prefilled_upto = end if self.info.invariant_rows else lane.prefilled_upto
+                self._postprocess_decode(lane, stream, work, res, events)
+                continue
             if work.sample_rows:
                 if res is None or len(res.sampled) != len(work.sample_rows):
                     raise RuntimeError(f"lane {lane.index}: the device sampled {res} for rows {work.sample_rows}")
                 self._emit(stream, res.sampled[0], res.logits if stream.req.want_logits else None, events)
+
+    def _postprocess_decode(self, lane: Lane, stream: Stream, work: LaneWork, res: LaneResult | None,
+                            events: list[Event]) -> None:
+        """Decode or verify rows: keep the rows whose tokens are emitted, emit them, trim pages
+        that held only rejected rows, and count the draft."""
+        if res is None or not 1 <= len(res.sampled) <= len(work.tokens):
+            raise RuntimeError(f"lane {lane.index}: the device sampled {res} for {len(work.tokens)} rows")
+        if work.drafts:
+            accepted = len(res.sampled) - 1
+            stream.draft_tokens += len(work.drafts)
+            stream.accepted_tokens += accepted
+            stream.drafter.record(len(work.drafts), accepted)
+            self.observer.on_draft(len(work.drafts), accepted)
+            self._drafted[0] += len(work.drafts)
+            self._drafted[1] += accepted
+        num = self._num_emitted(stream, res.sampled)
+        lane.ids.extend(work.tokens[:num])  # row i gave token i; later rows were rejected or unneeded
+        if self.info.invariant_rows:
+            lane.prefilled_upto = work.start + num
+        self.tables.trim(lane)
+        rows = res.logits if stream.req.want_logits else None
+        for i, token in enumerate(res.sampled[:num]):
+            self._emit(stream, token, rows if rows is None or not work.drafts else rows[i:i + 1], events)
+
+    def _num_emitted(self, stream: Stream, sampled: tuple[int, ...]) -> int:
+        """How many of `sampled` the stream emits: up to and including one that ends it."""
+        done = stream.num_prompt + len(stream.generated)
+        for i, token in enumerate(sampled):
+            if (token in stream.req.stop_ids or len(stream.generated) + i + 1 >= stream.req.max_tokens
+                    or done + i + 1 >= self.max_context):
+                return i + 1
+        return len(sampled)
 
     def _keep_cut(self, lane: Lane, stream: Stream, cut: int, res: LaneResult | None) -> None:
         """A prefill chunk ended at a cut: capture the lane's state and publish the rows below it."""

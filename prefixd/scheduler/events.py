@@ -17,6 +17,7 @@ class EngineObserver(Protocol):
     def on_eviction(self, reason: str, nbytes: int) -> None: ...
     def on_snapshot_copy(self, direction: str, nbytes: int) -> None: ...
     def on_store(self, bytes_held: int, budget_bytes: int) -> None: ...
+    def on_draft(self, num_drafted: int, num_accepted: int) -> None: ...
 
 
 class NullObserver:
@@ -47,4 +48,7 @@ class NullObserver:
         return None
 
     def on_store(self, bytes_held: int, budget_bytes: int) -> None:
+        return None
+
+    def on_draft(self, num_drafted: int, num_accepted: int) -> None:
         return None

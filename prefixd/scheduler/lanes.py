@@ -138,6 +138,13 @@ class PageTables:
         lane.pages.extend(fresh)
         return True
 
+    def trim(self, lane: Lane) -> None:
+        """Drop pages past the lane's rows (they held only rejected verify rows)."""
+        keep = pages_for(lane.num_rows, self.page_size)
+        if len(lane.pages) > keep:
+            self.allocator.decref(lane.pages[keep:])
+            del lane.pages[keep:]
+
     def rewind(self, lane: Lane, row: int) -> int:
         """Forget rows [row, ...) of `lane` and make row `row` writable; returns bytes copied.
 

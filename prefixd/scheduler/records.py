@@ -57,6 +57,11 @@ class LaneWork:
     Rows are positions [start, start + len(tokens)). `page_table` lists the lane's pages in
     order and covers every row up to start + len(tokens); the device writes this work's KV
     into those pages and attends only through them.
+
+    Verify rows: with `drafts`, tokens are (last accepted token, *drafts) and every row is
+    sampled; the device samples row i only while rows before it matched their draft, returns
+    the accepted drafts plus one more token in `sampled` (1..k+1 tokens), and rolls the lane's
+    state back to the last accepted row itself (captures and later rounds wait for that).
     """
 
     lane: int
@@ -67,6 +72,7 @@ class LaneWork:
     sample_rows: tuple[int, ...] = ()  # row indices (0-based in tokens) to sample a token after
     logits_rows: tuple[int, ...] = ()  # row indices whose float32 logits come back
     images: tuple[ImageRows, ...] = ()  # embeddings overlapping these rows
+    drafts: tuple[int, ...] = ()  # drafted tokens verified by rows 1..k (see above)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +85,13 @@ class RoundPlan:
 
 
 class DeviceRows(Protocol):
-    """Opaque device-side logits rows (gpu/ uses a float32 tensor of shape (n, vocab))."""
+    """Opaque device-side logits rows (gpu/ uses a float32 tensor of shape (n, vocab));
+    `rows[i:j]` are rows i..j-1."""
 
     @property
     def nbytes(self) -> int: ...
+
+    def __getitem__(self, rows: slice) -> "DeviceRows": ...
 
 
 class DeviceState(Protocol):
@@ -98,7 +107,7 @@ class DeviceState(Protocol):
 @dataclass(frozen=True, slots=True)
 class LaneResult:
     lane: int
-    sampled: tuple[int, ...] = ()  # one token per entry of LaneWork.sample_rows
+    sampled: tuple[int, ...] = ()  # one token per entry of LaneWork.sample_rows (verify: 1..k+1)
     logits: DeviceRows | None = None  # rows for LaneWork.logits_rows, in that order
 
 

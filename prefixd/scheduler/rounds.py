@@ -26,17 +26,20 @@ def images_over(images: Sequence[ImageRows], start: int, end: int) -> tuple[Imag
     return tuple(im for im in images if im.identity.at < end and start < im.identity.at + im.identity.tokens)
 
 
-def decode_work(lane: Lane, stream: Stream, page_size: int) -> LaneWork:
-    """One decode row: feed the last sampled token at the lane's next row, sample after it."""
+def decode_work(lane: Lane, stream: Stream, page_size: int, drafts: tuple[int, ...] = ()) -> LaneWork:
+    """One decode row: feed the last sampled token at the lane's next row, sample after it;
+    with `drafts`, also one verify row per drafted token, each sampled."""
     row = lane.num_rows
+    rows = tuple(range(1 + len(drafts)))
     return LaneWork(
         lane=lane.index,
         start=row,
-        tokens=(stream.generated[-1],),
-        page_table=tuple(lane.pages[: pages_for(row + 1, page_size)]),
+        tokens=(stream.generated[-1], *drafts),
+        page_table=tuple(lane.pages[: pages_for(row + len(rows), page_size)]),
         prefill=False,
-        sample_rows=(0,),
-        logits_rows=(0,) if stream.req.want_logits else (),
+        sample_rows=rows,
+        logits_rows=rows if stream.req.want_logits else (),
+        drafts=drafts,
     )
 
 
@@ -77,11 +80,13 @@ def plan_round(
     room_for_row: Callable[[Lane], bool],
     cuts_of: Callable[[Stream], Sequence[int]],
     keep_cuts_of: Callable[[Stream], bool],
+    drafts_of: Callable[[Lane], tuple[int, ...]] = lambda lane: (),
 ) -> tuple[RoundPlan, list[PlannedWork]]:
     """Plan one round.
 
     `decoding` lanes each add one row when `room_for_row(lane)` finds a page for it (a lane
-    without room sits this round out). `prefilling` lanes, in admission order, each add their
+    without room sits this round out), plus a verify row per token `drafts_of(lane)` drafts
+    (it finds pages for them itself, or drafts nothing). `prefilling` lanes, in admission order, each add their
     next whole chunk while rows stay within `row_budget`; the first chunk always goes.
     """
     planned: list[PlannedWork] = []
@@ -89,8 +94,9 @@ def plan_round(
     for lane in decoding:
         assert lane.stream is not None, f"lane {lane.index} decodes without a stream"
         if room_for_row(lane):
-            planned.append(PlannedWork(lane, lane.stream, decode_work(lane, lane.stream, page_size), None))
-            rows += 1
+            drafts = drafts_of(lane)
+            planned.append(PlannedWork(lane, lane.stream, decode_work(lane, lane.stream, page_size, drafts), None))
+            rows += 1 + len(drafts)
     num_chunks = 0
     for lane in prefilling:
         assert lane.stream is not None, f"lane {lane.index} prefills without a stream"

@@ -40,6 +40,7 @@ class StreamRequest:
     cache_key: tuple[int, ...] | None = None
     images: tuple[ImageRows, ...] = ()
     want_logits: bool = False
+    draft: bool = True  # False: this stream never drafts (the request's `draft: "off"`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,8 @@ class Usage:
     cache: str  # "miss" | "hit" | "resident" | "off"
     ttft_s: float
     total_s: float
+    draft_tokens: int = 0  # drafted tokens verified
+    accepted_tokens: int = 0  # of them, accepted
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +126,9 @@ class Stream:
     key: object | None = None  # store.ReuseKey of the prompt; None: may not reuse or keep
     hit: object | None = None  # a pinned store.Hit (pages held) found while waiting
     looked_up: bool = False
+    drafter: object | None = None  # drafting.StreamDrafter while the stream drafts
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def stream_id(self) -> int:
@@ -152,4 +158,6 @@ class Stream:
             cache=self.cache_result,
             ttft_s=ttft,
             total_s=now_s - self.submit_s,
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
         )
