@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--page-size", type=int, default=None, help="KV rows per page (default 16)")
     serve.add_argument("--grid", type=int, default=None, help="prefill chunk length G (default 256)")
     serve.add_argument("--max-context", type=int, default=None, help="context cap (default: the model's; 4096 on CPU)")
+    serve.add_argument("--draft", default=None, choices=("ngram", "off"),
+                       help="draft tokens to verify in each decode round: ngram (prompt lookup) or off (default off)")
+    serve.add_argument("--draft-max", type=int, default=None, help="most drafted tokens per lane and round (default 4)")
     serve.add_argument("--grace", type=float, default=None, metavar="SECONDS",
                        help="on SIGTERM, time in-flight streams get to finish (default 10)")
     serve.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))

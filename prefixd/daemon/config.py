@@ -13,6 +13,7 @@ DEFAULT_CUDA_LANES = 16
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_GRID = 256
 DEFAULT_GRACE_S = 10.0
+DEFAULT_DRAFT_MAX = 4
 # Without --max-context a CPU daemon caps the context: each lane's KV is reserved up front.
 DEFAULT_CPU_MAX_CONTEXT = 4096
 # `--cache-budget auto`: this share of the memory left after weights, lanes and workspace.
@@ -46,6 +47,8 @@ class DaemonConfig:
     grid: int = DEFAULT_GRID
     max_context: int | None = None  # None: the model's, capped on CPU
     log_level: str = "info"
+    draft: str = "off"  # "ngram" | "off"
+    draft_max: int = DEFAULT_DRAFT_MAX
 
     @property
     def num_lanes(self) -> int:
@@ -88,6 +91,10 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"--lanes {cfg.lanes}: needs at least 1")
     if cfg.page_size < 1 or cfg.grid < 1 or cfg.grid % cfg.page_size:
         raise ConfigError(f"--grid {cfg.grid} must be a positive multiple of --page-size {cfg.page_size}")
+    if cfg.draft not in ("ngram", "off"):
+        raise ConfigError(f"--draft {cfg.draft!r}: expected ngram or off")
+    if cfg.draft_max < 0:
+        raise ConfigError(f"--draft-max {cfg.draft_max}: must be >= 0")
     if cfg.grace_s < 0:
         raise ConfigError(f"--grace {cfg.grace_s}: must be >= 0")
     if cfg.max_context is not None and cfg.max_context < 2:
@@ -132,6 +139,8 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
             grid=int(pick("grid", "PREFIXD_GRID", DEFAULT_GRID)),
             max_context=None if max_context is None else int(max_context),
             log_level=str(pick("log_level", "PREFIXD_LOG_LEVEL", "info")),
+            draft=str(pick("draft", "PREFIXD_DRAFT", "off")),
+            draft_max=int(pick("draft_max", "PREFIXD_DRAFT_MAX", DEFAULT_DRAFT_MAX)),
         )
     except ValueError as e:
         if isinstance(e, ConfigError):

@@ -289,6 +289,8 @@ def _done_event(request_id: int, done: Any, *, stopped: bool, sent_ids: int) -> 
             "ttft_s": usage.ttft_s,
             "total_s": usage.total_s,
             "cache": usage.cache,
+            "draft_tokens": usage.draft_tokens,
+            "accepted_tokens": usage.accepted_tokens,
         },
     }
     if done.note:

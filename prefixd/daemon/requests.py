@@ -10,7 +10,7 @@ import numpy as np
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.framing import Limits
 from prefixd.ipc.messages import (
-    PROTOCOL_VERSION,
+    PROTOCOL_VERSIONS,
     Cancel,
     Detokenize,
     Generate,
@@ -60,10 +60,11 @@ class RequestBuilder:
 
     def hello(self, msg: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
         hello: Hello = self._parse(msg, Hello)
-        if PROTOCOL_VERSION not in hello.versions:
+        shared = [v for v in hello.versions if v in PROTOCOL_VERSIONS]
+        if not shared:
             raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
-                                f"versions {list(hello.versions)}: this daemon speaks {PROTOCOL_VERSION}", hello.id)
-        return {"type": "hello", "id": hello.id, **reply}
+                                f"versions {list(hello.versions)}: this daemon speaks {list(PROTOCOL_VERSIONS)}", hello.id)
+        return {"type": "hello", "id": hello.id, **reply, "version": max(shared)}
 
     def status(self, msg: dict[str, Any]) -> int:
         return self._parse(msg, Status).id
@@ -113,6 +114,7 @@ class RequestBuilder:
             cache_key=req.cache_key,
             images=tuple(self._image(image, req.id) for image in req.images),
             want_logits=req.logits,
+            draft=req.draft != "off",
         )
         return BuiltGenerate(req.id, request, req.stop)
 

@@ -87,7 +87,8 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
     runner = ModelRunner(checkpoint, device=device, dtype=dtype, num_lanes=cfg.num_lanes,
                          num_pages=num_pages, page_size=cfg.page_size)
     sched = SchedulerConfig(num_lanes=cfg.num_lanes, grid=cfg.grid, max_context=max_context,
-                            cache=cfg.cache, cache_budget_bytes=cfg.cache_budget_bytes)
+                            cache=cfg.cache, cache_budget_bytes=cfg.cache_budget_bytes,
+                            draft=cfg.draft, draft_max=cfg.draft_max)
     engine = Engine(runner, sched, observer=observer)
     info = runner.info
     model_info = {

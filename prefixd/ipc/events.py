@@ -96,6 +96,8 @@ class Usage:
     ttft_s: float = 0.0  # from receipt of the request to its first token
     total_s: float = 0.0
     cache: str = "miss"  # miss | hit | resident | off
+    draft_tokens: int = 0  # drafted tokens verified
+    accepted_tokens: int = 0  # of them, accepted
 
     @classmethod
     def read(cls, r: FieldReader) -> Usage:
@@ -107,6 +109,8 @@ class Usage:
             ttft_s=r.float("ttft_s", lo=0.0),
             total_s=r.float("total_s", lo=0.0),
             cache=r.str("cache", choices=CACHE_RESULTS),
+            draft_tokens=r.int("draft_tokens", 0),
+            accepted_tokens=r.int("accepted_tokens", 0),
         )
 
     @classmethod
@@ -118,6 +122,7 @@ class Usage:
             "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
             "prefilled_tokens": self.prefilled_tokens, "completion_tokens": self.completion_tokens,
             "ttft_s": self.ttft_s, "total_s": self.total_s, "cache": self.cache,
+            "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
         }
 
 

@@ -31,7 +31,9 @@ from prefixd.ipc.fields import MAX_TOKEN_ID, FieldReader, request_id_of
 from prefixd.ipc.framing import MemfdRef
 from prefixd.ipc.parts import MAX_IMAGE_HASH_BYTES, Image, Sampling, drop_none, read_chat_message  # noqa: F401
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 1  # what clients offer by default
+PROTOCOL_VERSIONS = (1, 2)  # what the daemon speaks; 2 adds generate.draft
+DRAFT_CHOICES = ("auto", "off")
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -88,6 +90,7 @@ class Generate(_Request):
     cache_key: tuple[int, ...] | None = None
     logits: bool = False  # token events carry logits_sha256
     images: tuple[Image, ...] = ()
+    draft: str = "auto"  # version 2: "off" keeps this request from drafting
 
     @classmethod
     def read(cls, r: FieldReader) -> Generate:
@@ -114,6 +117,7 @@ class Generate(_Request):
             cache_key=r.ints("cache_key", None),
             logits=r.bool("logits", False),
             images=r.each("images", r.list("images", []), Image.read),
+            draft=r.str("draft", "auto", choices=DRAFT_CHOICES),
         )
         _check_generate(msg, r)
         return msg
@@ -135,6 +139,7 @@ class Generate(_Request):
             "cache_key": None if self.cache_key is None else list(self.cache_key),
             "logits": self.logits,
             "images": [image.to_wire() for image in self.images] or None,
+            "draft": None if self.draft == "auto" else self.draft,
         })
 
 

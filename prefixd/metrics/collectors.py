@@ -61,6 +61,12 @@ class Metrics:
             "prefixd_round_duration_seconds", "Wall time of one lane round.",
             buckets=_ROUND_BUCKETS_S, registry=r,
         )
+        self.draft_tokens = Counter(
+            "prefixd_draft_tokens", "Drafted tokens verified, by result.", ["result"], registry=r
+        )
+        self.draft_rollbacks = Counter(
+            "prefixd_draft_rollbacks", "Verifies that rejected a draft and rolled their lane back.", registry=r
+        )
         self._prime_labels()
 
     def _prime_labels(self) -> None:
@@ -71,3 +77,5 @@ class Metrics:
             self.requests.labels(finish_reason=reason)
         for direction in ("save", "restore"):
             self.snapshot_copy_bytes.labels(direction=direction)
+        for result in ("accepted", "rejected"):
+            self.draft_tokens.labels(result=result)

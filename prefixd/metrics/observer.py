@@ -51,3 +51,10 @@ class MetricsObserver:
         m = self.metrics
         m.cache_bytes.set(bytes_held)
         m.cache_budget_bytes.set(budget_bytes)
+
+    def on_draft(self, num_drafted: int, num_accepted: int) -> None:
+        m = self.metrics
+        m.draft_tokens.labels(result="accepted").inc(num_accepted)
+        m.draft_tokens.labels(result="rejected").inc(num_drafted - num_accepted)
+        if num_accepted < num_drafted:
+            m.draft_rollbacks.inc()

@@ -61,3 +61,13 @@ def test_bad_values_name_the_flag(flags, needle):
 def test_bad_number_in_env_is_a_config_error():
     with pytest.raises(ConfigError, match="PREFIXD_"):
         config_from_args(_args(), env={"PREFIXD_LANES": "many"})
+
+
+def test_draft_mode_and_length_from_flags_and_env():
+    assert config_from_args(_args(), env={}).draft == "off"
+    cfg = config_from_args(_args(draft="ngram"), env={"PREFIXD_DRAFT_MAX": "6"})
+    assert (cfg.draft, cfg.draft_max) == ("ngram", 6)
+    with pytest.raises(ConfigError, match="--draft 'mtp'"):
+        config_from_args(_args(draft="mtp"), env={})
+    with pytest.raises(ConfigError, match="--draft-max -1"):
+        config_from_args(_args(draft_max=-1), env={})

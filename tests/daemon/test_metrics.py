@@ -26,6 +26,8 @@ NAMES = [
     "prefixd_prompt_tokens_total",
     "prefixd_generation_tokens_total",
     "prefixd_round_duration_seconds",
+    "prefixd_draft_tokens_total",
+    "prefixd_draft_rollbacks_total",
 ]
 
 
@@ -80,6 +82,18 @@ def test_observer_feeds_counters_gauges_and_histograms_with_exact_values():
     assert s[("prefixd_requests_total", (("finish_reason", "stop"),))] == 1
     assert s[("prefixd_prompt_tokens_total", ())] == 120
     assert s[("prefixd_generation_tokens_total", ())] == 7
+
+
+def test_draft_counters_split_accepted_and_rejected_and_count_rollbacks():
+    metrics = Metrics()
+    observer = MetricsObserver(metrics)
+    observer.on_draft(4, 4)  # all accepted: no rollback
+    observer.on_draft(3, 1)
+    observer.on_draft(2, 0)
+    got = _samples(metrics)
+    assert got[("prefixd_draft_tokens_total", (("result", "accepted"),))] == 5
+    assert got[("prefixd_draft_tokens_total", (("result", "rejected"),))] == 4
+    assert got[("prefixd_draft_rollbacks_total", ())] == 2
 
 
 def test_two_metrics_objects_do_not_share_a_registry():

@@ -105,6 +105,18 @@ async def test_status_reports_lanes_model_and_connections(tmp_path):
         assert hello.version == 1 and hello.model["vocab_size"] == 259
 
 
+async def test_hello_negotiates_version_2_and_a_generate_may_turn_drafting_off(tmp_path):
+    async with running_server(tmp_path) as server:
+        async with await AsyncClient.connect(server.socket_path) as client:
+            assert (await client.hello(versions=(1, 2, 7))).version == 2
+            assert (await client.hello(versions=(1,))).version == 1
+            status = await client.status()
+            async with client.generate(prompt="abc", max_tokens=2, draft="off") as stream:
+                result = [e async for e in stream]
+        assert status["draft"]["mode"] == "off"
+        assert (result[-1].usage.draft_tokens, result[-1].usage.accepted_tokens) == (0, 0)
+
+
 async def test_detokenize_and_logits_digests(tmp_path):
     async with running_server(tmp_path) as server:
         async with await AsyncClient.connect(server.socket_path) as client:

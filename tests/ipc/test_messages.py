@@ -193,3 +193,12 @@ def test_bad_events_are_refused_with_the_field(data: dict[str, Any], message: st
     with pytest.raises(ProtocolError) as info:
         parse_event(data)
     assert info.value.message == message
+
+
+def test_generate_draft_is_auto_unless_off_and_nothing_else() -> None:
+    assert parse_request({"type": "generate", "id": 1, "prompt": "x"}).draft == "auto"
+    msg = parse_request({"type": "generate", "id": 1, "prompt": "x", "draft": "off"})
+    assert msg.draft == "off" and msg.to_wire()["draft"] == "off"
+    assert "draft" not in parse_request({"type": "generate", "id": 1, "prompt": "x"}).to_wire()
+    with pytest.raises(ProtocolError, match="draft"):
+        parse_request({"type": "generate", "id": 1, "prompt": "x", "draft": "mtp"})
