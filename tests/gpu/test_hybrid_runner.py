@@ -155,3 +155,30 @@ def test_runner_greedy_matches_transformers(hybrid_dir: Path) -> None:
                             do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
     tokens, _ = _generate(_runner(hybrid_dir, num_lanes=1), 0, prompt, [0, 17, 40], n=16)
     assert tokens == want
+
+
+def _verify(lane: int, pos: int, last: int, drafts: list[int]) -> LaneWork:
+    rows = tuple(range(1 + len(drafts)))
+    return LaneWork(lane, pos, (last, *drafts), _pages(lane), False, sample_rows=rows, logits_rows=rows,
+                    drafts=tuple(drafts))
+
+
+def test_a_rejected_verify_then_an_immediate_capture_holds_only_accepted_rows(hybrid_dir: Path) -> None:
+    """A verify whose second draft is wrong rolls the lane back inside the round; a capture
+    taken at once (the rollback copy still in flight) must wait for it and hold the state of
+    a lane that decoded only the accepted rows. Skipping the rollback, or capturing before
+    its fence, makes the captured bytes differ."""
+    prompt = _prompt(40, seed=6)
+    ref = _runner(hybrid_dir)
+    t0 = ref.run_round(RoundPlan((_prefill(0, prompt, 0, 40),))).by_lane()[0].sampled[0]
+    t1 = ref.run_round(RoundPlan((_decode(0, 40, t0),))).by_lane()[0].sampled[0]
+    t2 = ref.run_round(RoundPlan((_decode(0, 41, t1),))).by_lane()[0].sampled[0]
+    want = ref.capture(0).data
+    runner = _runner(hybrid_dir)
+    runner.run_round(RoundPlan((_prefill(0, prompt, 0, 40),)))
+    wrong = (t2 + 1) % VOCAB
+    with runner.copies.defer():
+        res = runner.run_round(RoundPlan((_verify(0, 40, t0, [t1, wrong, 5]),))).by_lane()[0]
+        assert res.sampled == (t1, t2)  # t1 accepted, the wrong draft rejected: the model's t2
+        got = runner.capture(0).data
+    assert torch.equal(got, want)
