@@ -1,0 +1,151 @@
+"""Drafting benchmark: decode tok/s with n-gram drafts against without, beside llama.cpp.
+
+    python bench/draft.py            # 1 and 8 lanes, 128 tokens per reply
+    python bench/draft.py --quick    # 1 lane and 2 lanes, 48 tokens per reply
+
+Two workloads built from this repository's own text, rendered with the model's chat template:
+- echo: agent-style turns that quote a source function and ask for it back with one line
+  changed (the reply re-emits most of what the prompt holds);
+- prose: a request for new prose about a topic (the reply repeats little).
+
+For each workload and lane count: decode tok/s undrafted and drafted (tokens after every
+lane's first token, over the time since then), acceptance (accepted / drafted tokens) and
+mean accepted length per verify, and whether the token ids of both runs are equal (they
+must be). Beside them, llama.cpp (llama-cpp-python) on the same GGUF with and without its
+prompt-lookup drafting (`LlamaPromptLookupDecoding`), one sequence, greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.common import fmt_rate, fmt_ratio, markdown_table, print_machine  # noqa: E402
+from prefixd.scheduler.records import SamplingParams  # noqa: E402
+from prefixd.scheduler.streams import DoneEvent, StreamRequest, TokenEvent  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPICS = ["a lighthouse keeper", "a night train", "a city garden", "an old map", "a winter market",
+          "a river ferry", "a mountain radio", "a quiet library"]
+
+
+def functions(limit: int) -> list[str]:
+    """Source of small functions of this repository (8-30 lines)."""
+    out = []
+    for path in sorted((ROOT / "prefixd" / "scheduler").glob("*.py")):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef) and 8 <= node.end_lineno - node.lineno <= 30:
+                out.append(ast.get_source_segment(text, node))
+    return out[:limit]
+
+
+def echo_messages(i: int) -> list[dict]:
+    fns = functions(64)
+    fn = fns[i * 7 % len(fns)]
+    first = fn.splitlines()[1].strip()
+    return [{"role": "user", "content": f"Here is a function from the file:\n\n{fn}\n\n"
+             f"Apply this change: add a comment above the line `{first}` saying why it is there. "
+             "Reply with the whole function, changed, and nothing else."}]
+
+
+def prose_messages(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"Write a short original story about {TOPICS[i % len(TOPICS)]}."}]
+
+
+def run_engine(runner, tokenizer, workload, lanes: int, max_tokens: int, draft: str):
+    from prefixd.scheduler.config import SchedulerConfig
+    from prefixd.scheduler.engine import Engine
+
+    engine = Engine(runner, SchedulerConfig(num_lanes=lanes, cache=False, draft=draft, draft_max=4))
+    for i in range(lanes):
+        tokens = tuple(tokenizer.render_chat(workload(i)).ids)
+        engine.submit(StreamRequest(i, tokens, max_tokens, sampling=SamplingParams(),
+                                    stop_ids=frozenset(tokenizer.stop_ids)))
+    ids: dict[int, list[int]] = {i: [] for i in range(lanes)}
+    usage = {}
+    t_all_started = None
+    tokens_after = 0
+    while not engine.idle:
+        for ev in engine.step():
+            if isinstance(ev, TokenEvent):
+                ids[ev.stream_id] += ev.ids
+                if t_all_started is not None:
+                    tokens_after += len(ev.ids)
+            elif isinstance(ev, DoneEvent):
+                usage[ev.stream_id] = ev.usage
+        if t_all_started is None and all(ids.values()):
+            t_all_started = time.perf_counter()
+    elapsed = time.perf_counter() - t_all_started if t_all_started else float("nan")
+    return ids, usage, tokens_after / elapsed if elapsed > 0 else float("nan")
+
+
+def llama_cpp_rates(path: str, tokenizer, workload, max_tokens: int) -> tuple[float | None, float | None]:
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        return None, None
+    tokens = list(tokenizer.render_chat(workload(0)).ids)
+    rates = []
+    for draft in (None, LlamaPromptLookupDecoding(num_pred_tokens=4)):
+        llm = Llama(model_path=path, n_ctx=4096, n_threads=os.cpu_count() or 1, verbose=False, draft_model=draft)
+        llm.create_completion(tokens, max_tokens=1, temperature=0.0)  # warm and prefill once
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.create_completion(tokens, max_tokens=1, temperature=0.0)
+        prefill_s = time.perf_counter() - t0
+        llm.reset()
+        t0 = time.perf_counter()
+        out = llm.create_completion(tokens, max_tokens=max_tokens, temperature=0.0)
+        total_s = time.perf_counter() - t0
+        n = out["usage"]["completion_tokens"]
+        rates.append((n - 1) / max(total_s - prefill_s, 1e-9))
+    return rates[0], rates[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    args = parser.parse_args()
+    from prefixd.gpu.default_model import default_model_path
+    from prefixd.gpu.loading import load_checkpoint
+    from prefixd.gpu.runner import ModelRunner
+
+    lane_counts, max_tokens = ((1, 2), 48) if args.quick else ((1, 8), 128)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    ckpt = load_checkpoint(args.model, device=torch.device("cpu"), dtype=dtype)
+    runner = ModelRunner(ckpt, device=torch.device("cpu"), dtype=dtype, num_lanes=max(lane_counts),
+                         num_pages=max(lane_counts) * 96, page_size=16)
+    tok = ckpt.tokenizer
+    print_machine({"model": str(ckpt.path), "dtype": args.dtype, "reply tokens": str(max_tokens)})
+    rows = []
+    for name, workload in (("echo", echo_messages), ("prose", prose_messages)):
+        base = drafted = None
+        for lanes in lane_counts:
+            off_ids, _, base = run_engine(runner, tok, workload, lanes, max_tokens, "off")
+            on_ids, usage, drafted = run_engine(runner, tok, workload, lanes, max_tokens, "ngram")
+            drafted_n = sum(u.draft_tokens for u in usage.values())
+            accepted_n = sum(u.accepted_tokens for u in usage.values())
+            rows.append([name, lanes, fmt_rate(base), fmt_rate(drafted), fmt_ratio(drafted, base),
+                         f"{accepted_n / drafted_n:.2f}" if drafted_n else "-",
+                         "yes" if off_ids == on_ids else "NO"])
+        if args.model == "default":
+            plain, lookup = llama_cpp_rates(str(default_model_path()), tok, workload, max_tokens)
+            rows.append([f"{name} (llama.cpp)", 1, fmt_rate(plain), fmt_rate(lookup), fmt_ratio(lookup, plain), "-", "-"])
+    print(markdown_table(["workload", "lanes", "undrafted tok/s", "drafted tok/s", "ratio", "acceptance",
+                          "ids equal"], rows))
+
+
+if __name__ == "__main__":
+    main()
