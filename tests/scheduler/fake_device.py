@@ -71,7 +71,7 @@ def make_info(
 class _Sampler:
     seed: int
     greedy: bool
-    count: int = 0
+    first_position: int = 0
 
 
 @dataclass
@@ -91,7 +91,7 @@ class FakeDevice:
     # -- Device protocol --------------------------------------------------------------
 
     def start_stream(self, lane: int, sampling: SamplingParams, history: Sequence[int]) -> None:
-        self.samplers[lane] = _Sampler(seed=sampling.seed or 0, greedy=sampling.greedy)
+        self.samplers[lane] = _Sampler(seed=sampling.seed or 0, greedy=sampling.greedy, first_position=len(history))
         self.starts.append((lane, tuple(history)))
 
     def run_round(self, plan: RoundPlan) -> RoundResult:
@@ -102,13 +102,14 @@ class FakeDevice:
         results = []
         for work in plan.lanes:
             values = self._forward(work)
-            sampled = tuple(self._pick(work.lane, values[i]) for i in work.sample_rows)
+            sampled = self._verify(work, values) if work.drafts else tuple(
+                self._pick(work.lane, values[i], work.start + i + 1) for i in work.sample_rows)
             logits = FakeRows(tuple(values[i] for i in work.logits_rows), self.info.logits_row_bytes) if work.logits_rows else None
             results.append(LaneResult(lane=work.lane, sampled=sampled, logits=logits))
         return RoundResult(tuple(results), forward_s=0.0)
 
     def sample(self, lane: int, logits: FakeRows, row: int = 0) -> int:
-        return self._pick(lane, logits.values[row])
+        return self._pick(lane, logits.values[row], self.samplers[lane].first_position)
 
     def capture(self, lane: int) -> FakeState:
         return FakeState(self.state[lane], self.info.lane_state_bytes)
@@ -159,12 +160,21 @@ class FakeDevice:
             out.append(tok)
         return tuple(out)
 
-    def _pick(self, lane: int, value: int) -> int:
+    def _pick(self, lane: int, value: int, position: int) -> int:
+        """Greedy: a function of the row; sampled: of the row, the seed and the position."""
         sampler = self.samplers[lane]
         if sampler.greedy:
             return value % self.info.vocab_size
-        sampler.count += 1
-        return _h(value, sampler.seed, sampler.count) % self.info.vocab_size
+        return _h(value, sampler.seed, position) % self.info.vocab_size
+
+    def _verify(self, work, values: list[int]) -> tuple[int, ...]:
+        """Verify rows as the real device samples them: up to the first rejected draft."""
+        out = []
+        for i in range(len(work.tokens)):
+            out.append(self._pick(work.lane, values[i], work.start + i + 1))
+            if i == len(work.drafts) or out[-1] != work.drafts[i]:
+                break
+        return tuple(out)
 
 
 def reference_tokens(prompt: Sequence[int], max_tokens: int, vocab_size: int = 1000) -> list[int]:
