@@ -57,19 +57,21 @@ def runner(request, tmp_path_factory) -> ModelRunner:
     else:
         make_tiny_hf_dir(path, request.param, seed=1, tie_word_embeddings=True, num_hidden_layers=2)
     ckpt = load_checkpoint(path, device=CPU, dtype=torch.float32)
-    return ModelRunner(ckpt, device=CPU, dtype=torch.float32, num_lanes=4, num_pages=96, page_size=PAGE)
+    return ModelRunner(ckpt, device=CPU, dtype=torch.float32, num_lanes=4, num_pages=512, page_size=PAGE)
 
 
 def echo_prompt(vocab: int, seed: int) -> tuple[int, ...]:
-    """A prompt that repeats itself (as agent transcripts do), so lookups find matches."""
+    """A prompt that repeats itself (as agent transcripts do) after a sweep over many ids, so
+    lookups find matches for most tokens even a random tiny model produces."""
+    sweep = [(seed + 2 * i) % vocab for i in range(min(256, vocab // 2))]
     line = [(seed * 97 + 13 * i) % vocab for i in range(6)]
-    return tuple(line * 3 + [(seed + 5) % vocab, (seed + 9) % vocab] + line[:2])
+    return tuple(sweep + line * 3 + [(seed + 5) % vocab, (seed + 9) % vocab] + line[:2])
 
 
 def play(runner, reqs: list[StreamRequest], *, draft: str, cache: bool = False, turns: int = 1):
     """Run `reqs` together for `turns` turns (each turn's prompt: the last prompt, its reply
     and two more tokens); returns {(stream, turn): (ids, logits rows, usage)}."""
-    engine = Engine(runner, SchedulerConfig(num_lanes=4, grid=8, round_row_budget=16, cache=cache,
+    engine = Engine(runner, SchedulerConfig(num_lanes=4, grid=64, round_row_budget=128, cache=cache,
                                             draft=draft, draft_max=4))
     out = {}
     for t in range(turns):
