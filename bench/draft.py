@@ -140,6 +140,7 @@ def main() -> None:
             rows.append([name, lanes, fmt_rate(base), fmt_rate(drafted), fmt_ratio(drafted, base),
                          f"{accepted_n / drafted_n:.2f}" if drafted_n else "-",
                          "yes" if off_ids == on_ids else "NO"])
+            print("measured:", rows[-1], flush=True)
         if args.model == "default":
             plain, lookup = llama_cpp_rates(str(default_model_path()), tok, workload, max_tokens)
             rows.append([f"{name} (llama.cpp)", 1, fmt_rate(plain), fmt_rate(lookup), fmt_ratio(lookup, plain), "-", "-"])

@@ -144,3 +144,26 @@ def test_rejected_drafts_cross_page_boundaries(runner):
     assert_same(off, on)
     crossing = [(s, n, a) for s, n, a in rec.verifies if a < n and (s + a - 1) // PAGE < (s + n - 1) // PAGE]
     assert crossing, rec.verifies
+
+
+@pytest.fixture(scope="module")
+def default_runner() -> ModelRunner:
+    from tests.helpers.tiny_models import default_gguf_path
+
+    path = default_gguf_path()
+    if path is None:
+        pytest.skip("the default model is not installed")
+    ckpt = load_checkpoint(path, device=CPU, dtype=torch.bfloat16)
+    return ModelRunner(ckpt, device=CPU, dtype=torch.bfloat16, num_lanes=4, num_pages=256, page_size=PAGE)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_the_default_model_drafted_equals_undrafted(default_runner, sampling):
+    """The default model (bf16, the daemon's CPU mode), two lanes: one drafting, one not."""
+    line = [28, 1152, 314, 253, 3459, 30, 1033, 2205]  # an echo-heavy prompt of real ids
+    reqs = [StreamRequest(s, tuple(line * 4 + line[:3]), 24, sampling=sampling, want_logits=True, draft=s == 1)
+            for s in (1, 2)]
+    off = play(default_runner, reqs, draft="off")
+    on = play(default_runner, reqs, draft="ngram")
+    assert_same(off, on)
+    assert on[1, 0][2].draft_tokens > 0 and on[2, 0][2].draft_tokens == 0
