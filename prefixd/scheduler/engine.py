@@ -172,6 +172,7 @@ class Engine:
         if self.store is not None:
             out["store"] = dataclasses.asdict(self.store.stats())
         if self.disk is not None:
+            self.disk.poll()
             out["disk"] = dataclasses.asdict(self.disk.stats())
         return out
 

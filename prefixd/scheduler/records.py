@@ -114,7 +114,8 @@ class RoundResult:
 
 @dataclass(frozen=True, slots=True)
 class PagePayload:
-    """Host copies for the disk tier: KV pages in the device's page layout, a lane state and
+    """Host copies for the disk tier: KV pages page-major (each page's bytes together, so a
+    file's leading pages are a prefix of its bytes), a lane state and
     a logits row, each a bytes-like buffer (state / logits None when there are none)."""
 
     kv: Any
@@ -124,7 +125,7 @@ class PagePayload:
 
 @dataclass(frozen=True, slots=True)
 class PageLoad:
-    """Load `kv` (len(pages) pages' bytes in the device's page layout) into `pages`."""
+    """Load `kv` (len(pages) pages' bytes, page-major as `PagePayload.kv`) into `pages`."""
 
     pages: tuple[int, ...]
     kv: Any

@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +20,9 @@ from prefixd.ipc.sync_client import SyncClient
 from tests.helpers.tiny_models import make_tiny_hf_dir
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+# XDG_CACHE_HOME: the daemons' disk tier (on by default) goes to a directory of this run's own
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+       "XDG_CACHE_HOME": tempfile.mkdtemp(prefix="prefixd-test-cache-")}
 PREFIXD = [sys.executable, "-m", "prefixd.daemon.cli"]
 LIVENESS_S = 180  # bounds on waiting for a process, never asserted
 
