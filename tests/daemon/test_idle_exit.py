@@ -32,7 +32,7 @@ def _activate(model: Path, sock: Path, disk: Path, log: Path) -> subprocess.Pope
     cmd = ["systemd-socket-activate", "-l", str(sock), "-E", f"PYTHONPATH={ROOT}",
            sys.executable, "-m", "prefixd.daemon.cli", "serve", "--model", str(model),
            "--socket", str(sock.parent / "unused.sock"), "--metrics-addr", "", "--lanes", "1",
-           "--max-context", "512", "--cache-budget", "8M", "--disk-cache", str(disk), "--idle-exit", "1"]
+           "--max-context", "512", "--cache-budget", "64M", "--disk-cache", str(disk), "--idle-exit", "1"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + LIVENESS_S
