@@ -112,20 +112,22 @@ class DiskTier:
                 or meta.num_pages != -(-meta.cut // ident.page_size):
             raise BadFile("part sizes disagree with the layout")
 
-    def _add_scanned(self, digest: bytes, metas: dict, added: set[bytes]) -> bool:
-        if digest in added:
-            return True
-        meta, mtime = metas.pop(digest, (None, 0.0))
-        if meta is None:
-            return False
-        if meta.parent is not None and not self._add_scanned(meta.parent, metas, added):
-            self._remove_file(digest, f"its parent {meta.parent.hex()[:12]} is gone")
-            return False
-        size = (self.directory / f"{digest.hex()}{SUFFIX}").stat().st_size
-        self.index.add(DiskEntry(digest, meta.parent, meta.cut, meta.first_page, meta.num_pages, size,
-                                 meta.logits_bytes > 0, self.index.next_seq(), mtime, durable=True))
-        added.add(digest)
-        return True
+    def _add_scanned(self, digest: bytes, metas: dict, added: set[bytes]) -> None:
+        """Index `digest` after its ancestors; a file whose chain breaks is removed."""
+        chain = []
+        while digest is not None and digest not in added:  # walk up to an indexed ancestor or a root
+            meta, mtime = metas.pop(digest, (None, 0.0))
+            if meta is None:
+                for orphan, _, _ in chain:
+                    self._remove_file(orphan.digest, f"its parent {digest.hex()[:12]} is gone")
+                return
+            chain.append((meta, mtime, digest))
+            digest = meta.parent
+        for meta, mtime, d in reversed(chain):
+            size = (self.directory / f"{d.hex()}{SUFFIX}").stat().st_size
+            self.index.add(DiskEntry(d, meta.parent, meta.cut, meta.first_page, meta.num_pages, size,
+                                     meta.logits_bytes > 0, self.index.next_seq(), mtime, durable=True))
+            added.add(d)
 
     # -- write-through ----------------------------------------------------------------
     def offer(self, key: ReuseKey, schedule: Schedule, cut: int, pages: Sequence[int], snapshot: Snapshot) -> str:

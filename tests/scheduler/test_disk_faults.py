@@ -145,3 +145,14 @@ def test_a_full_writer_queue_skips_the_write_and_counts_it(tmp_path):
     r = req(1, SYSTEM, max_tokens=1)
     assert turn(engine, r)[0] == cold(r)
     assert tier.stats().skipped == 3 and tier.stats().entries == 0
+
+
+def test_files_chaining_on_a_missing_file_are_removed_at_start_up(tmp_path):
+    chain = warm_dir(tmp_path)
+    chain[1].unlink()
+    engine, _, tier = disk_engine(tmp_path)
+    assert (tier.stats().entries, tier.stats().corrupt) == (1, 0)  # the root stays; the orphan goes, uncounted
+    assert chain[0].exists() and not chain[2].exists()
+    r = req(2, SYSTEM + [1, 2, 3], max_tokens=3)
+    tokens, done = turn(engine, r)
+    assert tokens == cold(r) and done.usage.cached_tokens == 4

@@ -171,8 +171,16 @@ class DiskIndex:
 
     def subtree(self, e: DiskEntry) -> list[DiskEntry]:
         """`e` and every entry chaining on it, leaves first (the order they can be removed)."""
-        below = [c for c in self.entries.values() if c.parent == e.digest]
-        return [x for c in below for x in self.subtree(c)] + [e]
+        below: dict[bytes, list[DiskEntry]] = {}
+        for c in self.entries.values():
+            if c.parent is not None:
+                below.setdefault(c.parent, []).append(c)
+        order, todo = [], [e]
+        while todo:  # parents before children, then reversed; chains may be thousands deep
+            x = todo.pop()
+            order.append(x)
+            todo.extend(below.get(x.digest, ()))
+        return order[::-1]
 
     def find(self, key: ReuseKey, schedule: Schedule, *, below: int | None = None,
              durable_only: bool = True, observe: bool = False) -> DiskEntry | None:
