@@ -35,6 +35,7 @@ from prefixd.metrics import Metrics, MetricsExporter, MetricsObserver, parse_met
 
 log = logging.getLogger("prefixd.server")
 _CANCEL_FLUSH_S = 5.0
+DISK_FLUSH_S = 120.0  # at shutdown, time the disk tier's writer gets to finish its queue
 SEND_TIMEOUT_S = 30.0  # a client that takes no bytes for this long is disconnected  # after the grace period: time for cancelled streams to send their done
 
 RuntimeFactory = Callable[[DaemonConfig, Any], Runtime]
@@ -158,7 +159,7 @@ class Server:
             await self._host.stop()
         if getattr(self._runtime, "disk", None) is not None:
             disk, self._runtime = self._runtime.disk, dataclasses.replace(self._runtime, disk=None)
-            await anyio.to_thread.run_sync(disk.close)  # every queued entry file is written
+            await anyio.to_thread.run_sync(disk.close, DISK_FLUSH_S)  # every queued entry file is written
             self._out.write(f"prefixd: disk cache flushed ({disk.stats().entries} entries)\n")
         if self._exporter is not None:
             self._exporter.close()

@@ -117,12 +117,16 @@ class DiskWriter:
             job = self._jobs.get()
             if job is None:
                 return
-            if isinstance(job, WriteJob):
-                self._do_write(job)
-            elif job[0] == "delete":
-                self._do_delete(job[1])
-            else:
-                job[1].set()
+            try:
+                if isinstance(job, WriteJob):
+                    self._do_write(job)
+                elif job[0] == "delete":
+                    self._do_delete(job[1])
+                else:
+                    job[1].set()
+            except Exception as e:  # a bug must not stop the thread: flush() and close() wait on it
+                log.exception("disk cache writer failed")
+                self._turn_off(f"writer error {e!r}")
 
     def _do_write(self, job: WriteJob) -> None:
         try:
