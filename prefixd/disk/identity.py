@@ -8,6 +8,7 @@ and mtime kept would escape this; the key is what `make` and package managers ch
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -76,4 +77,5 @@ def _write(cache: Path, known: dict[str, str]) -> None:
         os.replace(temp, cache)
     except OSError as e:  # the hash is still right; the next start computes it again
         log.warning("cannot cache the model hash in %s: %s", cache.parent, e)
-        temp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # nothing to clean up where nothing could be made
+            temp.unlink(missing_ok=True)
