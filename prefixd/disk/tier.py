@@ -12,6 +12,7 @@ counted (`corrupt`) and removed. Torch-free; the device does the copies.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import time
@@ -27,6 +28,7 @@ from prefixd.scheduler.store import PRESENT, REPLACED, SAVED, ReuseKey, Snapshot
 from prefixd.scheduler.store.disk_index import DiskEntry, DiskIndex, KeyDigests, TierIdentity, cut_hashes
 
 log = logging.getLogger("prefixd.disk")
+LOCK_FILE = "lock"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,7 @@ class DiskTier:
         self.store: Any = None
         self.allocator: Any = None
         self.device: Any = None
+        self._lock_fd: int | None = None
         self._open()
         self.writer = writer if writer is not None else DiskWriter(self.directory)
         self._report()
@@ -77,6 +80,7 @@ class DiskTier:
     def _open(self) -> None:
         """Rebuild the index from the files: stray temp files and bad files are removed."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_directory()
         metas: dict[bytes, tuple[FileMeta, float]] = {}
         for item in os.scandir(self.directory):
             if item.name.endswith(TEMP_SUFFIX):
@@ -88,6 +92,17 @@ class DiskTier:
         added: set[bytes] = set()
         for digest in sorted(metas, key=lambda d: metas[d][1]):
             self._add_scanned(digest, metas, added)
+
+    def _lock_directory(self) -> None:
+        """One daemon per directory: another would take this one's temp files for torn writes.
+        Raises OSError (the caller turns the tier off) when another process holds it."""
+        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            raise OSError(e.errno, f"another process uses {self.directory}") from None
+        self._lock_fd = fd  # held until close() or the process ends
 
     def _scan(self, path: Path) -> tuple[FileMeta, float] | None:
         try:
@@ -295,5 +310,9 @@ class DiskTier:
         return done
 
     def close(self, timeout_s: float | None = None) -> None:
+        """Finish the queued writes, end the writer, and let another process use the directory."""
         self.writer.close(timeout_s)
         self.poll()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

@@ -73,6 +73,7 @@ def test_a_flipped_body_byte_is_caught_on_read_and_the_entries_chaining_on_it_le
     tier.flush()
     # removed with the file chaining on it; the cold run then wrote a good one under its name
     assert middle.read_bytes() != bytes(data) and chain[0].exists()
+    tier.close()
     engine2, _, tier2 = disk_engine(tmp_path)
     assert turn(engine2, req(3, SYSTEM + [1, 2, 3], max_tokens=3))[1].usage.cached_tokens == 13
     assert tier2.stats().corrupt == 0
@@ -123,7 +124,7 @@ def test_a_full_disk_turns_the_tier_off_once_and_serving_goes_on(tmp_path, caplo
     tokens2, done = turn(engine, req(2, SYSTEM + [1, 2, 3, 4, 5], max_tokens=2))  # served from RAM
     assert tokens == cold(r) and done.usage.cached_tokens > 0
     assert tier.stats().off is not None and tier.stats().entries == 0
-    assert not list(tmp_path.iterdir())  # no temp file left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["lock"]  # no temp file left behind
     assert sum("disk cache off" in m for m in caplog.messages) == 1
 
 
@@ -156,3 +157,25 @@ def test_files_chaining_on_a_missing_file_are_removed_at_start_up(tmp_path):
     r = req(2, SYSTEM + [1, 2, 3], max_tokens=3)
     tokens, done = turn(engine, r)
     assert tokens == cold(r) and done.usage.cached_tokens == 4
+
+
+def test_a_second_tier_on_a_directory_in_use_refuses_it(tmp_path):
+    import pytest as _pytest
+
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from pathlib import Path
+        from tests.scheduler.disk_rig import make_tier
+        from tests.scheduler.fake_device import make_info
+        make_tier(Path({str(tmp_path)!r}), make_info())
+        print("held", flush=True)
+        sys.stdin.read()
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with _pytest.raises(OSError, match="another process uses"):
+            disk_engine(tmp_path)
+    finally:
+        holder.communicate("")
