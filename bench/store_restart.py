@@ -1,7 +1,8 @@
 """`bench/store.py --restart`: the disk tier across a restart, on the agent trace.
 
 - restart: a daemon replays the trace up to its last turn, is stopped (SIGTERM, the disk tier
-  flushed) and started again on the same --disk-cache; the last turn is sent to the new daemon
+  flushed) and started again on the same --disk-cache; after one short unrelated request (a
+  fresh process's first forward pays one-off costs), the last turn is sent to the new daemon
   (served from disk), then again with the cache off (cold). The same turn served from RAM
   comes from a daemon that replayed the whole trace without a restart.
 - round time with the tier writing (the whole trace, --disk-cache on) against the tier off
@@ -108,6 +109,9 @@ def run_restart(args: argparse.Namespace, trace: Trace, common: list[str], kv_by
         with spawn_daemon([*flags, "--disk-cache", str(restart)], model=args.model) as h:
             anyio.run(_replay, h, trace, args.max_tokens, last - 1)
         with spawn_daemon([*flags, "--disk-cache", str(restart)], model=args.model) as h:
+            # a fresh process's first forward pays one-off costs (allocator, kernels) that are not
+            # the disk tier's: one short unrelated request first, with the cache off
+            anyio.run(_one, h, [{"role": "user", "content": "warm up"}], 1, False)
             from_disk = anyio.run(_one, h, ram.messages[-1], args.max_tokens, True)
             cold = anyio.run(_one, h, ram.messages[-1], args.max_tokens, False)
     return _tables(ram, from_disk, cold, on_rounds, off_rounds, disk_bytes, ram.distinct_tokens(), kv_bytes_per_token)
