@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from prefixd.daemon.stops import StopSet
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.framing import Limits
 from prefixd.ipc.messages import (
@@ -29,7 +30,7 @@ class BuiltGenerate:
 
     request_id: int
     request: StreamRequest
-    stop: tuple[str, ...]
+    stop: StopSet  # prepared here, in the worker thread, not on the event loop
 
 
 class RequestBuilder:
@@ -117,7 +118,7 @@ class RequestBuilder:
             images=tuple(self._image(image, req.id) for image in req.images),
             want_logits=req.logits,
         )
-        return BuiltGenerate(req.id, request, req.stop)
+        return BuiltGenerate(req.id, request, StopSet(req.stop))
 
     def _render(self, messages: tuple[dict[str, Any], ...], request_id: int,
                 client_gone: Callable[[], bool] | None) -> Any:

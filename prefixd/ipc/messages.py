@@ -32,6 +32,8 @@ from prefixd.ipc.parts import MAX_IMAGE_HASH_BYTES, Image, Sampling, drop_none, 
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_TOKENS = 256
+MAX_STOP_STRINGS = 128  # stop strings in one generate
+MAX_STOP_CHARS = 256  # characters in one stop string
 
 
 class _Request:
@@ -140,8 +142,13 @@ class Generate(_Request):
 def _check_generate(msg: Generate, r: FieldReader) -> None:
     if msg.tokens is not None and not msg.tokens:
         raise r.error("tokens", "must not be empty")
+    if len(msg.stop) > MAX_STOP_STRINGS:
+        raise r.error("stop", f"{len(msg.stop)} stop strings; at most {MAX_STOP_STRINGS}")
     if any(not s for s in msg.stop):
         raise r.error("stop", "stop strings must not be empty")
+    longest = max((len(s) for s in msg.stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise r.error("stop", f"a stop string of {longest} characters; at most {MAX_STOP_CHARS} each")
     starts = msg.chunk_starts or ()
     if any(b <= a for a, b in zip(starts, starts[1:])):
         raise r.error("chunk_starts", "must be strictly increasing")

@@ -1,0 +1,25 @@
+"""Per-request bounds through the socket (issue 8): stop strings, prompt plus max_tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixd.ipc.client import AsyncClient
+from prefixd.ipc.errors import ClientError
+from prefixd.ipc.messages import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from tests.daemon.fakes import letter_after
+from tests.daemon.harness import running_server, wait_idle
+
+
+async def test_too_many_stop_strings_is_refused_and_the_bound_still_matches(tmp_path):
+    async with running_server(tmp_path) as server:
+        async with await AsyncClient.connect(server.socket_path) as client:
+            with pytest.raises(ClientError) as err:
+                await client.generate(prompt="abc", max_tokens=4, stop=["zz"] * (MAX_STOP_STRINGS + 1)).collect()
+            assert err.value.code == "bad_request"
+            assert err.value.message == f"stop: {MAX_STOP_STRINGS + 1} stop strings; at most {MAX_STOP_STRINGS}"
+            # The most a request may send: 127 long non-matching stops and one that matches.
+            stops = [f"{i:03d}" + "q" * (MAX_STOP_CHARS - 3) for i in range(MAX_STOP_STRINGS - 1)] + ["ef"]
+            result = await client.generate(prompt="abc", max_tokens=20, stop=stops).collect()
+        assert (result.finish_reason, result.text) == ("stop", "cd")
+        await wait_idle(server)
