@@ -123,7 +123,10 @@ class ChatTemplate:
 def _instrumented(env: jinja2.Environment, source: str) -> jinja2.Template | None:
     """The template with `{{ prefixd_mark__(x) }}` first in the body of every `for x in` loop,
     or None when it has no such loop. Output is unchanged while the mark returns ""."""
-    ast = env.parse(source)
+    try:
+        ast = env.parse(source)
+    except jinja2.TemplateError:
+        return None
     found = False
     for loop in ast.find_all(nodes.For):
         if isinstance(loop.target, nodes.Name):
@@ -132,7 +135,12 @@ def _instrumented(env: jinja2.Environment, source: str) -> jinja2.Template | Non
             output.set_lineno(loop.lineno)
             loop.body.insert(0, output)
             found = True
-    return env.from_string(ast) if found else None
+    if not found:
+        return None
+    try:
+        return env.from_string(ast)
+    except (jinja2.TemplateError, SyntaxError, TypeError, ValueError):
+        return None  # starts then come from prefix renders alone (see chat_starts.py)
 
 
 def load_hf_templates(root: Path, tok_cfg: Mapping[str, Any]) -> tuple[str | None, dict[str, str]]:
@@ -198,7 +206,9 @@ def render_conversation(template: ChatTemplate, messages: list[dict], tokenizer:
     check_chat_size(messages)
     finder = StartFinder(template, messages, tools=tools, kwargs=kwargs, should_stop=should_stop,
                          nonce=secrets.token_hex(8))
-    text = finder.render(messages, add_generation_prompt=add_generation_prompt)
+    # The text (and so the ids) comes from the template as written, not its instrumented twin.
+    text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+    finder.poll()
     chars = finder.char_starts(text, add_generation_prompt=add_generation_prompt)
     finder.poll()
     ids = tokenizer.encode(text)

@@ -113,6 +113,8 @@ def test_starts_equal_the_prefix_render_definition(tok: Tokenizer, name: str) ->
             messages = conversation(rng, num, tools=name == "qwen25", reasoning=name == "qwen3")
             rendered = render_conversation(template, messages, tok, add_generation_prompt=gen)
             ids, starts = defined(template, messages, tok, gen)
+            # The instrumented twin renders the same text while its marks are empty.
+            assert template.render(messages, add_generation_prompt=gen, mark=lambda item: "") == rendered.text
             assert rendered.ids == ids
             if name in ("last_different", "qwen3") and num > chat_starts.MAX_PREFIX_RENDERS:
                 # These render earlier messages differently once later ones exist; past the
