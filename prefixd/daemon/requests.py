@@ -11,7 +11,6 @@ from prefixd.daemon.stops import StopSet
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.framing import Limits
 from prefixd.ipc.messages import (
-    DEFAULT_MAX_TOKENS,
     PROTOCOL_VERSION,
     Cancel,
     Detokenize,
@@ -109,7 +108,7 @@ class RequestBuilder:
         request = StreamRequest(
             stream_id=stream_id,
             tokens=tokens,
-            max_tokens=DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
+            max_tokens=req.max_tokens,
             sampling=SamplingParams(s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty, s.seed),
             stop_ids=frozenset(req.stop_ids) | frozenset(self.tokenizer.stop_ids),
             chunk_starts=req.chunk_starts if req.chunk_starts is not None else starts,
@@ -118,7 +117,6 @@ class RequestBuilder:
             cache_key=req.cache_key,
             images=tuple(self._image(image, req.id) for image in req.images),
             want_logits=req.logits,
-            max_tokens_defaulted=req.max_tokens is None,
         )
         return BuiltGenerate(req.id, request, StopSet(req.stop))
 

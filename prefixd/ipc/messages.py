@@ -79,7 +79,7 @@ class Generate(_Request):
     prompt: str | None = None
     tokens: tuple[int, ...] | None = None
     messages: tuple[dict[str, Any], ...] | None = None
-    max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS, or fewer where the context ends first
+    max_tokens: int = DEFAULT_MAX_TOKENS
     sampling: Sampling = field(default_factory=Sampling)
     stop: tuple[str, ...] = ()
     stop_ids: tuple[int, ...] = ()
@@ -105,7 +105,7 @@ class Generate(_Request):
             prompt=r.str("prompt", None),
             tokens=r.ints("tokens", None, hi=MAX_TOKEN_ID, code=ErrorCode.INVALID_TOKEN),
             messages=messages,
-            max_tokens=r.int("max_tokens", None, lo=1, hi=(1 << 31) - 1),
+            max_tokens=r.int("max_tokens", DEFAULT_MAX_TOKENS, lo=1, hi=(1 << 31) - 1),
             sampling=Sampling.read(r.nested("sampling", r.map("sampling", {}))),
             stop=r.strs("stop", ()),
             stop_ids=r.ints("stop_ids", (), hi=MAX_TOKEN_ID, code=ErrorCode.INVALID_TOKEN),

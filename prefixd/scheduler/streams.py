@@ -26,8 +26,6 @@ class StreamRequest:
     A sampled id in `stop_ids` ends the stream ("stop") and is the last id emitted.
     `chunk_starts` ascend inside [0, n); a start at 0 (a first message) is implied and dropped.
     `cache_key`, when given, replaces `tokens` as the reuse identity.
-    Prompt plus `max_tokens` past the context is refused (context_overflow) unless
-    `max_tokens_defaulted`: a default the client did not ask for ends at the context instead.
     """
 
     stream_id: int
@@ -42,7 +40,6 @@ class StreamRequest:
     cache_key: tuple[int, ...] | None = None
     images: tuple[ImageRows, ...] = ()
     want_logits: bool = False
-    max_tokens_defaulted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +89,6 @@ def validate_request(req: StreamRequest, *, vocab_size: int, max_context: int, p
             raise RequestError("invalid_token", f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
     if req.max_tokens <= 0:
         raise RequestError("bad_request", f"max_tokens must be positive, got {req.max_tokens}")
-    if n + req.max_tokens > max_context and not req.max_tokens_defaulted:
-        raise RequestError(
-            "context_overflow",
-            f"the prompt has {n} tokens and max_tokens is {req.max_tokens}: {n + req.max_tokens} exceed the "
-            f"context of {max_context}; ask for at most {max_context - n}",
-        )
     prev = -1
     for s in req.chunk_starts:
         if not prev < s < n:

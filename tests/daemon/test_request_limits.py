@@ -7,7 +7,7 @@ import pytest
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.errors import ClientError
 from prefixd.ipc.messages import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from tests.daemon.fakes import LetterDevice, letter_after
+from tests.daemon.fakes import letter_after
 from tests.daemon.harness import running_server, wait_idle
 
 
@@ -22,21 +22,4 @@ async def test_too_many_stop_strings_is_refused_and_the_bound_still_matches(tmp_
             stops = [f"{i:03d}" + "q" * (MAX_STOP_CHARS - 3) for i in range(MAX_STOP_STRINGS - 1)] + ["ef"]
             result = await client.generate(prompt="abc", max_tokens=20, stop=stops).collect()
         assert (result.finish_reason, result.text) == ("stop", "cd")
-        await wait_idle(server)
-
-
-async def test_prompt_plus_max_tokens_past_the_context_is_context_overflow(tmp_path):
-    """An asked-for max_tokens that does not fit is refused; an omitted one ends at the context."""
-    device = LetterDevice(max_context=64)
-    async with running_server(tmp_path, device) as server:
-        async with await AsyncClient.connect(server.socket_path) as client:
-            with pytest.raises(ClientError) as err:
-                await client.generate(prompt="p" * 60, max_tokens=5).collect()
-            assert err.value.code == "context_overflow"
-            assert err.value.message == ("the prompt has 60 tokens and max_tokens is 5: 65 exceed the context "
-                                         "of 64; ask for at most 4")
-            fits = await client.generate(prompt="p" * 60, max_tokens=4).collect()
-            defaulted = await client.generate(prompt="q" * 60).collect()
-        assert (fits.finish_reason, fits.text) == ("length", "".join(letter_after(59 + i) for i in range(4)))
-        assert (defaulted.finish_reason, len(defaulted.ids)) == ("length", 4)
         await wait_idle(server)

@@ -94,7 +94,7 @@ def test_every_event_round_trips_through_a_frame(event: Any) -> None:
 def test_generate_defaults() -> None:
     msg = parse_request({"type": "generate", "id": 1, "prompt": "x"})
     assert msg == Generate(1, prompt="x")
-    assert (msg.max_tokens, msg.cache, msg.logits, msg.namespace, msg.chunk_starts) == (None, True, False, "", None)
+    assert (msg.max_tokens, msg.cache, msg.logits, msg.namespace, msg.chunk_starts) == (256, True, False, "", None)
     assert msg.sampling == Sampling(0.0, 0, 1.0, 0.0, 1.0, None)
 
 
