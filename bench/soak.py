@@ -24,6 +24,7 @@ import argparse
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -53,6 +54,7 @@ class HonestRun:
     served: int = 0
     failures: int = 0
     mismatches: int = 0
+    failure_kinds: Counter = field(default_factory=Counter)
 
 
 def honest_requests(vocab: int, count: int, seed: int) -> list[dict[str, Any]]:
@@ -78,8 +80,9 @@ async def honest_client(path: str, requests: list[dict[str, Any]], offset: int, 
             try:
                 with anyio.fail_after(REQUEST_TIMEOUT_S):
                     output, ttft = await _one_generate(client, requests[key])
-            except (ClientError, TimeoutError, OSError):
+            except (ClientError, TimeoutError, OSError) as e:
                 run.failures += 1
+                run.failure_kinds[getattr(e, "code", type(e).__name__)] += 1
                 continue
             run.served += 1
             run.ttft_s.append(ttft)
@@ -169,6 +172,7 @@ def report(base: HonestRun, soak: HonestRun, tally: Tally, before: dict, after: 
         ("honest outputs bit-equal to the reference", "yes" if soak.mismatches == 0 and soak.served else "no"),
         ("honest mismatches (baseline / soak)", f"{base.mismatches} / {soak.mismatches}"),
         ("honest failures (baseline / soak)", f"{base.failures} / {soak.failures}"),
+        ("honest failures by kind (soak)", ", ".join(f"{k} {v}" for k, v in sorted(soak.failure_kinds.items())) or "none"),
         ("RSS before / peak / after", f"{before['rss'] / mib:.0f} / {peak_rss / mib:.0f} / {after['rss'] / mib:.0f} MiB"),
         ("RSS after / before", f"{after['rss'] / before['rss']:.3f}"),
         ("fds before / after", f"{before['fds']} / {after['fds']}"),
@@ -192,7 +196,8 @@ async def main_async(args: argparse.Namespace) -> int:
         soak = await run_phase(daemon, requests, args.seconds, args.honest, reference, args.hostile, tally)
         after = await daemon.measure(SETTLE_TIMEOUT_S)
         print(report(base, soak, tally, before, after, daemon.peak_rss, args.seconds))
-        print(f"\n(daemon log: {daemon.log_tail()!r})" if args.verbose else "")
+        if args.verbose:
+            print(f"\ndaemon log tail:\n{daemon.log_tail(6000)}")
     return 0 if soak.failures == 0 and soak.mismatches == 0 and base.mismatches == 0 else 1
 
 
