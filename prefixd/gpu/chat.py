@@ -30,11 +30,11 @@ from jinja2 import nodes
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from prefixd.ipc.messages import MAX_CHAT_MESSAGES  # the protocol's bound, checked again here
+
 if TYPE_CHECKING:
     from prefixd.gpu.tokenizer import Tokenizer
 
-
-MAX_CHAT_MESSAGES = 8192  # messages in one conversation
 MAX_CHAT_CHARS = 4 << 20  # characters in all of a conversation's strings together
 MARK_NAME = "prefixd_mark__"  # the callable the instrumented template calls per loop item
 

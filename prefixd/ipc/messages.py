@@ -34,6 +34,7 @@ from prefixd.ipc.parts import MAX_IMAGE_HASH_BYTES, Image, Sampling, drop_none, 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 128  # stop strings in one generate
+MAX_CHAT_MESSAGES = 8192  # chat messages in one generate or tokenize, checked before each is read
 MAX_STOP_CHARS = 256  # characters in one stop string
 
 
@@ -96,11 +97,9 @@ class Generate(_Request):
         given = [name for name in ("prompt", "tokens", "messages") if r.has(name)]
         if len(given) != 1:
             raise r.error("prompt", f"exactly one of prompt, tokens, messages is required, got {len(given)}")
-        messages = r.list("messages", None)
-        if messages is not None:
-            if not messages:
-                raise r.error("messages", "must not be empty")
-            messages = r.each("messages", messages, read_chat_message)
+        messages = _chat_messages(r)
+        if messages is not None and not messages:
+            raise r.error("messages", "must not be empty")
         msg = cls(
             id=r.int("id"),
             prompt=r.str("prompt", None),
@@ -138,6 +137,15 @@ class Generate(_Request):
             "logits": self.logits,
             "images": [image.to_wire() for image in self.images] or None,
         })
+
+
+def _chat_messages(r: FieldReader) -> tuple[dict[str, Any], ...] | None:
+    messages = r.list("messages", None)
+    if messages is None:
+        return None
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise r.error("messages", f"{len(messages)} messages; a conversation may hold at most {MAX_CHAT_MESSAGES}")
+    return r.each("messages", messages, read_chat_message)
 
 
 def _check_generate(msg: Generate, r: FieldReader) -> None:
@@ -203,9 +211,7 @@ class Tokenize(_Request):
     def read(cls, r: FieldReader) -> Tokenize:
         if r.has("text") == r.has("messages"):
             raise r.error("text", "exactly one of text, messages is required")
-        messages = r.list("messages", None)
-        if messages is not None:
-            messages = r.each("messages", messages, read_chat_message)
+        messages = _chat_messages(r)
         return cls(r.int("id"), r.str("text", None), messages, r.bool("add_special", None))
 
     def to_wire(self) -> dict[str, Any]:

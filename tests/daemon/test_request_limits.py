@@ -40,3 +40,14 @@ async def test_prompt_plus_max_tokens_past_the_context_is_clamped_with_a_note(tm
         assert (fits.finish_reason, fits.text, fits.note) == ("length", expected, None)
         assert err.value.code == "context_overflow"
         await wait_idle(server)
+
+
+def test_message_count_is_checked_before_any_message_is_read():
+    from prefixd.ipc.errors import ProtocolError
+    from prefixd.ipc.messages import MAX_CHAT_MESSAGES, parse_request
+
+    for kind in ("generate", "tokenize"):
+        with pytest.raises(ProtocolError) as err:  # not-a-map items would fail first if each were read
+            parse_request({"type": kind, "id": 1, "messages": [0] * (MAX_CHAT_MESSAGES + 1)})
+        assert err.value.message == (f"messages: {MAX_CHAT_MESSAGES + 1} messages; "
+                                     f"a conversation may hold at most {MAX_CHAT_MESSAGES}")
