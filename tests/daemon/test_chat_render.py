@@ -4,6 +4,7 @@ disconnects stops with RenderCancelled instead of running to the end."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import anyio
@@ -30,7 +31,7 @@ class GatedChatTokenizer(fakes.ByteTokenizer):
         self.outcome: list[str] = []
 
     def offsets_bytes(self, ids):
-        return [0] + [sum(len(self.token_bytes(i)) for i in ids[:k + 1]) for k in range(len(ids))]
+        return [0, *itertools.accumulate(len(self.token_bytes(i)) for i in ids)]
 
     def render_chat(self, messages, *, add_generation_prompt=True, tools=None, should_stop=None):
         if should_stop is None:
