@@ -18,9 +18,10 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from prefixd.daemon.engine_host import EngineFailed, EngineHost, StreamTokens
+from prefixd.daemon.output import OutputProcessor
 from prefixd.daemon.requests import RequestBuilder
-from prefixd.daemon.stops import StopMatcher
 from prefixd.ipc.errors import ErrorCode, ProtocolError
+from prefixd.ipc.events import ErrorReply, OkReply
 
 log = logging.getLogger("prefixd.connection")
 
@@ -55,6 +56,7 @@ class Connection:
         self._writer_done = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
         self.slow = False
+        self.version = 1  # until a hello negotiates another
 
     @property
     def num_streams(self) -> int:
@@ -119,7 +121,9 @@ class Connection:
         }
 
     async def _on_hello(self, msg: dict[str, Any]) -> None:
-        self._send(self.services.builder.hello(msg, self.services.hello_reply()))
+        reply = self.services.builder.hello(msg, self.services.hello_reply())
+        self.version = reply["version"]
+        self._send(reply)
 
     async def _on_status(self, msg: dict[str, Any]) -> None:
         request_id = self.services.builder.status(msg)
@@ -139,7 +143,7 @@ class Connection:
         if stream_id is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no generate with id {target} is in flight")
         self.services.host.cancel_nowait(stream_id)
-        self._send({"type": "ok", "id": request_id})
+        self._send(OkReply(request_id).to_wire())
 
     async def _on_generate(self, msg: dict[str, Any]) -> None:
         request_id = msg.get("id")
@@ -151,7 +155,7 @@ class Connection:
         if self.services.shutting_down():
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down and takes no new work")
         stream_id = self.services.next_stream_id()
-        built = await anyio.to_thread.run_sync(self.services.builder.generate, msg, stream_id)
+        built = await anyio.to_thread.run_sync(self.services.builder.generate, msg, stream_id, self.version)
         try:
             receive = await self.services.host.submit(built.request)
         except Exception as e:
@@ -166,34 +170,27 @@ class Connection:
     # -- out --------------------------------------------------------------------------------
 
     async def _forward(self, built: Any, receive: MemoryObjectReceiveStream[Any]) -> None:
-        decoder = self.services.builder.decoder()
-        stops = StopMatcher(built.stop)
-        sent_ids = 0
+        out = OutputProcessor(built.request_id, self.services.builder.decoder(), stop=built.stop,
+                              stop_ids=built.request.stop_ids, parse_tools=built.parse_tools)
         done = None
         async with receive:
             async for event in receive:
-                if isinstance(event, StreamTokens):
-                    if stops.stopped:
-                        continue
-                    # A stop id ends the stream; its text (an end-of-turn marker) is not the reply's.
-                    shown = [i for i in event.ids if i not in built.request.stop_ids]
-                    text, hit = stops.push(decoder.push(shown))
-                    self._send(_token_event(built.request_id, event.ids, text, event.logits_sha256))
-                    sent_ids += len(event.ids)
-                    if hit:
-                        self.services.host.cancel_nowait(event.stream_id)
-                else:
+                if not isinstance(event, StreamTokens):
                     done = event
+                    continue
+                was_hit = out.stop_hit
+                token = out.tokens(event)
+                if token is not None:
+                    self._send(token.to_wire())
+                if out.stop_hit and not was_hit:
+                    self.services.host.cancel_nowait(event.stream_id)
         self._streams.pop(built.request_id, None)
         if done is None:
-            self._send(ProtocolError(ErrorCode.INTERNAL, "the engine stopped before this stream finished",
-                                     built.request_id).to_wire())
+            self._send(ErrorReply.of(ProtocolError(ErrorCode.INTERNAL, "the engine stopped before this stream finished",
+                                                   built.request_id)).to_wire())
             return
-        if not stops.stopped:
-            tail = stops.push(decoder.flush())[0] + stops.flush()
-            if tail:
-                self._send(_token_event(built.request_id, (), tail, None))
-        self._send(_done_event(built.request_id, done, stopped=stops.stopped, sent_ids=sent_ids))
+        for final in out.done(done):
+            self._send(final.to_wire())
 
     def _send(self, frame: dict[str, Any]) -> None:
         try:
@@ -231,30 +228,3 @@ class Connection:
         self.cancel_streams()
         self._streams.clear()
 
-
-def _token_event(request_id: int, ids: tuple[int, ...], text: str, digests: tuple[str, ...] | None) -> dict:
-    event: dict[str, Any] = {"type": "token", "id": request_id, "ids": list(ids), "text": text}
-    if digests is not None:
-        event["logits_sha256"] = list(digests)
-    return event
-
-
-def _done_event(request_id: int, done: Any, *, stopped: bool, sent_ids: int) -> dict:
-    usage = done.usage
-    event: dict[str, Any] = {
-        "type": "done",
-        "id": request_id,
-        "finish_reason": "stop" if stopped else done.finish_reason,
-        "usage": {
-            "prompt_tokens": usage.prompt_tokens,
-            "cached_tokens": usage.cached_tokens,
-            "prefilled_tokens": usage.prefilled_tokens,
-            "completion_tokens": sent_ids if stopped else usage.completion_tokens,
-            "ttft_s": usage.ttft_s,
-            "total_s": usage.total_s,
-            "cache": usage.cache,
-        },
-    }
-    if done.note:
-        event["note"] = done.note
-    return event

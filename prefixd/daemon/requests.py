@@ -10,7 +10,7 @@ import numpy as np
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.framing import Limits
 from prefixd.ipc.messages import (
-    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
     Cancel,
     Detokenize,
     Generate,
@@ -21,6 +21,7 @@ from prefixd.ipc.messages import (
 )
 from prefixd.scheduler.records import ImageIdentity, ImageRows, SamplingParams
 from prefixd.scheduler.streams import StreamRequest
+from prefixd.text.tools import prepare_chat
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,7 @@ class BuiltGenerate:
     request_id: int
     request: StreamRequest
     stop: tuple[str, ...]
+    parse_tools: bool = False  # the reply's tool calls become done.tool_calls
 
 
 class RequestBuilder:
@@ -53,17 +55,19 @@ class RequestBuilder:
 
         return StreamDecoder(self.tokenizer)
 
-    def _parse(self, msg: dict[str, Any], cls: type) -> Any:
-        parsed = parse_request(msg)
+    def _parse(self, msg: dict[str, Any], cls: type, version: int = SUPPORTED_VERSIONS[-1]) -> Any:
+        parsed = parse_request(msg, version)
         assert isinstance(parsed, cls), f"dispatched {msg.get('type')!r} to {cls.__name__}"
         return parsed
 
     def hello(self, msg: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
         hello: Hello = self._parse(msg, Hello)
-        if PROTOCOL_VERSION not in hello.versions:
+        shared = set(hello.versions) & set(SUPPORTED_VERSIONS)
+        if not shared:
             raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
-                                f"versions {list(hello.versions)}: this daemon speaks {PROTOCOL_VERSION}", hello.id)
-        return {"type": "hello", "id": hello.id, **reply}
+                                f"versions {list(hello.versions)}: this daemon speaks {list(SUPPORTED_VERSIONS)}",
+                                hello.id)
+        return {"type": "hello", "id": hello.id, **reply, "version": max(shared)}
 
     def status(self, msg: dict[str, Any]) -> int:
         return self._parse(msg, Status).id
@@ -86,11 +90,13 @@ class RequestBuilder:
         self._check_ids(req.ids, "ids", req.id)
         return {"type": "text", "id": req.id, "text": self.tokenizer.decode(req.ids)}
 
-    def generate(self, msg: dict[str, Any], stream_id: int) -> BuiltGenerate:
-        req: Generate = self._parse(msg, Generate)
+    def generate(self, msg: dict[str, Any], stream_id: int, version: int = SUPPORTED_VERSIONS[-1]) -> BuiltGenerate:
+        """The engine request of a generate on a connection speaking protocol `version`."""
+        req: Generate = self._parse(msg, Generate, version)
+        _check_tool_choice(req)
         starts: tuple[int, ...] = ()
         if req.messages is not None:
-            rendered = self._render(req.messages, req.id)
+            rendered = self._render(req.messages, req.id, req.tools)
             tokens = tuple(rendered.ids)
             starts = tuple(s for s in rendered.message_starts if 0 < s < len(tokens))
         elif req.prompt is not None:
@@ -114,15 +120,28 @@ class RequestBuilder:
             images=tuple(self._image(image, req.id) for image in req.images),
             want_logits=req.logits,
         )
-        return BuiltGenerate(req.id, request, req.stop)
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        return BuiltGenerate(req.id, request, req.stop, parse_tools)
 
-    def _render(self, messages: tuple[dict[str, Any], ...], request_id: int) -> Any:
+    def _render(self, messages: tuple[dict[str, Any], ...], request_id: int,
+                tools: tuple[dict[str, Any], ...] | None = None) -> Any:
+        source = self._template_source(bool(tools))
+        chat, template_tools = prepare_chat([dict(m) for m in messages], list(tools) if tools else None, source)
         try:
-            return self.tokenizer.render_chat([dict(m) for m in messages])
+            if template_tools is None:
+                return self.tokenizer.render_chat(chat)
+            return self.tokenizer.render_chat(chat, tools=template_tools)
         except ProtocolError:
             raise
         except Exception as e:  # a template error is the client's messages' fault
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"messages: the chat template failed: {e}", request_id) from None
+
+    def _template_source(self, with_tools: bool) -> str | None:
+        """The chat template a render will use (tool_use when the model names one)."""
+        named = getattr(self.tokenizer, "named_templates", {})
+        if with_tools and "tool_use" in named:
+            return named["tool_use"]
+        return getattr(self.tokenizer, "chat_template", None)
 
     def _check_ids(self, ids: tuple[int, ...], field: str, request_id: int) -> None:
         vocab = int(self.model_info["vocab_size"])
@@ -138,3 +157,14 @@ class RequestBuilder:
                                 request_id)
         rows = np.frombuffer(image.rows, dtype="<f4").reshape(image.tokens, hidden)
         return ImageRows(ImageIdentity(image.at, image.tokens, image.gh, image.gw, image.hash), rows)
+
+
+def _check_tool_choice(req: Generate) -> None:
+    if req.tool_choice is None or req.tool_choice in ("auto", "none"):
+        return
+    if not req.tools:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "tool_choice: needs tools", req.id)
+    # Forcing a call needs the constrained decoding this daemon does not have yet.
+    raise ProtocolError(ErrorCode.BAD_REQUEST,
+                        "tool_choice: only 'auto' and 'none' are supported; 'required' and a named function "
+                        "need constrained decoding, which this daemon does not offer yet", req.id)

@@ -190,6 +190,11 @@ class Tokenizer:
 
     # --- chat ------------------------------------------------------------------------
 
+    @property
+    def named_templates(self) -> dict[str, str]:
+        """The model's named chat templates (e.g. "default", "tool_use"), by name."""
+        return dict(self._named_templates)
+
     def render_chat(
         self,
         messages: list[dict],

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Union
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.fields import MAX_TOKEN_ID, FieldReader
 
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
+FINISH_REASONS = ("stop", "length", "cancelled", "error", "tool_calls")  # tool_calls: v2
 CACHE_RESULTS = ("miss", "hit", "resident", "off")
 SHA256_HEX_CHARS = 64
 
@@ -130,21 +130,33 @@ class DoneEvent(_Event):
     finish_reason: str  # stop | length | cancelled | error
     usage: Usage = field(default_factory=Usage)
     note: str | None = None  # e.g. why a cache key was not used, or what the error was
+    # v2: the calls the reply made, each {id, type: "function", function: {name, arguments: JSON text}}
+    tool_calls: tuple[dict[str, Any], ...] | None = None
 
     @classmethod
     def read(cls, r: FieldReader) -> DoneEvent:
+        calls = r.list("tool_calls", None)
         return cls(
             r.int("id"),
             r.str("finish_reason", choices=FINISH_REASONS),
             Usage.read(r.nested("usage", r.map("usage"))),
             r.str("note", None),
+            None if calls is None else r.each("tool_calls", calls, _read_tool_call),
         )
 
     def to_wire(self) -> dict[str, Any]:
         out = {"type": self.TYPE, "id": self.id, "finish_reason": self.finish_reason, "usage": self.usage.to_wire()}
         if self.note is not None:
             out["note"] = self.note
+        if self.tool_calls is not None:
+            out["tool_calls"] = [dict(call) for call in self.tool_calls]
         return out
+
+
+def _read_tool_call(r: FieldReader) -> dict[str, Any]:
+    function = r.nested("function", r.map("function"))
+    return {"id": r.str("id"), "type": r.str("type", "function"),
+            "function": {"name": function.str("name"), "arguments": function.str("arguments")}}
 
 
 @dataclass(frozen=True, slots=True)
