@@ -18,10 +18,9 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from prefixd.daemon.engine_host import EngineFailed, EngineHost, StreamTokens
-from prefixd.daemon.output import OutputProcessor
 from prefixd.daemon.requests import RequestBuilder
 from prefixd.ipc.errors import ErrorCode, ProtocolError
-from prefixd.ipc.events import ErrorReply, OkReply
+from prefixd.ipc.events import ErrorReply, OkReply, StatusReply
 
 log = logging.getLogger("prefixd.connection")
 
@@ -89,7 +88,7 @@ class Connection:
             try:
                 msg = await self.framed.receive()
             except ProtocolError as e:
-                self._send(e.to_wire())
+                self._send(ErrorReply.of(e).to_wire())
                 if e.fatal:
                     return
                 continue
@@ -106,9 +105,9 @@ class Connection:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}")
             await handler(msg)
         except ProtocolError as e:
-            self._send(e.with_id(request_id).to_wire())
+            self._send(ErrorReply.of(e.with_id(request_id)).to_wire())
         except EngineFailed as e:
-            self._send(ProtocolError(ErrorCode.INTERNAL, str(e), request_id).to_wire())
+            self._send(ErrorReply(request_id, ErrorCode.INTERNAL.value, str(e)).to_wire())
 
     def _handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
         return {
@@ -122,20 +121,20 @@ class Connection:
 
     async def _on_hello(self, msg: dict[str, Any]) -> None:
         reply = self.services.builder.hello(msg, self.services.hello_reply())
-        self.version = reply["version"]
-        self._send(reply)
+        self.version = reply.version
+        self._send(reply.to_wire())
 
     async def _on_status(self, msg: dict[str, Any]) -> None:
         request_id = self.services.builder.status(msg)
         status = await self.services.host.call(lambda engine: engine.status())
-        self._send({**status, **self.services.status_extra(), "type": "status", "id": request_id})
+        self._send(StatusReply(request_id, {**status, **self.services.status_extra()}).to_wire())
 
     async def _on_tokenize(self, msg: dict[str, Any]) -> None:
         reply = await anyio.to_thread.run_sync(self.services.builder.tokenize, msg)
-        self._send(reply)
+        self._send(reply.to_wire())
 
     async def _on_detokenize(self, msg: dict[str, Any]) -> None:
-        self._send(self.services.builder.detokenize(msg))
+        self._send(self.services.builder.detokenize(msg).to_wire())
 
     async def _on_cancel(self, msg: dict[str, Any]) -> None:
         request_id, target = self.services.builder.cancel(msg)
@@ -170,8 +169,7 @@ class Connection:
     # -- out --------------------------------------------------------------------------------
 
     async def _forward(self, built: Any, receive: MemoryObjectReceiveStream[Any]) -> None:
-        out = OutputProcessor(built.request_id, self.services.builder.decoder(), stop=built.stop,
-                              stop_ids=built.request.stop_ids, parse_tools=built.parse_tools)
+        out = self.services.builder.output(built)
         done = None
         async with receive:
             async for event in receive:
@@ -183,7 +181,9 @@ class Connection:
                 if token is not None:
                     self._send(token.to_wire())
                 if out.stop_hit and not was_hit:
-                    self.services.host.cancel_nowait(event.stream_id)
+                    keep = out.keep_generated
+                    keep_rows = None if keep is None else len(built.request.tokens) + keep
+                    self.services.host.cancel_nowait(event.stream_id, keep_rows)
         self._streams.pop(built.request_id, None)
         if done is None:
             self._send(ErrorReply.of(ProtocolError(ErrorCode.INTERNAL, "the engine stopped before this stream finished",

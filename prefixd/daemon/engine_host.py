@@ -158,9 +158,13 @@ class EngineHost:
             raise
         return receive
 
-    def cancel_nowait(self, stream_id: int) -> None:
-        """Ask the engine to cancel a stream; its DoneEvent (cancelled) still arrives."""
-        self._push(lambda: self.engine.cancel(stream_id))
+    def cancel_nowait(self, stream_id: int, keep_rows: int | None = None) -> None:
+        """Ask the engine to cancel a stream; its DoneEvent (cancelled) still arrives.
+        `keep_rows`: see Engine.cancel."""
+        if keep_rows is None:
+            self._push(lambda: self.engine.cancel(stream_id))
+        else:
+            self._push(lambda: self.engine.cancel(stream_id, keep_rows))
 
     # -- engine thread ----------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ them into wire maps with `to_wire()`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from prefixd.daemon.engine_host import StreamTokens
 from prefixd.daemon.stops import StopMatcher
@@ -21,16 +21,21 @@ class OutputProcessor:
     """Turns one stream's engine events into TokenEvents and its DoneEvent.
 
     `stop_hit` turns True when a stop string matched: the caller then cancels the stream,
-    and later StreamTokens are dropped (their text is past the stop).
+    keeping `keep_generated` tokens' rows, and later StreamTokens are dropped (their text is
+    past the stop).
     """
 
     def __init__(self, request_id: int, decoder: Any, *, stop: tuple[str, ...] = (),
-                 stop_ids: frozenset[int] = frozenset(), parse_tools: bool = False) -> None:
+                 stop_ids: frozenset[int] = frozenset(), parse_tools: bool = False,
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
         self.request_id = request_id
         self._decoder = decoder
         self._stops = StopMatcher(stop)
         self._stop_ids = stop_ids
         self._tools = ToolCallSplitter() if parse_tools else None
+        self._token_bytes = token_bytes
+        self._ids: list[int] = []
+        self._kept_bytes = 0  # bytes of reply text before any stop string
         self.num_sent_ids = 0
 
     @property
@@ -44,8 +49,22 @@ class OutputProcessor:
         # A stop id ends the stream; its text (an end-of-turn marker) is not the reply's.
         shown = [i for i in event.ids if i not in self._stop_ids]
         text, _ = self._stops.push(self._decoder.push(shown))
+        self._ids.extend(event.ids)
+        self._kept_bytes += len(text.encode("utf-8"))
         self.num_sent_ids += len(event.ids)
         return TokenEvent(self.request_id, tuple(event.ids), self._shown(text), event.logits_sha256)
+
+    @property
+    def keep_generated(self) -> int | None:
+        """Generated tokens whose bytes all lie before the stop string (None: unknown)."""
+        if self._token_bytes is None:
+            return None
+        num_bytes = 0
+        for k, token in enumerate(self._ids):
+            num_bytes += len(self._token_bytes(token))
+            if num_bytes > self._kept_bytes:
+                return k
+        return len(self._ids)
 
     def done(self, done: Any) -> list[TokenEvent | DoneEvent]:
         """The last events: a TokenEvent with held-back text when there is some, then DoneEvent."""

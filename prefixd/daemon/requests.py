@@ -7,7 +7,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from prefixd.daemon.output import OutputProcessor
 from prefixd.ipc.errors import ErrorCode, ProtocolError
+from prefixd.ipc.events import HelloReply, TextReply, TokensReply
 from prefixd.ipc.framing import Limits
 from prefixd.ipc.messages import (
     SUPPORTED_VERSIONS,
@@ -55,19 +57,25 @@ class RequestBuilder:
 
         return StreamDecoder(self.tokenizer)
 
+    def output(self, built: BuiltGenerate) -> OutputProcessor:
+        """The output processor of one generate (both fronts use it)."""
+        return OutputProcessor(built.request_id, self.decoder(), stop=built.stop, stop_ids=built.request.stop_ids,
+                               parse_tools=built.parse_tools, token_bytes=getattr(self.tokenizer, "token_bytes", None))
+
     def _parse(self, msg: dict[str, Any], cls: type, version: int = SUPPORTED_VERSIONS[-1]) -> Any:
         parsed = parse_request(msg, version)
         assert isinstance(parsed, cls), f"dispatched {msg.get('type')!r} to {cls.__name__}"
         return parsed
 
-    def hello(self, msg: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
+    def hello(self, msg: dict[str, Any], reply: dict[str, Any]) -> HelloReply:
+        """The hello reply: `reply` holds server, model and limits; the version is the highest shared."""
         hello: Hello = self._parse(msg, Hello)
         shared = set(hello.versions) & set(SUPPORTED_VERSIONS)
         if not shared:
             raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
                                 f"versions {list(hello.versions)}: this daemon speaks {list(SUPPORTED_VERSIONS)}",
                                 hello.id)
-        return {"type": "hello", "id": hello.id, **reply, "version": max(shared)}
+        return HelloReply(hello.id, max(shared), reply["server"], reply.get("model", {}), reply.get("limits", {}))
 
     def status(self, msg: dict[str, Any]) -> int:
         return self._parse(msg, Status).id
@@ -76,19 +84,18 @@ class RequestBuilder:
         cancel: Cancel = self._parse(msg, Cancel)
         return cancel.id, cancel.target
 
-    def tokenize(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def tokenize(self, msg: dict[str, Any]) -> TokensReply:
         req: Tokenize = self._parse(msg, Tokenize)
         if req.messages is not None:
             rendered = self._render(req.messages, req.id)
-            return {"type": "tokens", "id": req.id, "ids": list(rendered.ids),
-                    "message_starts": list(rendered.message_starts)}
+            return TokensReply(req.id, tuple(rendered.ids), tuple(rendered.message_starts))
         add_special = self.tokenizer.add_bos if req.add_special is None else req.add_special
-        return {"type": "tokens", "id": req.id, "ids": self.tokenizer.encode(req.text, add_special=add_special)}
+        return TokensReply(req.id, tuple(self.tokenizer.encode(req.text, add_special=add_special)))
 
-    def detokenize(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def detokenize(self, msg: dict[str, Any]) -> TextReply:
         req: Detokenize = self._parse(msg, Detokenize)
         self._check_ids(req.ids, "ids", req.id)
-        return {"type": "text", "id": req.id, "text": self.tokenizer.decode(req.ids)}
+        return TextReply(req.id, self.tokenizer.decode(req.ids))
 
     def generate(self, msg: dict[str, Any], stream_id: int, version: int = SUPPORTED_VERSIONS[-1]) -> BuiltGenerate:
         """The engine request of a generate on a connection speaking protocol `version`."""

@@ -283,7 +283,7 @@ class Server:
 
     def _hello_reply(self) -> dict[str, Any]:
         assert self._runtime is not None
-        return {"version": 1, "server": f"prefixd {prefixd.__version__}", "model": dict(self._runtime.model_info),
+        return {"server": f"prefixd {prefixd.__version__}", "model": dict(self._runtime.model_info),
                 "limits": self.limits.to_wire()}
 
     def _status_extra(self) -> dict[str, Any]:

@@ -96,16 +96,27 @@ class Engine:
         self._schedules[req.stream_id] = plan_schedule(len(req.tokens), req.chunk_starts, self.config.grid)
         self.admitter.waiting.push(stream)
 
-    def cancel(self, stream_id: int) -> bool:
+    def cancel(self, stream_id: int, keep_rows: int | None = None) -> bool:
         """Mark a stream cancelled; it leaves its lane (or the queue) by the end of the next step().
 
-        Returns False if no such stream is waiting or running.
+        With `keep_rows` (a reply cut by a stop string: the next turn repeats only the text
+        before the stop), the lane the stream leaves resident holds at most its first
+        `keep_rows` rows; when the stream has already ended, its lane, if still resident and
+        untouched since, is cut back now. Returns False if no such stream is waiting or running.
         """
         stream = self._streams.get(stream_id)
         if stream is None:
+            if keep_rows is not None:
+                self._trim_resident(stream_id, keep_rows)
             return False
         stream.cancelled = True
+        stream.keep_rows = keep_rows
         return True
+
+    def _trim_resident(self, stream_id: int, keep_rows: int) -> None:
+        for lane in self.lanes:
+            if lane.resident and lane.last_stream_id == stream_id:
+                self.tables.truncate(lane, keep_rows)
 
     def step(self) -> list[Event]:
         """Run one lane round; returns the token and done events it produced, in order."""
@@ -295,6 +306,9 @@ class Engine:
         if keep and self.admitter.reuse_allowed(stream) and not stream.prefilling:
             lane.resident = True
             lane.last_used = next(self._tick)
+            lane.last_stream_id = stream.stream_id
+            if stream.keep_rows is not None:
+                self.tables.truncate(lane, stream.keep_rows)
         else:
             self.tables.release(lane)
         if note is not None:

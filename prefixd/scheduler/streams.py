@@ -119,6 +119,7 @@ class Stream:
     cached_tokens: int = 0
     prefilled_tokens: int = 0
     cancelled: bool = False
+    keep_rows: int | None = None  # on cancel: rows its lane keeps when left resident
     note: str | None = None
     key: object | None = None  # store.ReuseKey of the prompt; None: may not reuse or keep
     hit: object | None = None  # a pinned store.Hit (pages held) found while waiting
