@@ -23,7 +23,8 @@ from prefixd.ipc.messages import (
 )
 from prefixd.scheduler.records import ImageIdentity, ImageRows, SamplingParams
 from prefixd.scheduler.streams import StreamRequest
-from prefixd.text.tools import prepare_chat
+from prefixd.text.grammar import GrammarChecker, GrammarError, grammar_of, tool_call_grammar
+from prefixd.text.tools import prepare_chat, template_knows_tools
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,7 @@ class RequestBuilder:
         self.model_info = model_info
         self.limits = limits
         self._decoder_factory = decoder_factory
+        self._grammars = GrammarChecker(tokenizer)
 
     def decoder(self) -> Any:
         """A fresh UTF-8-safe incremental decoder (push(ids) -> str, flush() -> str)."""
@@ -100,7 +102,7 @@ class RequestBuilder:
     def generate(self, msg: dict[str, Any], stream_id: int, version: int = SUPPORTED_VERSIONS[-1]) -> BuiltGenerate:
         """The engine request of a generate on a connection speaking protocol `version`."""
         req: Generate = self._parse(msg, Generate, version)
-        _check_tool_choice(req)
+        grammar = self._grammar(req)
         starts: tuple[int, ...] = ()
         if req.messages is not None:
             rendered = self._render(req.messages, req.id, req.tools)
@@ -118,7 +120,7 @@ class RequestBuilder:
             stream_id=stream_id,
             tokens=tokens,
             max_tokens=req.max_tokens,
-            sampling=SamplingParams(s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty, s.seed),
+            sampling=SamplingParams(s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty, s.seed, grammar),
             stop_ids=frozenset(req.stop_ids) | frozenset(self.tokenizer.stop_ids),
             chunk_starts=req.chunk_starts if req.chunk_starts is not None else starts,
             namespace=req.namespace,
@@ -143,6 +145,28 @@ class RequestBuilder:
         except Exception as e:  # a template error is the client's messages' fault
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"messages: the chat template failed: {e}", request_id) from None
 
+    def _grammar(self, req: Generate) -> str | None:
+        """The grammar the reply must match (response_format, or a forced tool call), checked."""
+        forced = isinstance(req.tool_choice, dict) or req.tool_choice == "required"
+        if forced and not req.tools:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "tool_choice: needs tools", req.id)
+        if forced and req.response_format not in (None, {"type": "text"}):
+            raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                "response_format: cannot be combined with a tool_choice that forces a call", req.id)
+        try:
+            if forced:
+                name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
+                native = template_knows_tools(self._template_source(True))
+                grammar = tool_call_grammar([dict(t) for t in req.tools or ()], name, native=native)
+            else:
+                grammar = grammar_of(req.response_format)
+            if grammar is not None:
+                self._grammars.check(grammar)
+        except GrammarError as e:
+            field = "tool_choice" if forced else "response_format"
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{field}: {e}", req.id) from None
+        return grammar
+
     def _template_source(self, with_tools: bool) -> str | None:
         """The chat template a render will use (tool_use when the model names one)."""
         named = getattr(self.tokenizer, "named_templates", {})
@@ -165,13 +189,3 @@ class RequestBuilder:
         rows = np.frombuffer(image.rows, dtype="<f4").reshape(image.tokens, hidden)
         return ImageRows(ImageIdentity(image.at, image.tokens, image.gh, image.gw, image.hash), rows)
 
-
-def _check_tool_choice(req: Generate) -> None:
-    if req.tool_choice is None or req.tool_choice in ("auto", "none"):
-        return
-    if not req.tools:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "tool_choice: needs tools", req.id)
-    # Forcing a call needs the constrained decoding this daemon does not have yet.
-    raise ProtocolError(ErrorCode.BAD_REQUEST,
-                        "tool_choice: only 'auto' and 'none' are supported; 'required' and a named function "
-                        "need constrained decoding, which this daemon does not offer yet", req.id)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from prefixd.gpu.attention import AttentionSpan, plan_attention
+from prefixd.gpu.constrain import GrammarMask
 from prefixd.gpu.copy import CopyEngine
 from prefixd.gpu.families import build_family
 from prefixd.gpu.kv_pool import KVPool
@@ -22,6 +23,7 @@ from prefixd.gpu.sampling import LaneSampler
 from prefixd.scheduler.device import DeviceInfo
 from prefixd.scheduler.records import (LaneResult, LaneWork, RoundPlan, RoundResult,
                                        SamplingParams)
+from prefixd.text.grammar import ll_tokenizer
 
 
 class ModelRunner:
@@ -47,6 +49,7 @@ class ModelRunner:
             invariant_rows=self.model.invariant_rows)
         self.copies = CopyEngine(self.device)  # page and state copies, fenced
         self._samplers: dict[int, LaneSampler] = {}
+        self._ll_tokenizer: Any = None
 
     # Device protocol -------------------------------------------------------------------
     def start_stream(self, lane: int, sampling: SamplingParams, history: Sequence[int]) -> None:
@@ -54,7 +57,14 @@ class ModelRunner:
         vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
         self._samplers[lane] = LaneSampler(sampling, history, vocab_size=self.config.vocab_size,
                                            tokenizer_vocab=min(vocab, self.config.vocab_size),
-                                           device=self.device)
+                                           device=self.device, constraint=self._constraint(sampling))
+
+    def _constraint(self, sampling: SamplingParams) -> GrammarMask | None:
+        if sampling.grammar is None:
+            return None
+        if self._ll_tokenizer is None:  # built on first use: ~1 s for a large vocabulary
+            self._ll_tokenizer = ll_tokenizer(self.tokenizer)
+        return GrammarMask(self._ll_tokenizer, sampling.grammar, vocab_size=self.config.vocab_size)
 
     def run_round(self, plan: RoundPlan) -> RoundResult:
         if not plan.lanes:

@@ -19,7 +19,7 @@ be checked on its own against hand-made logits or a reference implementation.
 from __future__ import annotations
 
 import secrets
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -150,11 +150,13 @@ class LaneSampler:
         vocab_size: int,
         tokenizer_vocab: int,
         device: torch.device,
+        constraint: Any = None,
     ) -> None:
         validate_params(params)
         if not 0 < tokenizer_vocab <= vocab_size:
             raise ValueError(f"tokenizer_vocab {tokenizer_vocab} not in (0, {vocab_size}]")
         self.params = params
+        self.constraint = constraint  # gpu.constrain.GrammarMask, or None
         self.vocab_size = vocab_size
         self.tokenizer_vocab = tokenizer_vocab
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -176,6 +178,8 @@ class LaneSampler:
             raise ValueError(f"logits shape {tuple(logits.shape)} != ({self.vocab_size},)")
         u = float(torch.rand((), generator=self._generator, dtype=torch.float64).item())
         self.num_draws += 1
+        if self.constraint is not None:  # first: the filters then only see ids the grammar allows
+            logits = self.constraint.apply(logits)
         row = apply_penalties_and_filters(logits, self.params, self._seen, self.tokenizer_vocab)
         token = greedy_token(row) if self.params.greedy else pick_token(row, u)
         self.observe(token)
@@ -186,3 +190,5 @@ class LaneSampler:
         if not 0 <= token < self.vocab_size:
             raise ValueError(f"token {token} outside [0, {self.vocab_size})")
         self._seen[token] = True
+        if self.constraint is not None:
+            self.constraint.advance(token)

@@ -180,6 +180,10 @@ class Tokenizer:
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode("utf-8")
 
+    def backend_json(self) -> str:
+        """The `tokenizers` JSON of this tokenizer (what constrained decoding builds on)."""
+        return self._backend.to_str()
+
     def token_id(self, text: str) -> int | None:
         """Id of a vocabulary entry or special token spelled exactly `text`, or None."""
         return self._backend.token_to_id(text)

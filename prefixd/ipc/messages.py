@@ -34,6 +34,7 @@ from prefixd.ipc.parts import (  # noqa: F401
     Sampling,
     drop_none,
     read_chat_message,
+    read_response_format,
     read_tool,
     read_tool_choice,
 )
@@ -98,11 +99,20 @@ class Generate(_Request):
     images: tuple[Image, ...] = ()
     tools: tuple[dict[str, Any], ...] | None = None  # v2: OpenAI function tools
     tool_choice: str | dict[str, Any] | None = None  # v2: auto | none | required | a named function
+    response_format: dict[str, Any] | None = None  # v2: constrained output (json_object, json_schema, ...)
 
     @property
     def min_version(self) -> int:
         """The protocol version that has every field this request sets."""
-        return 2 if self.tools is not None or self.tool_choice is not None else 1
+        return 2 if self.v2_field is not None else 1
+
+    @property
+    def v2_field(self) -> str | None:
+        """The first field set that protocol version 1 lacks."""
+        for name in ("tools", "tool_choice", "response_format"):
+            if getattr(self, name) is not None:
+                return name
+        return None
 
     @classmethod
     def read(cls, r: FieldReader) -> Generate:
@@ -131,6 +141,7 @@ class Generate(_Request):
             images=r.each("images", r.list("images", []), Image.read),
             tools=r.each("tools", r.list("tools"), read_tool) if r.has("tools") else r.list("tools", None),
             tool_choice=read_tool_choice(r, "tool_choice"),
+            response_format=read_response_format(r, "response_format"),
         )
         _check_generate(msg, r)
         return msg
@@ -154,6 +165,7 @@ class Generate(_Request):
             "images": [image.to_wire() for image in self.images] or None,
             "tools": None if self.tools is None else [dict(t) for t in self.tools],
             "tool_choice": self.tool_choice,
+            "response_format": self.response_format,
         })
 
 
@@ -272,7 +284,6 @@ def parse_request(data: dict[str, Any], version: int = PROTOCOL_VERSION) -> Requ
     r.finish()
     needed = getattr(msg, "min_version", 1)
     if needed > version:
-        field_name = "tools" if getattr(msg, "tools", None) is not None else "tool_choice"
-        raise r.error(field_name, f"needs protocol version {needed}; this connection speaks {version} "
+        raise r.error(msg.v2_field, f"needs protocol version {needed}; this connection speaks {version} "
                                   f"(send hello with versions [{needed}])")
     return msg

@@ -164,3 +164,32 @@ def read_tool_choice(r: FieldReader, name: str) -> str | dict[str, Any] | None:
     function.finish()
     named.finish()
     return out
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
+
+
+def read_response_format(r: FieldReader, name: str) -> dict[str, Any] | None:
+    """{type: text | json_object} | {type: json_schema, json_schema: {name?, schema (map or
+    JSON text), strict?, description?}} | {type: regex, regex} | {type: grammar, grammar (Lark)}."""
+    value = r.map(name, None)
+    if value is None:
+        return None
+    f = r.nested(name, value)
+    kind = f.str("type", choices=RESPONSE_FORMATS)
+    out: dict[str, Any] = {"type": kind}
+    if kind == "json_schema":
+        spec = f.nested("json_schema", f.map("json_schema"))
+        schema = spec.data.get("schema")
+        out["json_schema"] = {
+            "name": spec.str("name", "response"),
+            "schema": spec.str("schema") if isinstance(schema, str) else spec.map("schema", {}),
+            "strict": spec.bool("strict", None),
+            "description": spec.str("description", None),
+        }
+        out["json_schema"] = drop_none(out["json_schema"])
+        spec.finish()
+    elif kind in ("regex", "grammar"):
+        out[kind] = f.str(kind)
+    f.finish()
+    return out

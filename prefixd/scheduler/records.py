@@ -21,6 +21,7 @@ class SamplingParams:
     min_p: float = 0.0  # 0.0: off
     repetition_penalty: float = 1.0  # 1.0: off
     seed: int | None = None  # None: a seed drawn once at stream start
+    grammar: str | None = None  # an llguidance grammar the output must match (None: free)
 
     @property
     def greedy(self) -> bool:

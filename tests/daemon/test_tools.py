@@ -87,7 +87,9 @@ async def test_tools_need_protocol_version_2(tmp_path):
 
 
 @pytest.mark.parametrize("fields, needle", [
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice: only 'auto' and 'none'"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format: cannot be combined with a tool_choice that forces a call"),
+    ({"tool_choice": "required"}, "tool_choice: needs tools"),
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name: must not be empty"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type: 'retrieval' is not one of function"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
