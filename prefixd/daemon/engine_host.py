@@ -39,6 +39,7 @@ class StreamTokens:
     stream_id: int
     ids: tuple[int, ...]
     logits_sha256: tuple[str, ...] | None = None
+    logprobs: tuple[Any, ...] | None = None  # scheduler.records.TokenLogprob per id, when asked
 
 
 class EngineFailed(RuntimeError):
@@ -251,7 +252,8 @@ def _host_event(event: Any) -> Any:
     if ids is None:
         return event  # a DoneEvent passes through unchanged
     rows = getattr(event, "logits", None)
-    return StreamTokens(event.stream_id, tuple(ids), None if rows is None else logits_sha256(rows))
+    digests = None if rows is None else logits_sha256(rows)
+    return StreamTokens(event.stream_id, tuple(ids), digests, getattr(event, "logprobs", None))
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

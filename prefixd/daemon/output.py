@@ -52,7 +52,8 @@ class OutputProcessor:
         self._ids.extend(event.ids)
         self._kept_bytes += len(text.encode("utf-8"))
         self.num_sent_ids += len(event.ids)
-        return TokenEvent(self.request_id, tuple(event.ids), self._shown(text), event.logits_sha256)
+        return TokenEvent(self.request_id, tuple(event.ids), self._shown(text), event.logits_sha256,
+                          _wire_logprobs(event.ids, event.logprobs))
 
     @property
     def keep_generated(self) -> int | None:
@@ -92,3 +93,13 @@ class OutputProcessor:
         completion = self.num_sent_ids if self._stops.stopped else usage.completion_tokens
         return Usage(usage.prompt_tokens, usage.cached_tokens, usage.prefilled_tokens, completion,
                      usage.ttft_s, usage.total_s, usage.cache)
+
+
+def _wire_logprobs(ids: tuple[int, ...], logprobs: Any) -> tuple[dict[str, Any], ...] | None:
+    if logprobs is None:
+        return None
+    return tuple(
+        {"id": token, "logprob": lp.logprob, "top": [{"id": i, "logprob": v} for i, v in lp.top]}
+        if lp is not None else {"id": token, "logprob": 0.0, "top": []}
+        for token, lp in zip(ids, logprobs)
+    )

@@ -22,7 +22,7 @@ from prefixd.gpu.model import RoundInputs
 from prefixd.gpu.sampling import LaneSampler
 from prefixd.scheduler.device import DeviceInfo
 from prefixd.scheduler.records import (LaneResult, LaneWork, RoundPlan, RoundResult,
-                                       SamplingParams)
+                                       SamplingParams, TokenLogprob)
 from prefixd.text.grammar import ll_tokenizer
 
 
@@ -82,6 +82,9 @@ class ModelRunner:
 
     def sample(self, lane: int, logits: torch.Tensor, row: int = 0) -> int:
         return self._sampler(lane).sample(logits[row])
+
+    def last_logprob(self, lane: int) -> TokenLogprob | None:
+        return self._sampler(lane).last_logprob
 
     def capture(self, lane: int) -> Any:
         self._check_lane(lane)
@@ -204,9 +207,15 @@ class ModelRunner:
         return torch.tensor(rows, dtype=torch.long, device=self.device), where
 
     def _lane_result(self, w: LaneWork, logits: torch.Tensor | None, where: dict) -> LaneResult:
-        sampled = tuple(self._sampler(w.lane).sample(logits[where[(w.lane, r)]]) for r in w.sample_rows)
+        sampler = self._sampler(w.lane) if w.sample_rows else None
+        sampled, logprobs = [], []
+        for r in w.sample_rows:
+            sampled.append(sampler.sample(logits[where[(w.lane, r)]]))
+            logprobs.append(sampler.last_logprob)
         rows = None
         if w.logits_rows:
             idx = torch.tensor([where[(w.lane, r)] for r in w.logits_rows], device=self.device)
             rows = logits.index_select(0, idx)
-        return LaneResult(lane=w.lane, sampled=sampled, logits=rows)
+        wants = sampler is not None and sampler.params.logprobs is not None
+        return LaneResult(lane=w.lane, sampled=tuple(sampled), logits=rows,
+                          logprobs=tuple(logprobs) if wants else None)

@@ -61,6 +61,7 @@ class GenerateResult:
     note: str | None
     logits_sha256: tuple[str, ...] | None
     tool_calls: tuple[dict[str, Any], ...] | None = None  # v2: the calls the reply made
+    logprobs: tuple[dict[str, Any], ...] | None = None  # v2: per id, when asked
 
 
 class GenerateStream:
@@ -124,16 +125,19 @@ class GenerateStream:
         ids: list[int] = []
         texts: list[str] = []
         digests: list[str] = []
+        logprobs: list[dict[str, Any]] = []
         async for event in self:
             if isinstance(event, TokenEvent):
                 ids.extend(event.ids)
                 texts.append(event.text)
                 digests.extend(event.logits_sha256 or ())
+                logprobs.extend(event.logprobs or ())
         done = self.done
         assert done is not None, "iteration ends only after the done event"
         return GenerateResult(
             self.id, tuple(ids), "".join(texts), done.finish_reason, done.usage, done.note,
             tuple(digests) if self.request.logits else None, done.tool_calls,
+            tuple(logprobs) if self.request.logprobs is not None else None,
         )
 
     async def __aenter__(self) -> GenerateStream:

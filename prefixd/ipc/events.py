@@ -66,10 +66,14 @@ class TokenEvent(_Event):
     ids: tuple[int, ...]
     text: str
     logits_sha256: tuple[str, ...] | None = None  # per id: sha256 hex of its float32 logits row
+    # v2, per id: {id, logprob, top: [{id, logprob}, ...]} from the fp32 row it was drawn from
+    logprobs: tuple[dict[str, Any], ...] | None = None
 
     @classmethod
     def read(cls, r: FieldReader) -> TokenEvent:
-        event = cls(r.int("id"), r.ints("ids", hi=MAX_TOKEN_ID), r.str("text"), r.strs("logits_sha256", None))
+        logprobs = r.list("logprobs", None)
+        event = cls(r.int("id"), r.ints("ids", hi=MAX_TOKEN_ID), r.str("text"), r.strs("logits_sha256", None),
+                    None if logprobs is None else r.each("logprobs", logprobs, _read_logprob))
         digests = event.logits_sha256
         if digests is not None:
             if len(digests) != len(event.ids):
@@ -82,7 +86,16 @@ class TokenEvent(_Event):
         out = {"type": self.TYPE, "id": self.id, "ids": list(self.ids), "text": self.text}
         if self.logits_sha256 is not None:
             out["logits_sha256"] = list(self.logits_sha256)
+        if self.logprobs is not None:
+            out["logprobs"] = [dict(entry) for entry in self.logprobs]
         return out
+
+
+def _read_logprob(r: FieldReader) -> dict[str, Any]:
+    top = r.list("top", [])
+    return {"id": r.int("id", hi=MAX_TOKEN_ID), "logprob": r.float("logprob"),
+            "top": [{"id": t.int("id", hi=MAX_TOKEN_ID), "logprob": t.float("logprob")}
+                    for t in (r.nested(f"top[{i}]", item) for i, item in enumerate(top))]}
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ from prefixd.ipc.parts import (  # noqa: F401
 PROTOCOL_VERSION = 2  # the newest version this code speaks
 SUPPORTED_VERSIONS = (1, 2)
 DEFAULT_MAX_TOKENS = 256
+MAX_TOP_LOGPROBS = 20
 
 
 class _Request:
@@ -100,6 +101,7 @@ class Generate(_Request):
     tools: tuple[dict[str, Any], ...] | None = None  # v2: OpenAI function tools
     tool_choice: str | dict[str, Any] | None = None  # v2: auto | none | required | a named function
     response_format: dict[str, Any] | None = None  # v2: constrained output (json_object, json_schema, ...)
+    logprobs: int | None = None  # v2: token events carry each token's logprob and this many alternatives
 
     @property
     def min_version(self) -> int:
@@ -109,7 +111,7 @@ class Generate(_Request):
     @property
     def v2_field(self) -> str | None:
         """The first field set that protocol version 1 lacks."""
-        for name in ("tools", "tool_choice", "response_format"):
+        for name in ("tools", "tool_choice", "response_format", "logprobs"):
             if getattr(self, name) is not None:
                 return name
         return None
@@ -142,6 +144,7 @@ class Generate(_Request):
             tools=r.each("tools", r.list("tools"), read_tool) if r.has("tools") else r.list("tools", None),
             tool_choice=read_tool_choice(r, "tool_choice"),
             response_format=read_response_format(r, "response_format"),
+            logprobs=r.int("logprobs", None, hi=MAX_TOP_LOGPROBS),
         )
         _check_generate(msg, r)
         return msg
@@ -166,6 +169,7 @@ class Generate(_Request):
             "tools": None if self.tools is None else [dict(t) for t in self.tools],
             "tool_choice": self.tool_choice,
             "response_format": self.response_format,
+            "logprobs": self.logprobs,
         })
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixd.scheduler.records import DeviceRows, ImageRows, SamplingParams
+from prefixd.scheduler.records import DeviceRows, ImageRows, SamplingParams, TokenLogprob
 
 
 class RequestError(Exception):
@@ -60,6 +60,7 @@ class TokenEvent:
     stream_id: int
     ids: tuple[int, ...]
     logits: DeviceRows | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # per id, when the stream asks
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
-"""Schema-constrained output through the real engine and runner (tiny random llama, CPU):
-every reply matches its schema over many seeds, and constrained streams give the same ids
-cold, resumed, and beside 7 other lanes."""
+"""Schema-constrained output and logprobs through the real engine and runner (tiny random
+llama, CPU): every reply matches its schema over many seeds; constrained streams give the
+same ids cold, resumed, and beside 7 other lanes; logprobs come from the sampled fp32 row."""
 
 from __future__ import annotations
 
@@ -40,14 +40,16 @@ def runner(tmp_path_factory) -> ModelRunner:
     return ModelRunner(ckpt, device=CPU, dtype=torch.float32, num_lanes=8, num_pages=160, page_size=8)
 
 
-def run(engine: Engine, requests: list[StreamRequest]) -> dict[int, tuple[int, ...]]:
+def run(engine: Engine, requests: list[StreamRequest], events: list | None = None) -> dict[int, tuple[int, ...]]:
     for r in requests:
         engine.submit(r)
     ids: dict[int, list[int]] = {r.stream_id: [] for r in requests}
     while not engine.idle:
         for event in engine.step():
             if isinstance(event, TokenEvent):
-                ids[event.stream_id].extend(event.ids)
+                ids.setdefault(event.stream_id, []).extend(event.ids)
+                if events is not None:
+                    events.append(event)
     return {k: tuple(v) for k, v in ids.items()}
 
 
@@ -112,3 +114,31 @@ def test_an_unsatisfiable_schema_is_a_bad_request(runner):
             "type": "json_schema", "json_schema": {"schema": schema}}}, 1)
     assert info.value.code.value == "bad_request"
     assert info.value.message.startswith("response_format: Unsatisfiable schema")
+
+
+def logprob_run(engine: Engine, stream_id: int, prompt: tuple[int, ...]) -> list:
+    events: list = []
+    sampling = SamplingParams(temperature=0.8, seed=5, logprobs=3)
+    run(engine, [StreamRequest(stream_id, prompt, 6, sampling=sampling, want_logits=True)], events)
+    return [e for e in events if e.stream_id == stream_id]
+
+
+def test_logprobs_come_from_the_sampled_row_and_hold_cold_resumed_and_beside_others(runner):
+    prompt = tuple(runner.tokenizer.encode("Count: one two three"))
+    engine = Engine(runner, SchedulerConfig(num_lanes=8, grid=8, cache=True))
+    cold = logprob_run(engine, 1, prompt)
+    assert len(cold) == 6
+    for event in cold:
+        [token], [lp] = event.ids, event.logprobs
+        row = torch.log_softmax(event.logits[0].float(), dim=0)
+        assert lp.logprob == float(row[token])
+        values, ids = torch.sort(row, descending=True, stable=True)
+        assert lp.top == tuple((int(i), float(v)) for i, v in zip(ids[:3].tolist(), values[:3].tolist()))
+    resumed = logprob_run(engine, 2, prompt)
+    crowded = Engine(runner, SchedulerConfig(num_lanes=8, grid=8, cache=False))
+    for k in range(7):
+        crowded.submit(StreamRequest(10 + k, tuple(runner.tokenizer.encode(f"noise {k}")), 6,
+                                     sampling=SamplingParams(temperature=1.0, seed=k, logprobs=2)))
+    beside = logprob_run(crowded, 3, prompt)
+    key = lambda events: [(e.ids, e.logprobs) for e in events]  # noqa: E731
+    assert key(cold) == key(resumed) == key(beside)
