@@ -51,7 +51,8 @@ class Connection:
         self.max_streams = max_streams
         self.services = services
         self._out_send, self._out_receive = anyio.create_memory_object_stream[dict](out_frames)
-        self._streams: dict[int, int] = {}  # request id -> engine stream id
+        self._streams: dict[int, int | None] = {}  # request id -> engine stream id (None: being built)
+        self._cancel_early: set[int] = set()  # generates cancelled while being built
         self._writer_done = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
         self.slow = False
@@ -78,8 +79,11 @@ class Connection:
 
     def cancel_streams(self) -> None:
         """Ask the engine to end every stream of this connection (done: cancelled follows)."""
-        for stream_id in self._streams.values():
-            self.services.host.cancel_nowait(stream_id)
+        for request_id, stream_id in self._streams.items():
+            if stream_id is None:
+                self._cancel_early.add(request_id)
+            else:
+                self.services.host.cancel_nowait(stream_id)
 
     # -- in ---------------------------------------------------------------------------------
 
@@ -94,7 +98,31 @@ class Connection:
                 continue
             except _CLOSED:
                 return
+            if msg.get("type") == "generate":
+                self._start_generate(msg)  # several generates sent together start in the same round
+            else:
+                await self._handle(msg)
+
+    def _start_generate(self, msg: dict[str, Any]) -> None:
+        """Reserve the generate's id now (so a cancel finds it), build and submit it in a task."""
+        request_id = msg.get("id") if isinstance(msg.get("id"), int) else None
+        try:
+            self._admissible(msg)
+        except ProtocolError as e:
+            self._send(ErrorReply.of(e.with_id(request_id)).to_wire())
+            return
+        if request_id is not None:
+            self._streams[request_id] = None
+        assert self._tg is not None
+        self._tg.start_soon(self._generate_task, msg, request_id)
+
+    async def _generate_task(self, msg: dict[str, Any], request_id: int | None) -> None:
+        try:
             await self._handle(msg)
+        finally:
+            if request_id is not None and self._streams.get(request_id, 0) is None:
+                self._streams.pop(request_id, None)  # refused before it reached the engine
+            self._cancel_early.discard(request_id)
 
     async def _handle(self, msg: dict[str, Any]) -> None:
         request_id = msg.get("id") if isinstance(msg.get("id"), int) else None
@@ -138,13 +166,16 @@ class Connection:
 
     async def _on_cancel(self, msg: dict[str, Any]) -> None:
         request_id, target = self.services.builder.cancel(msg)
-        stream_id = self._streams.get(target)
-        if stream_id is None:
+        if target not in self._streams:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no generate with id {target} is in flight")
-        self.services.host.cancel_nowait(stream_id)
+        stream_id = self._streams[target]
+        if stream_id is None:
+            self._cancel_early.add(target)  # still being built: cancelled once submitted
+        else:
+            self.services.host.cancel_nowait(stream_id)
         self._send(OkReply(request_id).to_wire())
 
-    async def _on_generate(self, msg: dict[str, Any]) -> None:
+    def _admissible(self, msg: dict[str, Any]) -> None:
         request_id = msg.get("id")
         if isinstance(request_id, int) and request_id in self._streams:
             raise ProtocolError(ErrorCode.DUPLICATE_ID, f"request id {request_id} is already in flight")
@@ -153,6 +184,8 @@ class Connection:
                                 f"this connection already has {len(self._streams)} generates in flight")
         if self.services.shutting_down():
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down and takes no new work")
+
+    async def _on_generate(self, msg: dict[str, Any]) -> None:
         stream_id = self.services.next_stream_id()
         built = await anyio.to_thread.run_sync(self.services.builder.generate, msg, stream_id, self.version)
         try:
@@ -163,8 +196,9 @@ class Connection:
                 raise
             raise ProtocolError(ErrorCode(code), e.message) from None
         self._streams[built.request_id] = stream_id
-        assert self._tg is not None
-        self._tg.start_soon(self._forward, built, receive)
+        if built.request_id in self._cancel_early:
+            self.services.host.cancel_nowait(stream_id)
+        await self._forward(built, receive)
 
     # -- out --------------------------------------------------------------------------------
 
