@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace", type=float, default=None, metavar="SECONDS",
                        help="on SIGTERM, time in-flight streams get to finish (default 10)")
     serve.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--http", default=None, metavar="HOST:PORT",
+                       help="also serve the OpenAI-compatible HTTP API here (off by default; see docs/http.md)")
+    serve.add_argument("--http-token-file", default=None, metavar="FILE",
+                       help="bearer token HTTP clients must send; required to listen beyond loopback")
 
     chat = sub.add_parser("chat", help="interactive chat (/reset, /exit)")
     _add_socket(chat)
