@@ -146,3 +146,19 @@ def LetterDeviceSlow():  # noqa: N802 - a paced device so a client can leave mid
     from tests.daemon.fakes import LetterDevice
 
     return LetterDevice(round_delay_s=0.01)
+
+
+def test_http_flags_need_a_token_beyond_loopback(tmp_path):
+    from types import SimpleNamespace
+
+    from prefixd.daemon.config import ConfigError, config_from_args
+
+    assert config_from_args(SimpleNamespace(http="127.0.0.1:8000"), env={}).http_addr == "127.0.0.1:8000"
+    with pytest.raises(ConfigError, match="beyond loopback needs --http-token-file"):
+        config_from_args(SimpleNamespace(http="0.0.0.0:8000"), env={})
+    token = tmp_path / "token"
+    token.write_text("t")
+    cfg = config_from_args(SimpleNamespace(http="0.0.0.0:8000", http_token_file=str(token)), env={})
+    assert cfg.http_token_file == token
+    with pytest.raises(ConfigError, match="expected HOST:PORT"):
+        config_from_args(SimpleNamespace(http="8000"), env={})
