@@ -3,29 +3,38 @@
     reader ──▶ dispatch ──▶ replies ─────────────────┐
                  └─ generate ─▶ forward task per stream ─┴─▶ bounded out queue ─▶ writer ─▶ socket
 
-Every reply goes through one bounded queue; when it is full the client is not reading, and
-the connection is closed (its streams are cancelled). Bad requests get `{code, message}`
-and the connection goes on; a frame that breaks framing closes only this connection.
+Every reply goes through one bounded queue. When it is full, whoever sends waits: the
+reader stops reading the client's frames until the writer has made room (backpressure),
+and only a client that takes no bytes for `send_timeout_s` is disconnected (its streams are
+cancelled). Bad requests get `{code, message}` and the connection goes on; a frame that
+breaks framing closes only this connection. A frame's memfd payloads are read only after
+the checks that need none of them, and off the event loop.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from array import array
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.engine_host import EngineFailed, EngineHost, StreamTokens
 from prefixd.daemon.requests import RequestBuilder
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.events import ErrorReply, OkReply, StatusReply
+from prefixd.ipc.fields import request_id_of
+from prefixd.ipc.framing import Frame, close_fds
+from prefixd.ipc.memfd import check_refs, resolve_payloads
+from prefixd.ipc.messages import check_before_payloads
 
 log = logging.getLogger("prefixd.connection")
 
-DEFAULT_OUT_FRAMES = 512  # queued outgoing frames before a client counts as not reading
-DEFAULT_MAX_STREAMS = 256  # generates one connection may have in flight
+_LOOP_DETOKENIZE_IDS = 1024  # longer detokenizes run off the event loop
 _FLUSH_S = 1.0  # how long a closing connection may take to send its last frames
 _CLOSED = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError)
 
@@ -41,16 +50,21 @@ class Services:
     shutting_down: Callable[[], bool]
     next_stream_id: Callable[[], int]
 
+    def max_context(self) -> int | None:
+        """The longest prompt the model takes, as the hello reply's model map says."""
+        value = self.builder.model_info.get("max_context")
+        return value if type(value) is int else None
+
 
 class Connection:
     """Serves one framed stream until the client leaves, breaks framing, or stops reading."""
 
-    def __init__(self, framed: Any, services: Services, *, out_frames: int = DEFAULT_OUT_FRAMES,
-                 max_streams: int = DEFAULT_MAX_STREAMS) -> None:
+    def __init__(self, framed: Any, services: Services, bounds: ConnectionBounds | None = None) -> None:
+        bounds = bounds or ConnectionBounds()
         self.framed = framed
-        self.max_streams = max_streams
+        self.max_streams = bounds.max_streams
         self.services = services
-        self._out_send, self._out_receive = anyio.create_memory_object_stream[dict](out_frames)
+        self._out_send, self._out_receive = anyio.create_memory_object_stream[dict](bounds.out_frames)
         self._streams: dict[int, int | None] = {}  # request id -> engine stream id (None: being built)
         self._cancel_early: set[int] = set()  # generates cancelled while being built
         self._writer_done = anyio.Event()
@@ -90,26 +104,31 @@ class Connection:
     async def _reader(self) -> None:
         while True:
             try:
-                msg = await self.framed.receive()
+                frame = await self.framed.receive_frame()
             except ProtocolError as e:
-                self._send(ErrorReply.of(e).to_wire())
+                await self._send(ErrorReply.of(e).to_wire())
                 if e.fatal:
                     return
                 continue
             except _CLOSED:
                 return
+            try:
+                msg = await self._open(frame)
+            except ProtocolError as e:
+                await self._send(ErrorReply.of(e).to_wire())
+                continue
             if msg.get("type") == "generate":
-                self._start_generate(msg)  # several generates sent together start in the same round
+                await self._start_generate(msg)  # several generates sent together start in the same round
             else:
                 await self._handle(msg)
 
-    def _start_generate(self, msg: dict[str, Any]) -> None:
+    async def _start_generate(self, msg: dict[str, Any]) -> None:
         """Reserve the generate's id now (so a cancel finds it), build and submit it in a task."""
-        request_id = msg.get("id") if isinstance(msg.get("id"), int) else None
+        request_id = request_id_of(msg)
         try:
             self._admissible(msg)
         except ProtocolError as e:
-            self._send(ErrorReply.of(e.with_id(request_id)).to_wire())
+            await self._send(ErrorReply.of(e.with_id(request_id)).to_wire())
             return
         if request_id is not None:
             self._streams[request_id] = None
@@ -124,8 +143,23 @@ class Connection:
                 self._streams.pop(request_id, None)  # refused before it reached the engine
             self._cancel_early.discard(request_id)
 
+    async def _open(self, frame: Frame) -> dict[str, Any]:
+        """The frame's map with its memfd payloads read, once every check that needs none
+        of them has passed; closes the frame's descriptors."""
+        if not frame.num_refs:
+            close_fds(frame.fds)
+            return frame.msg
+        try:
+            check_before_payloads(frame.msg, self.services.max_context())
+            check_refs(frame, self.framed.limits)
+        except ProtocolError as e:
+            close_fds(frame.fds)
+            raise e.with_id(request_id_of(frame.msg)) from None
+        read = functools.partial(resolve_payloads, frame, self.framed.limits, arrays=True)
+        return await anyio.to_thread.run_sync(read)
+
     async def _handle(self, msg: dict[str, Any]) -> None:
-        request_id = msg.get("id") if isinstance(msg.get("id"), int) else None
+        request_id = request_id_of(msg)  # an error never repeats an id that is not a valid one
         try:
             kind = msg.get("type")
             handler = self._handlers().get(kind) if isinstance(kind, str) else None
@@ -133,9 +167,9 @@ class Connection:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}")
             await handler(msg)
         except ProtocolError as e:
-            self._send(ErrorReply.of(e.with_id(request_id)).to_wire())
+            await self._send(ErrorReply.of(e.with_id(request_id)).to_wire())
         except EngineFailed as e:
-            self._send(ErrorReply(request_id, ErrorCode.INTERNAL.value, str(e)).to_wire())
+            await self._send(ErrorReply(request_id, ErrorCode.INTERNAL.value, str(e)).to_wire())
 
     def _handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
         return {
@@ -150,19 +184,24 @@ class Connection:
     async def _on_hello(self, msg: dict[str, Any]) -> None:
         reply = self.services.builder.hello(msg, self.services.hello_reply())
         self.version = reply.version
-        self._send(reply.to_wire())
+        await self._send(reply.to_wire())
 
     async def _on_status(self, msg: dict[str, Any]) -> None:
         request_id = self.services.builder.status(msg)
         status = await self.services.host.call(lambda engine: engine.status())
-        self._send(StatusReply(request_id, {**status, **self.services.status_extra()}).to_wire())
+        await self._send(StatusReply(request_id, {**status, **self.services.status_extra()}).to_wire())
 
     async def _on_tokenize(self, msg: dict[str, Any]) -> None:
         reply = await anyio.to_thread.run_sync(self.services.builder.tokenize, msg)
-        self._send(reply.to_wire())
+        await self._send(reply.to_wire())
 
     async def _on_detokenize(self, msg: dict[str, Any]) -> None:
-        self._send(self.services.builder.detokenize(msg).to_wire())
+        ids = msg.get("ids")
+        if isinstance(ids, (list, array)) and len(ids) > _LOOP_DETOKENIZE_IDS:
+            reply = await anyio.to_thread.run_sync(self.services.builder.detokenize, msg)
+        else:  # the common short case costs less than a thread hop
+            reply = self.services.builder.detokenize(msg)
+        await self._send(reply.to_wire())
 
     async def _on_cancel(self, msg: dict[str, Any]) -> None:
         request_id, target = self.services.builder.cancel(msg)
@@ -173,7 +212,7 @@ class Connection:
             self._cancel_early.add(target)  # still being built: cancelled once submitted
         else:
             self.services.host.cancel_nowait(stream_id)
-        self._send(OkReply(request_id).to_wire())
+        await self._send(OkReply(request_id).to_wire())
 
     def _admissible(self, msg: dict[str, Any]) -> None:
         request_id = msg.get("id")
@@ -213,29 +252,24 @@ class Connection:
                 was_hit = out.stop_hit
                 token = out.tokens(event)
                 if token is not None:
-                    self._send(token.to_wire())
+                    await self._send(token.to_wire())
                 if out.stop_hit and not was_hit:
                     keep = out.keep_generated
                     keep_rows = None if keep is None else len(built.request.tokens) + keep
                     self.services.host.cancel_nowait(event.stream_id, keep_rows)
         self._streams.pop(built.request_id, None)
         if done is None:
-            self._send(ErrorReply.of(ProtocolError(ErrorCode.INTERNAL, "the engine stopped before this stream finished",
-                                                   built.request_id)).to_wire())
+            await self._send(ErrorReply(built.request_id, ErrorCode.INTERNAL.value,
+                                        "the engine stopped before this stream finished").to_wire())
             return
         for final in out.done(done):
-            self._send(final.to_wire())
+            await self._send(final.to_wire())
 
-    def _send(self, frame: dict[str, Any]) -> None:
+    async def _send(self, frame: dict[str, Any]) -> None:
+        """Queue `frame` for the writer, waiting while the queue is full (the reader then
+        reads nothing more from this client until the writer makes room)."""
         try:
-            self._out_send.send_nowait(frame)
-        except anyio.WouldBlock:
-            # The client does not read: close this connection, which cancels its streams.
-            if not self.slow:
-                log.info("closing a connection whose client does not read")
-            self.slow = True
-            assert self._tg is not None
-            self._tg.cancel_scope.cancel()
+            await self._out_send.send(frame)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             log.debug("dropping a frame for a closed connection")
 
@@ -244,8 +278,11 @@ class Connection:
             async for frame in self._out_receive:
                 try:
                     await self.framed.send(frame)
-                except (*_CLOSED, TimeoutError):
+                except (*_CLOSED, TimeoutError) as e:
                     # Gone, or not reading within the send timeout: end the whole connection.
+                    if isinstance(e, TimeoutError):
+                        self.slow = True
+                        log.info("closing a connection whose client does not read")
                     assert self._tg is not None
                     self._tg.cancel_scope.cancel()
                     return
