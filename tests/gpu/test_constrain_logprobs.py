@@ -5,7 +5,6 @@ same ids cold, resumed, and beside 7 other lanes; logprobs come from the sampled
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -102,7 +101,7 @@ def test_forced_tool_call_parses(runner):
                               "sampling": {"temperature": 1.0, "seed": 3}}, 1)
     engine = Engine(runner, SchedulerConfig(num_lanes=8, grid=8, cache=False))
     ids = run(engine, [built.request])[1]
-    content, calls = parse_tool_calls(text_of(runner, ids))
+    _, calls = parse_tool_calls(text_of(runner, ids))
     assert [c.name for c in calls] == ["get_weather"] and json.loads(calls[0].arguments)["city"] in ("Paris", "Oslo")
 
 
