@@ -32,20 +32,21 @@ class GrammarMask:
     def error(self) -> str | None:
         return self._matcher.get_error() if self._matcher.is_error() else None
 
-    def allowed(self) -> torch.Tensor:
+    def allowed(self) -> np.ndarray:
         """(vocab_size,) bool: the ids the grammar allows next."""
-        out = torch.zeros(self.vocab_size, dtype=torch.bool)
+        out = np.zeros(self.vocab_size, dtype=np.bool_)
         if not self._matcher.is_error():
             bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
             n = min(self._ll_vocab, self.vocab_size)
-            out[:n] = torch.from_numpy(bits[:n].astype(np.bool_))
-        if not bool(out.any()):
+            out[:n] = bits[:n]
+        if not out.any():
             out[self._end_id] = True
         return out
 
     def apply(self, row: torch.Tensor) -> torch.Tensor:
-        """`row` with the ids the grammar forbids at -inf (a new tensor)."""
-        return row.masked_fill(~self.allowed().to(row.device), _NEG_INF)
+        """`row` with the ids the grammar forbids at -inf (a new tensor; one torch op)."""
+        forbidden = torch.from_numpy(~self.allowed())
+        return row.masked_fill(forbidden.to(row.device, non_blocking=True), _NEG_INF)
 
     def advance(self, token: int) -> None:
         """Take `token` (a wrong one puts the matcher in its error state: only the end follows)."""
