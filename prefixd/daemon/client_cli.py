@@ -36,18 +36,25 @@ def _connect(args: argparse.Namespace) -> SyncClient:
 CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.0, "repetition_penalty": 1.1}
 
 
-def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+def _sampling(args: argparse.Namespace, model_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Flags, else the model's own settings (hello's model.sampling_defaults), else CHAT_DEFAULTS."""
     if args.greedy:
         return {"temperature": 0.0}
     given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
              "repetition_penalty": args.repeat_penalty}
-    sampling = {k: given[k] if given[k] is not None else v for k, v in CHAT_DEFAULTS.items()}
+    defaults = {**CHAT_DEFAULTS, **{k: v for k, v in (model_defaults or {}).items() if k in CHAT_DEFAULTS}}
+    sampling = {k: given[k] if given[k] is not None else v for k, v in defaults.items()}
     sampling["seed"] = args.seed if args.seed is not None else secrets.randbits(63)
     return sampling
 
 
-def _fields(args: argparse.Namespace, sampling: dict[str, Any] | None = None) -> dict[str, Any]:
-    fields: dict[str, Any] = {"max_tokens": args.max_tokens, "sampling": sampling or _sampling(args),
+def _model_defaults(client: SyncClient) -> dict[str, Any]:
+    defaults = client.hello(client="prefixd-cli").model.get("sampling_defaults")
+    return defaults if isinstance(defaults, dict) else {}
+
+
+def _fields(args: argparse.Namespace, sampling: dict[str, Any]) -> dict[str, Any]:
+    fields: dict[str, Any] = {"max_tokens": args.max_tokens, "sampling": sampling,
                               "cache": not args.no_cache}
     if args.namespace:
         fields["namespace"] = args.namespace
@@ -118,14 +125,14 @@ def _load_messages(path: str) -> list[dict[str, Any]]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    fields = _fields(args)
-    if args.messages:
-        fields["messages"] = _load_messages(args.messages)
-    elif args.raw:
-        fields["prompt"] = args.prompt
-    else:
-        fields["messages"] = [{"role": "user", "content": args.prompt}]
     with _connect(args) as client:
+        fields = _fields(args, _sampling(args, _model_defaults(client)))
+        if args.messages:
+            fields["messages"] = _load_messages(args.messages)
+        elif args.raw:
+            fields["prompt"] = args.prompt
+        else:
+            fields["messages"] = [{"role": "user", "content": args.prompt}]
         if args.json:
             result = client.generate(**fields).collect()
             out = {"text": result.text, "tokens": list(result.ids), "finish_reason": result.finish_reason,
@@ -188,8 +195,8 @@ def _mib(num_bytes: int) -> str:
 def _chat(args: argparse.Namespace) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages: list[dict[str, Any]] = list(system)
-    sampling = _sampling(args)  # one seed for the session, reported once
     with _connect(args) as client:
+        sampling = _sampling(args, _model_defaults(client))  # one seed for the session, reported once
         _report_seed({"sampling": sampling})
         print("prefixd chat: /reset starts over, /exit (or Ctrl-D) quits", file=sys.stderr)
         while True:
