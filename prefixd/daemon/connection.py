@@ -24,6 +24,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.engine_host import EngineFailed, EngineHost, StreamTokens
+from prefixd.daemon.peer_probe import peer_probe
 from prefixd.daemon.requests import RequestBuilder
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.events import ErrorReply, OkReply, StatusReply
@@ -192,7 +193,7 @@ class Connection:
         await self._send(StatusReply(request_id, {**status, **self.services.status_extra()}).to_wire())
 
     async def _on_tokenize(self, msg: dict[str, Any]) -> None:
-        reply = await anyio.to_thread.run_sync(self.services.builder.tokenize, msg)
+        reply = await anyio.to_thread.run_sync(self.services.builder.tokenize, msg, peer_probe(self.framed))
         await self._send(reply.to_wire())
 
     async def _on_detokenize(self, msg: dict[str, Any]) -> None:
@@ -226,7 +227,8 @@ class Connection:
 
     async def _on_generate(self, msg: dict[str, Any]) -> None:
         stream_id = self.services.next_stream_id()
-        built = await anyio.to_thread.run_sync(self.services.builder.generate, msg, stream_id, self.version)
+        built = await anyio.to_thread.run_sync(self.services.builder.generate, msg, stream_id, self.version,
+                                               peer_probe(self.framed))
         try:
             receive = await self.services.host.submit(built.request)
         except Exception as e:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from prefixd.daemon.engine_host import StreamTokens
-from prefixd.daemon.stops import StopMatcher
+from prefixd.daemon.stops import StopMatcher, StopSet
 from prefixd.ipc.events import DoneEvent, TokenEvent, Usage
 from prefixd.text.tools import ToolCallSplitter
 
@@ -25,7 +25,7 @@ class OutputProcessor:
     past the stop).
     """
 
-    def __init__(self, request_id: int, decoder: Any, *, stop: tuple[str, ...] = (),
+    def __init__(self, request_id: int, decoder: Any, *, stop: StopSet | tuple[str, ...] = (),
                  stop_ids: frozenset[int] = frozenset(), parse_tools: bool = False,
                  token_bytes: Callable[[int], bytes] | None = None) -> None:
         self.request_id = request_id

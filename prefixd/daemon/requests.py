@@ -8,6 +8,7 @@ from typing import Any, Callable
 import numpy as np
 
 from prefixd.daemon.output import OutputProcessor
+from prefixd.daemon.stops import StopSet
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.events import HelloReply, TextReply, TokensReply
 from prefixd.ipc.framing import Limits
@@ -33,7 +34,7 @@ class BuiltGenerate:
 
     request_id: int
     request: StreamRequest
-    stop: tuple[str, ...]
+    stop: StopSet  # prepared here, in the worker thread, not on the event loop
     parse_tools: bool = False  # the reply's tool calls become done.tool_calls
 
 
@@ -86,10 +87,11 @@ class RequestBuilder:
         cancel: Cancel = self._parse(msg, Cancel)
         return cancel.id, cancel.target
 
-    def tokenize(self, msg: dict[str, Any]) -> TokensReply:
+    def tokenize(self, msg: dict[str, Any], client_gone: Callable[[], bool] | None = None) -> TokensReply:
+        """The tokens reply; a chat render stops early once `client_gone()` is true."""
         req: Tokenize = self._parse(msg, Tokenize)
         if req.messages is not None:
-            rendered = self._render(req.messages, req.id)
+            rendered = self._render(req.messages, req.id, client_gone)
             return TokensReply(req.id, tuple(rendered.ids), tuple(rendered.message_starts))
         add_special = self.tokenizer.add_bos if req.add_special is None else req.add_special
         return TokensReply(req.id, tuple(self.tokenizer.encode(req.text, add_special=add_special)))
@@ -99,13 +101,15 @@ class RequestBuilder:
         self._check_ids(req.ids, "ids", req.id)
         return TextReply(req.id, self.tokenizer.decode(req.ids))
 
-    def generate(self, msg: dict[str, Any], stream_id: int, version: int = SUPPORTED_VERSIONS[-1]) -> BuiltGenerate:
-        """The engine request of a generate on a connection speaking protocol `version`."""
+    def generate(self, msg: dict[str, Any], stream_id: int, version: int = SUPPORTED_VERSIONS[-1],
+                 client_gone: Callable[[], bool] | None = None) -> BuiltGenerate:
+        """The validated generate of a connection speaking protocol `version`; a chat render
+        stops early once `client_gone()` is true."""
         req: Generate = self._parse(msg, Generate, version)
         grammar = self._grammar(req)
         starts: tuple[int, ...] = ()
         if req.messages is not None:
-            rendered = self._render(req.messages, req.id, req.tools)
+            rendered = self._render(req.messages, req.id, client_gone, req.tools)
             tokens = tuple(rendered.ids)
             starts = tuple(s for s in rendered.message_starts if 0 < s < len(tokens))
         elif req.prompt is not None:
@@ -131,18 +135,25 @@ class RequestBuilder:
             want_logits=req.logits,
         )
         parse_tools = bool(req.tools) and req.tool_choice != "none"
-        return BuiltGenerate(req.id, request, req.stop, parse_tools)
+        return BuiltGenerate(req.id, request, StopSet(req.stop), parse_tools)
 
     def _render(self, messages: tuple[dict[str, Any], ...], request_id: int,
-                tools: tuple[dict[str, Any], ...] | None = None) -> Any:
+                client_gone: Callable[[], bool] | None, tools: tuple[dict[str, Any], ...] | None = None) -> Any:
+        from prefixd.gpu.chat import ChatTooLarge, RenderCancelled
+
         source = self._template_source(bool(tools))
         chat, template_tools = prepare_chat([dict(m) for m in messages], list(tools) if tools else None, source)
+        kwargs: dict[str, Any] = {} if client_gone is None else {"should_stop": client_gone}
+        if template_tools is not None:
+            kwargs["tools"] = template_tools
         try:
-            if template_tools is None:
-                return self.tokenizer.render_chat(chat)
-            return self.tokenizer.render_chat(chat, tools=template_tools)
+            return self.tokenizer.render_chat(chat, **kwargs)
         except ProtocolError:
             raise
+        except ChatTooLarge as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"messages: {e}", request_id) from None
+        except RenderCancelled as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"messages: {e}", request_id) from None
         except Exception as e:  # a template error is the client's messages' fault
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"messages: the chat template failed: {e}", request_id) from None
 
