@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from prefixd.scheduler.admission import Admitter
 from prefixd.scheduler.config import SchedulerConfig, store_budget_bytes
@@ -37,7 +37,8 @@ class Engine:
 
     `store_factory(allocator=, page_size=, kv_bytes_per_page=, budget_bytes=, invariant_rows=,
     clock=)` builds the prefix store when `config.cache` (default `PrefixStore`); returning None
-    leaves only resident lanes.
+    leaves only resident lanes. `disk` (a `prefixd.disk.tier.DiskTier`, used only with a
+    store) is written through on every keep and asked when a lookup misses RAM.
     """
 
     def __init__(
@@ -48,6 +49,7 @@ class Engine:
         observer: EngineObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         store_factory: Callable[..., PrefixStore | None] | None = None,
+        disk: Any = None,
     ) -> None:
         info = device.info
         config.check_device(info)
@@ -65,6 +67,9 @@ class Engine:
             self.store = (store_factory or PrefixStore)(
                 allocator=self.allocator, page_size=info.page_size, kv_bytes_per_page=info.kv_bytes_per_page,
                 budget_bytes=store_budget_bytes(info, config), invariant_rows=info.invariant_rows, clock=clock)
+        self.disk = disk if self.store is not None else None
+        if self.disk is not None:
+            self.disk.attach(store=self.store, allocator=self.allocator, device=device)
         self._streams: dict[int, Stream] = {}
         self._schedules: dict[int, Schedule] = {}
         self._seq = itertools.count()
@@ -74,6 +79,7 @@ class Engine:
             lanes=self.lanes, tables=self.tables, device=device, store=self.store,
             schedules=self._schedules, observer=self.observer, clock=clock, grid=config.grid,
             headroom_rows=config.decode_headroom_rows, max_context=self.max_context, cache=config.cache,
+            disk=self.disk,
         )
 
     # -- public API -------------------------------------------------------------------
@@ -122,6 +128,8 @@ class Engine:
         """Run one lane round; returns the token and done events it produced, in order."""
         t0 = self.clock()
         events: list[Event] = []
+        if self.disk is not None:
+            self.disk.poll()
         planned = self._schedule(events)
         plan = RoundPlan(tuple(p.work for p in planned))
         forward_s = 0.0
@@ -174,6 +182,9 @@ class Engine:
         }
         if self.store is not None:
             out["store"] = dataclasses.asdict(self.store.stats())
+        if self.disk is not None:
+            self.disk.poll()
+            out["disk"] = dataclasses.asdict(self.disk.stats())
         return out
 
     def check_integrity(self) -> None:
