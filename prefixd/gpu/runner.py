@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from prefixd.gpu.attention import AttentionSpan, plan_attention
+from prefixd.gpu.constrain import GrammarMask
 from prefixd.gpu.copy import CopyEngine
 from prefixd.gpu.families import build_family
 from prefixd.gpu.kv_pool import KVPool
@@ -22,7 +23,8 @@ from prefixd.gpu.sampling import LaneSampler
 from prefixd.scheduler.device import DeviceInfo
 from prefixd.gpu.families.qwen3_5_state import HybridState
 from prefixd.scheduler.records import (DiskLoad, LaneResult, LaneWork, PagePayload, RoundPlan, RoundResult,
-                                       SamplingParams)
+                                       SamplingParams, TokenLogprob)
+from prefixd.text.grammar import ll_tokenizer
 
 
 class ModelRunner:
@@ -49,6 +51,7 @@ class ModelRunner:
             invariant_rows=self.model.invariant_rows)
         self.copies = CopyEngine(self.device)  # page and state copies, fenced
         self._samplers: dict[int, LaneSampler] = {}
+        self._ll_tokenizer: Any = None
 
     # Device protocol -------------------------------------------------------------------
     def start_stream(self, lane: int, sampling: SamplingParams, history: Sequence[int]) -> None:
@@ -56,7 +59,14 @@ class ModelRunner:
         vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
         self._samplers[lane] = LaneSampler(sampling, history, vocab_size=self.config.vocab_size,
                                            tokenizer_vocab=min(vocab, self.config.vocab_size),
-                                           device=self.device)
+                                           device=self.device, constraint=self._constraint(sampling))
+
+    def _constraint(self, sampling: SamplingParams) -> GrammarMask | None:
+        if sampling.grammar is None:
+            return None
+        if self._ll_tokenizer is None:  # built on first use: ~1 s for a large vocabulary
+            self._ll_tokenizer = ll_tokenizer(self.tokenizer)
+        return GrammarMask(self._ll_tokenizer, sampling.grammar, vocab_size=self.config.vocab_size)
 
     def run_round(self, plan: RoundPlan) -> RoundResult:
         if not plan.lanes:
@@ -74,6 +84,9 @@ class ModelRunner:
 
     def sample(self, lane: int, logits: torch.Tensor, row: int = 0) -> int:
         return self._sampler(lane).sample(logits[row])
+
+    def last_logprob(self, lane: int) -> TokenLogprob | None:
+        return self._sampler(lane).last_logprob
 
     def capture(self, lane: int) -> Any:
         self._check_lane(lane)
@@ -228,12 +241,18 @@ class ModelRunner:
         return torch.tensor(rows, dtype=torch.long, device=self.device), where
 
     def _lane_result(self, w: LaneWork, logits: torch.Tensor | None, where: dict) -> LaneResult:
-        sampled = tuple(self._sampler(w.lane).sample(logits[where[(w.lane, r)]]) for r in w.sample_rows)
+        sampler = self._sampler(w.lane) if w.sample_rows else None
+        sampled, logprobs = [], []
+        for r in w.sample_rows:
+            sampled.append(sampler.sample(logits[where[(w.lane, r)]]))
+            logprobs.append(sampler.last_logprob)
         rows = None
         if w.logits_rows:
             idx = torch.tensor([where[(w.lane, r)] for r in w.logits_rows], device=self.device)
             rows = logits.index_select(0, idx)
-        return LaneResult(lane=w.lane, sampled=sampled, logits=rows)
+        wants = sampler is not None and sampler.params.logprobs is not None
+        return LaneResult(lane=w.lane, sampled=tuple(sampled), logits=rows,
+                          logprobs=tuple(logprobs) if wants else None)
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:

@@ -45,6 +45,7 @@ class Seating:
     stream: Stream
     first: int | None = None
     logits: object | None = None
+    logprob: object | None = None  # records.TokenLogprob of `first`, when the stream asks
 
 
 class Admitter:
@@ -243,7 +244,9 @@ class Admitter:
             logits = hit.snapshot.logits if hit is not None and hit.snapshot is not None else None
             if logits is None:
                 raise RuntimeError(f"stream {stream.stream_id}: a hit on the whole prompt without a logits row")
-            return Seating(stream, self.device.sample(lane.index, logits), logits if req.want_logits else None)
+            first = self.device.sample(lane.index, logits)
+            logprob = self.device.last_logprob(lane.index) if req.sampling.logprobs is not None else None
+            return Seating(stream, first, logits if req.want_logits else None, logprob)
         return Seating(stream)
 
     def _continue_resident(self, stream: Stream, lane: Lane, resume: int) -> None:

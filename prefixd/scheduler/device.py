@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from prefixd.scheduler.records import (DeviceRows, DeviceState, DiskLoad, PagePayload, RoundPlan, RoundResult,
-                                       SamplingParams)
+                                       SamplingParams, TokenLogprob)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,9 @@ class Device(Protocol):
 
     def sample(self, lane: int, logits: DeviceRows, row: int = 0) -> int:
         """Sample one token for `lane` from a stored logits row (a full cache hit: no forward)."""
+
+    def last_logprob(self, lane: int) -> TokenLogprob | None:
+        """The logprobs of the token `lane` sampled last, when its sampling asks for them."""
 
     def capture(self, lane: int) -> DeviceState:
         """Copy the lane's non-page state (waits for in-flight copies first)."""

@@ -84,7 +84,8 @@ def test_serve_notifies_ready_serves_the_cli_and_exits_0_on_sigterm(tiny_dir, tm
         out = _cli("generate", "--socket", str(sock), "--prompt", "Hello", "--max-tokens", "4", "--json")
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
-        assert set(result) == {"text", "tokens", "finish_reason", "usage"}
+        assert set(result) == {"text", "tokens", "finish_reason", "usage", "sampling"}
+        assert result["sampling"]["temperature"] == 0.7 and isinstance(result["sampling"]["seed"], int)
         assert result["finish_reason"] in ("length", "stop")
         assert result["usage"]["completion_tokens"] == len(result["tokens"])
 

@@ -114,6 +114,9 @@ class FakeDevice:
     def sample(self, lane: int, logits: FakeRows, row: int = 0) -> int:
         return self._pick(lane, logits.values[row])
 
+    def last_logprob(self, lane: int) -> None:
+        return None
+
     def capture(self, lane: int) -> FakeState:
         return FakeState(self.state[lane], self.info.lane_state_bytes)
 
