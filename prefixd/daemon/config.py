@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
 DEFAULT_CPU_LANES = 8
@@ -19,6 +21,7 @@ DEFAULT_CPU_MAX_CONTEXT = 4096
 # `--cache-budget auto`: this share of the memory left after weights, lanes and workspace.
 AUTO_CACHE_FRACTION = 0.5
 AUTO_CACHE_MAX_BYTES_CPU = 4 << 30  # host RAM is shared with everything else on the machine
+DEFAULT_DISK_BUDGET_BYTES = 8 << 30
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -47,6 +50,11 @@ class DaemonConfig:
     grid: int = DEFAULT_GRID
     max_context: int | None = None  # None: the model's, capped on CPU
     log_level: str = "info"
+    http_addr: str = ""  # "HOST:PORT" serves the OpenAI-compatible HTTP front; "" does not
+    http_token_file: Path | None = None  # a bearer token clients must send; needed off loopback
+    disk_cache_dir: Path | None = None  # None: no disk tier (config_from_args fills the default)
+    disk_budget_bytes: int = DEFAULT_DISK_BUDGET_BYTES
+    idle_exit_s: float | None = None  # None: never exit for idleness
     draft: str = "off"  # "ngram" | "off"
     draft_max: int = DEFAULT_DRAFT_MAX
 
@@ -82,6 +90,24 @@ def parse_size(text: str) -> int | None:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def _disk_budget(text: str) -> int | None:
+    try:
+        return parse_size(text)
+    except ConfigError:
+        raise ConfigError(f"--disk-budget {text!r}: expected BYTES (e.g. 8GiB, 512M)") from None
+
+
+def default_disk_cache_dir(env: dict[str, str]) -> Path:
+    """$STATE_DIRECTORY (systemd's StateDirectory=, the first if several), else
+    $XDG_CACHE_HOME/prefixd, else ~/.cache/prefixd."""
+    state = env.get("STATE_DIRECTORY", "").split(":")[0]
+    if state:
+        return Path(state)
+    xdg = env.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if xdg else Path(env.get("HOME") or Path.home()) / ".cache"
+    return base / "prefixd"
+
+
 def _check(cfg: DaemonConfig) -> DaemonConfig:
     if cfg.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", cfg.device):
         raise ConfigError(f"--device {cfg.device!r}: expected cpu or cuda[:N]")
@@ -99,6 +125,14 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"--grace {cfg.grace_s}: must be >= 0")
     if cfg.max_context is not None and cfg.max_context < 2:
         raise ConfigError(f"--max-context {cfg.max_context}: must be >= 2")
+    if cfg.http_addr:
+        from prefixd.daemon.http.addr import check_http_addr
+
+        check_http_addr(cfg.http_addr, cfg.http_token_file)
+    if cfg.disk_budget_bytes < 0:
+        raise ConfigError(f"--disk-budget {cfg.disk_budget_bytes}: must be >= 0")
+    if cfg.idle_exit_s is not None and cfg.idle_exit_s <= 0:
+        raise ConfigError(f"--idle-exit {cfg.idle_exit_s:g}: must be > 0 seconds")
     if cfg.metrics_addr:
         from prefixd.metrics.exporter import MetricsAddrError, parse_metrics_addr
 
@@ -107,6 +141,10 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
         except MetricsAddrError as e:
             raise ConfigError(str(e)) from None
     return cfg
+
+
+def _opt_path(value: object) -> Path | None:
+    return None if value in (None, "") else Path(str(value))
 
 
 def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonConfig:
@@ -123,6 +161,9 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
     socket_text = pick("socket", "PREFIXD_SOCKET", None)
     budget = pick("cache_budget", "PREFIXD_CACHE_BUDGET", "auto")
     max_context = pick("max_context", "PREFIXD_MAX_CONTEXT", None)
+    disk_dir = pick("disk_cache", "PREFIXD_DISK_CACHE", None)
+    disk_budget = _disk_budget(str(pick("disk_budget", "PREFIXD_DISK_BUDGET", DEFAULT_DISK_BUDGET_BYTES)))
+    idle_exit = pick("idle_exit", "PREFIXD_IDLE_EXIT", None)
     try:
         cfg = DaemonConfig(
             model=str(pick("model", "PREFIXD_MODEL", "default")),
@@ -139,6 +180,11 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
             grid=int(pick("grid", "PREFIXD_GRID", DEFAULT_GRID)),
             max_context=None if max_context is None else int(max_context),
             log_level=str(pick("log_level", "PREFIXD_LOG_LEVEL", "info")),
+            http_addr=str(pick("http", "PREFIXD_HTTP", "")),
+            http_token_file=_opt_path(pick("http_token_file", "PREFIXD_HTTP_TOKEN_FILE", None)),
+            disk_cache_dir=default_disk_cache_dir(env) if disk_dir is None else (Path(str(disk_dir)) if disk_dir else None),
+            disk_budget_bytes=DEFAULT_DISK_BUDGET_BYTES if disk_budget is None else disk_budget,
+            idle_exit_s=None if idle_exit in (None, "") else float(idle_exit),
             draft=str(pick("draft", "PREFIXD_DRAFT", "off")),
             draft_max=int(pick("draft_max", "PREFIXD_DRAFT_MAX", DEFAULT_DRAFT_MAX)),
         )
@@ -147,3 +193,23 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
             raise
         raise ConfigError(f"bad number in flags or PREFIXD_* environment: {e}") from None
     return _check(cfg)
+
+
+def cache_budget_warning(info: Any, sched: Any) -> str | None:
+    """The start-up warning for an explicit cache budget that leaves the prefix store less
+    than one page (scheduler.config.store_budget_bytes reserves weights, lane state and
+    workspace out of the budget first), or None. `info`: the DeviceInfo; `sched`: the
+    SchedulerConfig the engine runs with."""
+    from prefixd.scheduler.config import store_budget_bytes
+
+    budget = sched.cache_budget_bytes
+    if budget is None or not sched.cache:
+        return None
+    allowance = store_budget_bytes(info, sched)
+    if allowance >= info.kv_bytes_per_page:
+        return None
+    unbounded = 1 << 62
+    reserved = unbounded - store_budget_bytes(info, dataclasses.replace(sched, cache_budget_bytes=unbounded))
+    return (f"--cache-budget {budget} bytes leaves the prefix cache {allowance} bytes (less than one "
+            f"{info.kv_bytes_per_page}-byte page): weights, lane state and workspace take {reserved} bytes of the "
+            f"budget first; give at least {reserved + info.kv_bytes_per_page} bytes, or auto, to cache prefixes")
