@@ -195,10 +195,10 @@ def test_bad_events_are_refused_with_the_field(data: dict[str, Any], message: st
     assert info.value.message == message
 
 
-def test_generate_draft_is_auto_unless_off_and_nothing_else() -> None:
-    assert parse_request({"type": "generate", "id": 1, "prompt": "x"}).draft == "auto"
+def test_generate_draft_is_a_v2_field_off_or_auto() -> None:
+    plain = parse_request({"type": "generate", "id": 1, "prompt": "x"})
+    assert plain.draft is None and plain.min_version == 1 and "draft" not in plain.to_wire()
     msg = parse_request({"type": "generate", "id": 1, "prompt": "x", "draft": "off"})
-    assert msg.draft == "off" and msg.to_wire()["draft"] == "off"
-    assert "draft" not in parse_request({"type": "generate", "id": 1, "prompt": "x"}).to_wire()
+    assert msg.draft == "off" and msg.to_wire()["draft"] == "off" and msg.min_version == 2
     with pytest.raises(ProtocolError, match="draft"):
         parse_request({"type": "generate", "id": 1, "prompt": "x", "draft": "mtp"})
