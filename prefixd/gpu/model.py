@@ -8,6 +8,8 @@ Per layer, every row of the round in one batch::
 
 The residual stream, norms, rope, attention and the SiLU product are fp32; GEMM inputs and
 weights are in the compute dtype (bf16 by default) and their outputs come back as fp32.
+Mode "int4" keeps the four projections of every layer as 4-bit group-32 codes (linear.py);
+embeddings and the lm_head stay in the compute dtype.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from prefixd.gpu import kernels
 from prefixd.gpu.attention import AttentionSpan, AttentionTile, attend
 from prefixd.gpu.config import ModelConfig
 from prefixd.gpu.kv_pool import KVPool
-from prefixd.gpu.linear import fuse, invariant_rows, linear, pad_rows
+from prefixd.gpu.linear import Weight, fuse, invariant_rows, linear, pad_rows, quantize_int4
 from prefixd.gpu.rope import RopeTable, apply_rope
 
 
@@ -52,20 +54,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Weight
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Weight
+    down: Weight
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in tensors:
         raise KeyError(f"checkpoint has no tensor {name!r}")
     return tensors.pop(name)
+
+
+MODES = ("invariant", "int4")
+
+
+def check_mode(mode: str, device: torch.device, dtype: torch.dtype) -> None:
+    """ValueError unless `mode` runs on this device and dtype ("int4": CPU, bf16 only)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not available (have: {', '.join(MODES)})")
+    if mode == "int4" and (device.type != "cpu" or dtype != torch.bfloat16):
+        raise ValueError(f"mode 'int4' runs on the CPU in bf16 only (got {device.type}, {dtype})")
 
 
 class LlamaModel:
@@ -79,8 +92,7 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], *,
                  device: torch.device, dtype: torch.dtype, mode: str = "invariant") -> None:
-        if mode != "invariant":
-            raise ValueError(f"mode {mode!r} is not available (have: invariant)")
+        check_mode(mode, device, dtype)
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -100,6 +112,7 @@ class LlamaModel:
     def _layer(self, t: dict[str, torch.Tensor], i: int, f32, lin) -> _Layer:
         p = f"model.layers.{i}."
         a = p + "self_attn."
+        pack = quantize_int4 if self.mode == "int4" else lin
         qkv = fuse([_take(t, a + f"{n}_proj.weight").to(self.dtype) for n in "qkv"])
         bias = None
         if self.config.attention_bias:
@@ -108,10 +121,10 @@ class LlamaModel:
         kn = f32(_take(t, a + "k_norm.weight")) if self.config.qk_norm else None
         gate_up = fuse([_take(t, p + f"mlp.{n}_proj.weight").to(self.dtype) for n in ("gate", "up")])
         return _Layer(
-            input_norm=f32(_take(t, p + "input_layernorm.weight")), qkv=lin(qkv), qkv_bias=bias,
-            q_norm=qn, k_norm=kn, o=lin(_take(t, a + "o_proj.weight")),
+            input_norm=f32(_take(t, p + "input_layernorm.weight")), qkv=pack(qkv), qkv_bias=bias,
+            q_norm=qn, k_norm=kn, o=pack(lin(_take(t, a + "o_proj.weight"))),
             post_norm=f32(_take(t, p + "post_attention_layernorm.weight")),
-            gate_up=lin(gate_up), down=lin(_take(t, p + "mlp.down_proj.weight")))
+            gate_up=pack(gate_up), down=pack(lin(_take(t, p + "mlp.down_proj.weight"))))
 
     # FamilyModel: lane state (none for attention-only families)
     def new_lane_states(self, num_lanes: int) -> None:
