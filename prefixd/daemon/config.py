@@ -18,6 +18,9 @@ DEFAULT_CPU_MAX_CONTEXT = 4096
 # `--cache-budget auto`: this share of the memory left after weights, lanes and workspace.
 AUTO_CACHE_FRACTION = 0.5
 AUTO_CACHE_MAX_BYTES_CPU = 4 << 30  # host RAM is shared with everything else on the machine
+# `--mode auto`: the numeric mode docs/benchmarks.md found fastest per device (prefixd.gpu.model.MODES).
+MODES = ("auto", "invariant", "int4")
+DEFAULT_CPU_MODE = "int4"
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -46,6 +49,13 @@ class DaemonConfig:
     grid: int = DEFAULT_GRID
     max_context: int | None = None  # None: the model's, capped on CPU
     log_level: str = "info"
+    mode: str = "auto"  # "auto" | "invariant" (weights in dtype) | "int4" (4-bit weights, CPU bf16)
+
+    @property
+    def resolved_mode(self) -> str:
+        if self.mode != "auto":
+            return self.mode
+        return DEFAULT_CPU_MODE if self.device == "cpu" and self.dtype == "bf16" else "invariant"
 
     @property
     def num_lanes(self) -> int:
@@ -84,6 +94,10 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"--device {cfg.device!r}: expected cpu or cuda[:N]")
     if cfg.dtype not in ("bf16", "fp32"):
         raise ConfigError(f"--dtype {cfg.dtype!r}: expected bf16 or fp32")
+    if cfg.mode not in MODES:
+        raise ConfigError(f"--mode {cfg.mode!r}: expected one of {', '.join(MODES)}")
+    if cfg.mode == "int4" and (cfg.device != "cpu" or cfg.dtype != "bf16"):
+        raise ConfigError("--mode int4 runs on the CPU in bf16 only")
     if cfg.lanes is not None and cfg.lanes < 1:
         raise ConfigError(f"--lanes {cfg.lanes}: needs at least 1")
     if cfg.page_size < 1 or cfg.grid < 1 or cfg.grid % cfg.page_size:
@@ -132,6 +146,7 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
             grid=int(pick("grid", "PREFIXD_GRID", DEFAULT_GRID)),
             max_context=None if max_context is None else int(max_context),
             log_level=str(pick("log_level", "PREFIXD_LOG_LEVEL", "info")),
+            mode=str(pick("mode", "PREFIXD_MODE", "auto")),
         )
     except ValueError as e:
         if isinstance(e, ConfigError):
