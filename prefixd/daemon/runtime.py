@@ -24,6 +24,7 @@ class Runtime:
     tokenizer: Any  # prefixd.gpu.tokenizer.Tokenizer
     model_info: dict[str, Any]
     decoder_factory: Callable[[], Any] | None = None  # None: prefixd.gpu.tokenizer.StreamDecoder
+    before_round: Callable[[], Any] | None = None  # on the engine thread: the CPU thread policy
 
 
 def plan_num_pages(cfg: DaemonConfig, *, kv_bytes_per_page: int, max_context: int,
@@ -73,6 +74,7 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
     from prefixd.gpu.backend import free_device_bytes, resolve
     from prefixd.gpu.loading import load_checkpoint
     from prefixd.gpu.runner import ModelRunner
+    from prefixd.gpu.threads import CpuThreads
     from prefixd.scheduler.config import SchedulerConfig
     from prefixd.scheduler.engine import Engine
 
@@ -105,4 +107,6 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         "num_pages": info.num_pages,
         "weights_bytes": info.weights_bytes,
     }
-    return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info)
+    threads = CpuThreads.up_to_current() if cfg.device == "cpu" else None
+    return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info,
+                   before_round=None if threads is None else threads.tick)

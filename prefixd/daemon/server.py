@@ -127,7 +127,7 @@ class Server:
         self._out.write(f"prefixd: loading model {self.cfg.model} on {self.cfg.device} ({self.cfg.dtype})\n")
         observer = MetricsObserver(self.metrics)
         self._runtime = await run_on_own_thread(self._factory, self.cfg, observer)
-        self._host = EngineHost(self._runtime.engine)
+        self._host = EngineHost(self._runtime.engine, before_round=self._runtime.before_round)
         await self._host.start()
         addr = parse_metrics_addr(self.cfg.metrics_addr)
         if addr is not None:
