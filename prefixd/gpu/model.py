@@ -24,7 +24,7 @@ from prefixd.gpu.attention import AttentionSpan, AttentionTile, attend
 from prefixd.gpu.config import ModelConfig
 from prefixd.gpu.kv_pool import KVPool
 from prefixd.gpu.linear import Weight, fuse, invariant_rows, linear, pad_rows, quantize_int4
-from prefixd.gpu.rope import RopeTable, apply_rope
+from prefixd.gpu.rope import RopeTable, rotate, rotation_tables
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,13 @@ class RoundInputs:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 RMSNorm over the last dim."""
+    """fp32 RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight.
+
+    On CPU torch's fused rms_norm gives the composite's bits in one op (tests/gpu/test_ops.py);
+    on CUDA the mean runs in kernels.py's fixed order.
+    """
+    if not x.is_cuda:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
     return x * torch.rsqrt(kernels.mean_last(x.pow(2)) + eps) * weight
 
 
@@ -159,31 +165,28 @@ class LlamaModel:
     def forward(self, inputs: RoundInputs, kv: KVPool) -> torch.Tensor:
         """Run every layer; writes K/V of the real rows; returns final-normed fp32 hidden."""
         c = self.config
-        h = self.embed_rows(inputs)
-        cos, sin = self.rope.lookup(inputs.positions)
+        h = self.embed_rows(inputs)  # (rows, hidden) fp32, a fresh tensor: updated in place
+        cos, sin = rotation_tables(*self.rope.lookup(inputs.positions))  # (rows, 1, head_dim) each
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, c.rms_norm_eps), cos, sin,
-                                    inputs, kv)
+            h += self._attention(i, layer, rms_norm(h, layer.input_norm, c.rms_norm_eps), cos, sin, inputs, kv)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + linear(torch.nn.functional.silu(gate) * up, layer.down)
+            h += linear(torch.nn.functional.silu(gate) * up, layer.down)
         return rms_norm(h, self.final_norm, c.rms_norm_eps)
 
     def _attention(self, i: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    inputs: RoundInputs, kv: KVPool) -> torch.Tensor:
         c = self.config
-        rows = x.shape[0]
         qkv = linear(x, layer.qkv, layer.qkv_bias)
-        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = q.reshape(rows, c.num_heads, c.head_dim)
-        k = k.reshape(rows, c.num_kv_heads, c.head_dim)
-        v = v.reshape(rows, c.num_kv_heads, c.head_dim)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
-        q = apply_rope(q, cos, sin) * self.scale
-        k = apply_rope(k, cos, sin)
+        qk_dim = (c.num_heads + c.num_kv_heads) * c.head_dim
+        qk = qkv[:, :qk_dim].unflatten(-1, (c.num_heads + c.num_kv_heads, c.head_dim))  # (rows, H + KV, hd)
+        v = qkv[:, qk_dim:].unflatten(-1, (c.num_kv_heads, c.head_dim))
+        if layer.q_norm is None:
+            qk = rotate(qk, cos, sin)  # q and k heads in one pass: rope is per head
+            q, k = qk[:, : c.num_heads] * self.scale, qk[:, c.num_heads :]
+        else:
+            q = rotate(rms_norm(qk[:, : c.num_heads], layer.q_norm, c.rms_norm_eps), cos, sin) * self.scale
+            k = rotate(rms_norm(qk[:, c.num_heads :], layer.k_norm, c.rms_norm_eps), cos, sin)
         n = inputs.num_rows
         kv.write(i, inputs.slots, k[:n], v[:n])
         out = attend(q, kv.k[i], kv.v[i], inputs.tiles)
