@@ -62,11 +62,13 @@ class Int4Weight:
         return self.packed.nbytes + self.scale_zeros.nbytes
 
 
-def quantize_int4(weight: torch.Tensor) -> Int4Weight:
-    """Asymmetric 4-bit codes per group of 32 inputs: scale = (max - min) / 15, zero from min.
+def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes (N, K) int32 in 0..15, scale (N, K/32), zero (N, K/32)) of an (N, K) weight.
 
-    Weights dequantized from a GGUF Q4_1 block (x = d*q + m, q spanning 0..15) come back
-    with their own codes q and d, m up to the rounding of scale and zero to bf16.
+    Asymmetric per group of 32 inputs: scale = (max - min) / 15, zero = min + 8 * scale, both
+    rounded to bf16 (the kernel's), codes rounded to the nearest step from min. Weights
+    dequantized from a GGUF Q4_1 block (x = d*q + m, q spanning 0..15) come back with their
+    own codes q, and d, m up to the rounding of scale and zero to bf16.
     """
     n, k = weight.shape
     if k % INT4_GROUP:
@@ -77,9 +79,15 @@ def quantize_int4(weight: torch.Tensor) -> Int4Weight:
     step = torch.where(scale > 0, scale, torch.ones_like(scale))
     zero = (low + 8 * scale).to(torch.bfloat16).float()
     codes = torch.round((groups - (zero - 8 * scale)[..., None]) / step[..., None]).clamp_(0, 15)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-        codes.reshape(n, k).to(torch.int32).contiguous(), _INT4_INNER_K_TILES)
-    scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+    return codes.reshape(n, k).to(torch.int32), scale, zero
+
+
+def quantize_int4(weight: torch.Tensor) -> Int4Weight:
+    """The (N, K) weight as 4-bit group-32 codes packed for the CPU kernel (`int4_codes`)."""
+    n, k = weight.shape
+    codes, scale, zero = int4_codes(weight)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), _INT4_INNER_K_TILES)
+    scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # (G, N, 2)
     return Int4Weight(packed=packed, scale_zeros=scale_zeros, shape=(n, k))
 
 
