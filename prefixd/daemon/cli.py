@@ -85,10 +85,6 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"prefixd: {e}", file=sys.stderr)
         return 2
-    if cfg.device == "cpu":
-        from prefixd.gpu.threads import prefer_passive_wait
-
-        prefer_passive_wait()  # before torch loads: OpenMP reads it once
     from prefixd.daemon.server import serve
     from prefixd.gpu.loading import ModelLoadError
 

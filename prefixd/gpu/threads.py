@@ -1,15 +1,13 @@
-"""The engine's CPU thread policy on a shared machine: wait passively, use only the free cores.
+"""The engine's CPU thread policy on a shared machine: use only the cores others leave free.
 
 torch's CPU ops split each op across an OpenMP team. When another process keeps a core
 busy, a team as wide as the machine waits at every op's barrier for the member the kernel
-has descheduled, and by default the waiting members spin, taking time from that process
-as well. So:
-
-- `prefer_passive_wait()` asks OpenMP to put idle workers to sleep (OMP_WAIT_POLICY=PASSIVE)
-  unless the user chose otherwise; it only works before torch is imported.
-- `CpuThreads.tick()`, called on the engine thread before each round, re-reads the CPU time
-  other processes used over the last `interval_s` (from /proc/stat minus this process) and
-  sets torch's thread count to the cores they leave free, between 1 and `max_threads`.
+has descheduled (and its spinning members take time from that process too). So
+`CpuThreads.tick()`, called on the engine thread before each round, re-reads the CPU time
+other processes used over the last `interval_s` (from /proc/stat minus this process) and
+sets torch's thread count to the cores they leave free, between 1 and `max_threads`. A team
+of one has no barrier to wait at. (OMP_WAIT_POLICY=PASSIVE instead halves prefill on an
+idle machine: every op then wakes sleeping workers; docs/runtime.md.)
 
 A thread count never changes a row's bits (tests/gpu/test_threads.py), so switching between
 rounds keeps every exactness rule. torch keeps the count per thread: `tick` must run on the
@@ -24,20 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 DEFAULT_INTERVAL_S = 1.0
-
-
-def prefer_passive_wait(env: dict[str, str] | None = None) -> bool:
-    """Set OMP_WAIT_POLICY=PASSIVE unless it is set; True when this call set it.
-
-    Must run before torch is imported (OpenMP reads it once, at load).
-    """
-    env = os.environ if env is None else env
-    if WAIT_POLICY_ENV in env:
-        return False
-    env[WAIT_POLICY_ENV] = "PASSIVE"
-    return True
 
 
 @dataclass(frozen=True)

@@ -5,17 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixd.gpu.threads import CpuSample, CpuThreads, free_cores, prefer_passive_wait, read_sample, threads_for
+from prefixd.gpu.threads import CpuSample, CpuThreads, free_cores, read_sample, threads_for
 from tests.gpu.runner_helpers import DEVICE, lane_pages, make_runner, prompt, run_chunks
-
-
-def test_prefer_passive_wait_keeps_a_users_choice():
-    env: dict[str, str] = {}
-    assert prefer_passive_wait(env) is True
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
-    env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert prefer_passive_wait(env) is False
-    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
 
 
 def test_free_cores_subtracts_this_process_and_other_processes():
