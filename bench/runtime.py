@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import math
 import os
@@ -241,7 +242,9 @@ def run_engines(args: argparse.Namespace, sizes: Sizes) -> tuple[Results, Result
     policy = None if args.fixed_threads or device.type != "cpu" else CpuThreads.up_to_current()
     for mode in args.modes.split(","):
         try:
-            m = RunnerMeasure(checkpoint, device=device, dtype=dtype, mode=mode, sizes=sizes, grid=args.grid,
+            # the model takes the tensors it uses out of the dict: each mode gets its own dict
+            own = dataclasses.replace(checkpoint, tensors=dict(checkpoint.tensors))
+            m = RunnerMeasure(own, device=device, dtype=dtype, mode=mode, sizes=sizes, grid=args.grid,
                               threads=policy)
         except (ValueError, NotImplementedError) as exc:
             notes.append(f"prefixd mode {mode!r} not available: {exc}")
