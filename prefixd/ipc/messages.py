@@ -28,10 +28,14 @@ from prefixd.ipc.events import (  # noqa: F401  (re-exported)
     parse_event,
 )
 from prefixd.ipc.fields import MAX_TOKEN_ID, FieldReader, request_id_of
+from prefixd.ipc.framing import MemfdRef
 from prefixd.ipc.parts import MAX_IMAGE_HASH_BYTES, Image, Sampling, drop_none, read_chat_message  # noqa: F401
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_TOKENS = 256
+MAX_STOP_STRINGS = 128  # stop strings in one generate
+MAX_CHAT_MESSAGES = 8192  # chat messages in one generate or tokenize, checked before each is read
+MAX_STOP_CHARS = 256  # characters in one stop string
 
 
 class _Request:
@@ -93,11 +97,9 @@ class Generate(_Request):
         given = [name for name in ("prompt", "tokens", "messages") if r.has(name)]
         if len(given) != 1:
             raise r.error("prompt", f"exactly one of prompt, tokens, messages is required, got {len(given)}")
-        messages = r.list("messages", None)
-        if messages is not None:
-            if not messages:
-                raise r.error("messages", "must not be empty")
-            messages = r.each("messages", messages, read_chat_message)
+        messages = _chat_messages(r)
+        if messages is not None and not messages:
+            raise r.error("messages", "must not be empty")
         msg = cls(
             id=r.int("id"),
             prompt=r.str("prompt", None),
@@ -137,11 +139,25 @@ class Generate(_Request):
         })
 
 
+def _chat_messages(r: FieldReader) -> tuple[dict[str, Any], ...] | None:
+    messages = r.list("messages", None)
+    if messages is None:
+        return None
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise r.error("messages", f"{len(messages)} messages; a conversation may hold at most {MAX_CHAT_MESSAGES}")
+    return r.each("messages", messages, read_chat_message)
+
+
 def _check_generate(msg: Generate, r: FieldReader) -> None:
     if msg.tokens is not None and not msg.tokens:
         raise r.error("tokens", "must not be empty")
+    if len(msg.stop) > MAX_STOP_STRINGS:
+        raise r.error("stop", f"{len(msg.stop)} stop strings; at most {MAX_STOP_STRINGS}")
     if any(not s for s in msg.stop):
         raise r.error("stop", "stop strings must not be empty")
+    longest = max((len(s) for s in msg.stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise r.error("stop", f"a stop string of {longest} characters; at most {MAX_STOP_CHARS} each")
     starts = msg.chunk_starts or ()
     if any(b <= a for a, b in zip(starts, starts[1:])):
         raise r.error("chunk_starts", "must be strictly increasing")
@@ -195,9 +211,7 @@ class Tokenize(_Request):
     def read(cls, r: FieldReader) -> Tokenize:
         if r.has("text") == r.has("messages"):
             raise r.error("text", "exactly one of text, messages is required")
-        messages = r.list("messages", None)
-        if messages is not None:
-            messages = r.each("messages", messages, read_chat_message)
+        messages = _chat_messages(r)
         return cls(r.int("id"), r.str("text", None), messages, r.bool("add_special", None))
 
     def to_wire(self) -> dict[str, Any]:
@@ -245,3 +259,40 @@ def parse_request(data: dict[str, Any]) -> Request:
     msg = cls.read(r)
     r.finish()
     return msg
+
+
+_IMAGE_FIELDS = frozenset({"at", "tokens", "gh", "gw", "hash", "rows"})
+
+
+def check_before_payloads(data: dict[str, Any], max_prompt_tokens: int | None) -> None:
+    """Refuse a request on what it holds without its memfd payloads, before any is read.
+
+    Checks the type, unknown fields (top level and images[]), and a `tokens` segment whose
+    size alone says the prompt is longer than `max_prompt_tokens` (context_overflow).
+    Raises ProtocolError with the request's id when that id is valid.
+    """
+    request_id = request_id_of(data)
+    kind = data.get("type")
+    cls = REQUEST_TYPES.get(kind) if type(kind) is str else None
+    if cls is None:
+        parse_request(data)  # raises the error a request of no known type gets
+        return
+    known = {"type"} | {f for f in cls.__dataclass_fields__ if f != "TYPE"}
+    _refuse_unknown(data, known, "", request_id)
+    images = data.get("images")
+    if cls is Generate and type(images) is list:
+        for i, image in enumerate(images):
+            if type(image) is dict:
+                _refuse_unknown(image, _IMAGE_FIELDS, f"images[{i}].", request_id)
+    tokens = data.get("tokens")
+    if cls is Generate and isinstance(tokens, MemfdRef) and max_prompt_tokens is not None:
+        num_tokens = tokens.num_bytes // tokens.dtype.itemsize
+        if num_tokens > max_prompt_tokens:
+            raise ProtocolError(ErrorCode.CONTEXT_OVERFLOW,
+                                f"tokens: {num_tokens} tokens exceed the context of {max_prompt_tokens}", request_id)
+
+
+def _refuse_unknown(data: dict[str, Any], known: set[str] | frozenset[str], where: str, request_id: int | None) -> None:
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}{unknown[0]}: unknown field", request_id)
