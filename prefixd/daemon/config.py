@@ -20,9 +20,8 @@ DEFAULT_CPU_MAX_CONTEXT = 4096
 # `--cache-budget auto`: this share of the memory left after weights, lanes and workspace.
 AUTO_CACHE_FRACTION = 0.5
 AUTO_CACHE_MAX_BYTES_CPU = 4 << 30  # host RAM is shared with everything else on the machine
-# `--mode auto`: the numeric mode docs/benchmarks.md found fastest per device (prefixd.gpu.model.MODES).
+# numeric modes (prefixd.gpu.model.MODES); "auto" is resolved by prefixd.gpu.families.resolve_mode
 MODES = ("auto", "invariant", "int4")
-DEFAULT_CPU_MODE = "int4"
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -52,12 +51,6 @@ class DaemonConfig:
     max_context: int | None = None  # None: the model's, capped on CPU
     log_level: str = "info"
     mode: str = "auto"  # "auto" | "invariant" (weights in dtype) | "int4" (4-bit weights, CPU bf16)
-
-    @property
-    def resolved_mode(self) -> str:
-        if self.mode != "auto":
-            return self.mode
-        return DEFAULT_CPU_MODE if self.device == "cpu" and self.dtype == "bf16" else "invariant"
 
     @property
     def num_lanes(self) -> int:

@@ -87,7 +87,7 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         max_context=max_context, available_bytes=available,
     )
     runner = ModelRunner(checkpoint, device=device, dtype=dtype, num_lanes=cfg.num_lanes,
-                         num_pages=num_pages, page_size=cfg.page_size, mode=cfg.resolved_mode)
+                         num_pages=num_pages, page_size=cfg.page_size, mode=cfg.mode)
     sched = SchedulerConfig(num_lanes=cfg.num_lanes, grid=cfg.grid, max_context=max_context,
                             cache=cfg.cache, cache_budget_bytes=cfg.cache_budget_bytes)
     engine = Engine(runner, sched, observer=observer)
@@ -101,7 +101,7 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         "max_context": engine.max_context,
         "device": cfg.device,
         "dtype": cfg.dtype,
-        "mode": cfg.resolved_mode,
+        "mode": runner.model.mode,  # "auto" resolved per family, device and dtype
         "lanes": cfg.num_lanes,
         "page_size": info.page_size,
         "num_pages": info.num_pages,

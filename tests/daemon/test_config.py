@@ -63,12 +63,10 @@ def test_bad_number_in_env_is_a_config_error():
         config_from_args(_args(), env={"PREFIXD_LANES": "many"})
 
 
-def test_mode_auto_is_int4_on_cpu_bf16_and_invariant_otherwise():
-    assert config_from_args(_args(), env={}).resolved_mode == "int4"
-    assert config_from_args(_args(dtype="fp32"), env={}).resolved_mode == "invariant"
-    assert config_from_args(_args(device="cuda"), env={}).resolved_mode == "invariant"
-    assert config_from_args(_args(), env={"PREFIXD_MODE": "invariant"}).resolved_mode == "invariant"
-    assert config_from_args(_args(mode="int4"), env={}).resolved_mode == "int4"
+def test_mode_defaults_to_auto_and_flags_win_over_env():
+    assert config_from_args(_args(), env={}).mode == "auto"
+    assert config_from_args(_args(), env={"PREFIXD_MODE": "invariant"}).mode == "invariant"
+    assert config_from_args(_args(mode="int4"), env={"PREFIXD_MODE": "invariant"}).mode == "int4"
 
 
 @pytest.mark.parametrize("flags", [{"mode": "int3"}, {"mode": "int4", "dtype": "fp32"}, {"mode": "int4", "device": "cuda"}])

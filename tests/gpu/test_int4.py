@@ -89,3 +89,16 @@ def test_default_model_int4_agrees_with_its_exact_gguf_values(default_gguf):
     top1 = (exact.argmax(-1) == int4.argmax(-1)).float().mean().item()
     assert top1 >= 0.97, f"top-1 agreement {top1:.3f}"
     assert (exact - int4).abs().mean().item() <= 0.15
+
+
+def test_auto_mode_is_int4_for_the_llama_families_on_cpu_bf16_only():
+    import prefixd.gpu.families.qwen3_5  # noqa: F401 - registers the hybrid family
+    from prefixd.gpu.families import resolve_mode
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_mode("auto", "llama", cpu, torch.bfloat16) == "int4"
+    assert resolve_mode("auto", "qwen3", cpu, torch.bfloat16) == "int4"
+    assert resolve_mode("auto", "llama", cpu, torch.float32) == "invariant"
+    assert resolve_mode("auto", "llama", cuda, torch.bfloat16) == "invariant"
+    assert resolve_mode("auto", "qwen3_5", cpu, torch.bfloat16) == "invariant"  # no int4 there
+    assert resolve_mode("invariant", "llama", cpu, torch.bfloat16) == "invariant"
