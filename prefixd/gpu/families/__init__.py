@@ -74,6 +74,7 @@ def resolve_mode(mode: str, family: str, device: torch.device, dtype: torch.dtyp
     """`mode` itself, or for "auto" the family's default on this device and dtype."""
     if mode != "auto":
         return mode
+    _load(family)
     cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
     return CPU_DEFAULT_MODE if cpu_bf16 and CPU_DEFAULT_MODE in _MODES.get(family, ()) else "invariant"
 
@@ -83,11 +84,16 @@ def build_family(checkpoint: Any, device: torch.device, dtype: torch.dtype,
     """The FamilyModel for `checkpoint.config.family` in `mode` ("auto": `resolve_mode`);
     ValueError when no model code is registered or the family has no such mode."""
     family = checkpoint.config.family
-    if family not in _BUILDERS and family in _PLUGINS:
-        importlib.import_module(_PLUGINS[family])
+    _load(family)
     if family not in _BUILDERS:
         raise ValueError(f"no model code for family {family!r}; have {sorted(_BUILDERS)}")
     return _BUILDERS[family](checkpoint, device, dtype, resolve_mode(mode, family, device, dtype))
+
+
+def _load(family: str) -> None:
+    """Import the module that registers `family` when it is a plugin not yet loaded."""
+    if family not in _BUILDERS and family in _PLUGINS:
+        importlib.import_module(_PLUGINS[family])
 
 
 def _register_builtins() -> None:
