@@ -23,7 +23,7 @@ def parse_metrics_addr(text: str) -> MetricsAddr | None:
         return None
     host, sep, port_text = text.rpartition(":")
     if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise MetricsAddrError(f"metrics address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9464")
+        raise MetricsAddrError(f"--metrics-addr {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9464 (\"\" disables)")
     host = host.removeprefix("[").removesuffix("]") or "0.0.0.0"
     return MetricsAddr(host, int(port_text))
 

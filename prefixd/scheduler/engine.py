@@ -274,7 +274,7 @@ class Engine:
         now = self.clock()
         if stream.first_token_s is None:
             stream.first_token_s = now
-            self.observer.on_first_token(now - stream.submit_s)
+            self.observer.on_first_token(now - stream.submit_s, stream.cache_result)
         else:
             self.observer.on_token_gap(now - stream.last_token_s)
         stream.last_token_s = now

@@ -57,7 +57,7 @@ def test_observer_feeds_counters_gauges_and_histograms_with_exact_values():
     obs.on_snapshot_copy("restore", 256)
     obs.on_store(4096, 8192)
     obs.on_round(0.02, 0.019, 9, 3, 2)
-    obs.on_first_token(0.5)
+    obs.on_first_token(0.5, "hit")
     obs.on_token_gap(0.01)
     obs.on_done("stop", 120, 7)
     s = _samples(metrics)
@@ -75,11 +75,46 @@ def test_observer_feeds_counters_gauges_and_histograms_with_exact_values():
     assert s[("prefixd_requests_waiting", ())] == 2
     assert s[("prefixd_round_duration_seconds_count", ())] == 1
     assert s[("prefixd_round_duration_seconds_sum", ())] == 0.02
-    assert s[("prefixd_time_to_first_token_seconds_sum", ())] == 0.5
+    assert s[("prefixd_time_to_first_token_seconds_sum", (("cache", "hit"),))] == 0.5
+    assert s[("prefixd_time_to_first_token_seconds_count", (("cache", "miss"),))] == 0
     assert s[("prefixd_inter_token_latency_seconds_count", ())] == 1
     assert s[("prefixd_requests_total", (("finish_reason", "stop"),))] == 1
     assert s[("prefixd_prompt_tokens_total", ())] == 120
     assert s[("prefixd_generation_tokens_total", ())] == 7
+
+
+def test_label_values_are_exported_at_zero_before_any_event():
+    text = generate_latest(Metrics().registry).decode()
+    for reason in ("moved_past", "never_hit", "lru", "shared", "replaced", "cleared"):
+        assert f'prefixd_prefix_cache_evictions_total{{reason="{reason}"}} 0.0\n' in text, reason
+    for cache in ("miss", "hit", "resident", "off"):
+        assert f'prefixd_time_to_first_token_seconds_count{{cache="{cache}"}} 0.0\n' in text, cache
+    assert "_created" not in text
+
+
+def test_build_info_process_metrics_and_the_tracked_gauges():
+    metrics = Metrics()
+    metrics.set_build_info("9.9.9", {"name": "m.gguf", "dtype": "bf16", "device": "cpu", "mode": "invariant"})
+    connections, pages = [3], [(10, 6)]
+    metrics.track(lambda: connections[0], lambda: pages[0])
+    s = _samples(metrics)
+    labels = (("device", "cpu"), ("dtype", "bf16"), ("mode", "invariant"), ("model", "m.gguf"), ("version", "9.9.9"))
+    assert s[("prefixd_build_info", labels)] == 1
+    assert s[("prefixd_connections", ())] == 3
+    assert s[("prefixd_kv_pages", (("state", "free"),))] == 10
+    assert s[("prefixd_kv_pages", (("state", "used"),))] == 6
+    connections[0], pages[0] = 0, (16, 0)  # read again at each collection
+    s = _samples(metrics)
+    assert (s[("prefixd_connections", ())], s[("prefixd_kv_pages", (("state", "used"),))]) == (0, 0)
+    assert s[("process_open_fds", ())] >= 3 and s[("process_resident_memory_bytes", ())] > 0  # this process's
+
+
+def test_num_requests_sums_every_finish_reason():
+    metrics = Metrics()
+    obs = MetricsObserver(metrics)
+    for reason in ("stop", "length", "length", "error"):
+        obs.on_done(reason, 1, 1)
+    assert metrics.num_requests() == 4
 
 
 def test_two_metrics_objects_do_not_share_a_registry():

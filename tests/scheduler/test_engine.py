@@ -265,8 +265,8 @@ class Recorder(NullObserver):
     def on_admit(self, wait_s):
         self.calls.append("admit")
 
-    def on_first_token(self, ttft_s):
-        self.calls.append("first")
+    def on_first_token(self, ttft_s, cache):
+        self.calls.append(("first", cache))
 
     def on_token_gap(self, itl_s):
         self.calls.append("gap")
@@ -285,7 +285,7 @@ def test_observer_sees_admission_tokens_and_done():
     engines.ENGINES.append(engine)
     engine.submit(req(1, range(5), max_tokens=3))
     run_until_idle(engine)
-    assert rec.calls == ["admit", ("lookup", "miss", 5, 0), "first", "gap", "gap", ("done", "length", 5, 3)]
+    assert rec.calls == ["admit", ("lookup", "miss", 5, 0), ("first", "miss"), "gap", "gap", ("done", "length", 5, 3)]
 
 
 def test_usage_says_off_when_the_cache_is_off():
