@@ -6,6 +6,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
 DEFAULT_CPU_LANES = 8
@@ -18,6 +19,7 @@ DEFAULT_CPU_MAX_CONTEXT = 4096
 # `--cache-budget auto`: this share of the memory left after weights, lanes and workspace.
 AUTO_CACHE_FRACTION = 0.5
 AUTO_CACHE_MAX_BYTES_CPU = 4 << 30  # host RAM is shared with everything else on the machine
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -92,6 +94,8 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"--grace {cfg.grace_s}: must be >= 0")
     if cfg.max_context is not None and cfg.max_context < 2:
         raise ConfigError(f"--max-context {cfg.max_context}: must be >= 2")
+    if cfg.log_level not in LOG_LEVELS:
+        raise ConfigError(f"log level {cfg.log_level!r}: expected one of {', '.join(LOG_LEVELS)}")
     if cfg.metrics_addr:
         from prefixd.metrics.exporter import MetricsAddrError, parse_metrics_addr
 
@@ -103,38 +107,54 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
 
 
 def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonConfig:
-    """Build the config from parsed `serve` flags; PREFIXD_* env fills what flags left unset."""
+    """Build the config from parsed `serve` flags; PREFIXD_* env fills what flags left unset.
+
+    A value that cannot be parsed raises ConfigError naming the flag or the variable it came from.
+    """
     env = dict(os.environ) if env is None else env
 
-    def pick(name: str, env_name: str, default: object) -> object:
+    def pick(name: str, env_name: str, default: object, parse: type = str) -> Any:
         value = getattr(args, name, None)
-        if value is not None:
-            return value
-        return env.get(env_name, default)
+        where = f"--{name.replace('_', '-')}"
+        if value is None:
+            if env_name not in env:
+                return default
+            value, where = env[env_name], env_name
+        try:
+            return parse(value)
+        except ValueError:
+            kind = {int: "an integer", float: "a number"}.get(parse, "a valid value")
+            raise ConfigError(f"{where}={value!r}: expected {kind}") from None
 
-    lanes = pick("lanes", "PREFIXD_LANES", None)
     socket_text = pick("socket", "PREFIXD_SOCKET", None)
     budget = pick("cache_budget", "PREFIXD_CACHE_BUDGET", "auto")
-    max_context = pick("max_context", "PREFIXD_MAX_CONTEXT", None)
     try:
-        cfg = DaemonConfig(
-            model=str(pick("model", "PREFIXD_MODEL", "default")),
-            device=str(pick("device", "PREFIXD_DEVICE", "cpu")),
-            dtype=str(pick("dtype", "PREFIXD_DTYPE", "bf16")),
-            lanes=None if lanes is None else int(lanes),
-            socket_path=None if socket_text in (None, "") else Path(str(socket_text)),
-            allow_group=pick("allow_group", "PREFIXD_ALLOW_GROUP", None) or None,
-            metrics_addr=str(pick("metrics_addr", "PREFIXD_METRICS_ADDR", DEFAULT_METRICS_ADDR)),
-            grace_s=float(pick("grace", "PREFIXD_GRACE_S", DEFAULT_GRACE_S)),
-            cache=not bool(getattr(args, "no_cache", False)) and env.get("PREFIXD_CACHE", "1") != "0",
-            cache_budget_bytes=parse_size(str(budget)),
-            page_size=int(pick("page_size", "PREFIXD_PAGE_SIZE", DEFAULT_PAGE_SIZE)),
-            grid=int(pick("grid", "PREFIXD_GRID", DEFAULT_GRID)),
-            max_context=None if max_context is None else int(max_context),
-            log_level=str(pick("log_level", "PREFIXD_LOG_LEVEL", "info")),
-        )
-    except ValueError as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"bad number in flags or PREFIXD_* environment: {e}") from None
+        cache_budget_bytes = parse_size(str(budget))
+    except ConfigError as e:
+        source = "--cache-budget" if getattr(args, "cache_budget", None) is not None else "PREFIXD_CACHE_BUDGET"
+        raise ConfigError(f"{source}: {e}") from None
+    cfg = DaemonConfig(
+        model=pick("model", "PREFIXD_MODEL", "default"),
+        device=pick("device", "PREFIXD_DEVICE", "cpu"),
+        dtype=pick("dtype", "PREFIXD_DTYPE", "bf16"),
+        lanes=pick("lanes", "PREFIXD_LANES", None, int),
+        socket_path=None if socket_text in (None, "") else Path(str(socket_text)),
+        allow_group=pick("allow_group", "PREFIXD_ALLOW_GROUP", None) or None,
+        metrics_addr=pick("metrics_addr", "PREFIXD_METRICS_ADDR", DEFAULT_METRICS_ADDR),
+        grace_s=pick("grace", "PREFIXD_GRACE_S", DEFAULT_GRACE_S, float),
+        cache=not bool(getattr(args, "no_cache", False)) and _env_flag(env, "PREFIXD_CACHE"),
+        cache_budget_bytes=cache_budget_bytes,
+        page_size=pick("page_size", "PREFIXD_PAGE_SIZE", DEFAULT_PAGE_SIZE, int),
+        grid=pick("grid", "PREFIXD_GRID", DEFAULT_GRID, int),
+        max_context=pick("max_context", "PREFIXD_MAX_CONTEXT", None, int),
+        log_level=pick("log_level", "PREFIXD_LOG_LEVEL", "info"),
+    )
     return _check(cfg)
+
+
+def _env_flag(env: dict[str, str], name: str) -> bool:
+    """A 1/0 switch from the environment (unset: 1)."""
+    value = env.get(name, "1")
+    if value not in ("0", "1"):
+        raise ConfigError(f"{name}={value!r}: expected 1 or 0")
+    return value == "1"

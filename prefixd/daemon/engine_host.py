@@ -208,6 +208,8 @@ class EngineHost:
 
     def _dispatch(self, events: list[Any]) -> None:
         for event in events:
+            if not isinstance(event, StreamTokens):
+                log_done(event)
             sink = self._sinks.get(event.stream_id)
             if sink is None:
                 continue
@@ -239,6 +241,14 @@ class EngineHost:
         for stream_id in list(self._sinks):
             self._drop(stream_id)
         self.failed.set()
+
+
+def log_done(event: Any) -> None:
+    """One info line per finished request (a DoneEvent): id, tokens, cache, TTFT, finish reason."""
+    u = event.usage
+    log.info("request %d %s: prompt %d tokens, %d cached (%s), %d generated, ttft %.3fs, total %.3fs%s",
+             event.stream_id, event.finish_reason, u.prompt_tokens, u.cached_tokens, u.cache,
+             u.completion_tokens, u.ttft_s, u.total_s, f" ({event.note})" if event.note else "")
 
 
 def _host_event(event: Any) -> Any:

@@ -6,6 +6,7 @@ The daemon only wires: loading and compute live in `prefixd.gpu`, scheduling in
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any, Callable
 from prefixd.daemon.config import AUTO_CACHE_FRACTION, AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig
 
 _DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+log = logging.getLogger("prefixd.runtime")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,9 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
     device, dtype = resolve(cfg.device, cfg.dtype)
     checkpoint = load_checkpoint(cfg.model, device=device, dtype=dtype, progress=progress)
     max_context = cfg.resolved_max_context(checkpoint.config.max_context)
+    if cfg.max_context is not None and cfg.max_context > checkpoint.config.max_context:
+        log.warning("--max-context %d is above the model's limit of %d tokens; using %d",
+                    cfg.max_context, checkpoint.config.max_context, max_context)
     available = mem_available_bytes() if cfg.device == "cpu" else free_device_bytes(device)
     num_pages = plan_num_pages(
         cfg, kv_bytes_per_page=kv_bytes_per_page(checkpoint.config, cfg),

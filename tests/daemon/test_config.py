@@ -61,3 +61,18 @@ def test_bad_values_name_the_flag(flags, needle):
 def test_bad_number_in_env_is_a_config_error():
     with pytest.raises(ConfigError, match="PREFIXD_"):
         config_from_args(_args(), env={"PREFIXD_LANES": "many"})
+
+
+def test_every_flag_of_every_command_says_its_default_in_its_help():
+    import argparse as ap
+
+    from prefixd.daemon.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, ap._SubParsersAction))  # noqa: SLF001
+    missing = []
+    for name, sub in commands.choices.items():
+        for action in sub._actions:  # noqa: SLF001
+            if action.option_strings and not isinstance(action, ap._HelpAction) and "(default" not in (action.help or ""):  # noqa: SLF001
+                missing.append(f"{name} {action.option_strings[0]}")
+    assert missing == []
