@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+import anyio
 
 from prefixd.daemon.config import AUTO_CACHE_FRACTION, AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig
 
@@ -110,3 +113,28 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         "weights_bytes": info.weights_bytes,
     }
     return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info)
+
+
+async def run_on_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) on a thread that ends when fn returns (the model load).
+
+    torch's OpenMP pool belongs to the thread that first ran a parallel op. A load on one of
+    anyio's worker threads, which live on, leaves a second pool beside the engine thread's;
+    with more pool threads than cores, the engine's pool sleeps between ops instead of
+    spinning and a forward runs at ~0.55x on a 2-core machine. A thread that has ended takes
+    its pool with it.
+    """
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the event loop below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="prefixd-load", daemon=True)
+    thread.start()
+    await anyio.to_thread.run_sync(thread.join)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

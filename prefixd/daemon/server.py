@@ -10,9 +10,7 @@ import itertools
 import logging
 import os
 import signal
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -26,7 +24,7 @@ from prefixd.daemon.connection import DEFAULT_MAX_STREAMS, DEFAULT_OUT_FRAMES, C
 from prefixd.daemon.engine_host import EngineHost
 from prefixd.daemon.listener import PeerPolicy, SocketPathError, peer_cred
 from prefixd.daemon.requests import RequestBuilder
-from prefixd.daemon.runtime import Runtime, load_runtime
+from prefixd.daemon.runtime import Runtime, load_runtime, run_on_own_thread
 from prefixd.daemon.startup import StartupError, activation_socket, bind_socket, check_device, open_exporter
 from prefixd.daemon.systemd import Notifier
 from prefixd.ipc.framing import Limits
@@ -34,35 +32,10 @@ from prefixd.ipc.transport import FramedStream
 from prefixd.metrics import Metrics, MetricsExporter, MetricsObserver
 
 log = logging.getLogger("prefixd.server")
-_CANCEL_FLUSH_S = 5.0
-SEND_TIMEOUT_S = 30.0  # a client that takes no bytes for this long is disconnected  # after the grace period: time for cancelled streams to send their done
+_CANCEL_FLUSH_S = 5.0  # after the grace period: time for cancelled streams to send their done
+SEND_TIMEOUT_S = 30.0  # a client that takes no bytes for this long is disconnected
 
 RuntimeFactory = Callable[[DaemonConfig, Any], Runtime]
-
-
-async def run_on_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) on a thread that ends when fn returns (the model load).
-
-    torch's OpenMP pool belongs to the thread that first ran a parallel op. A load on one of
-    anyio's worker threads, which live on, leaves a second pool beside the engine thread's;
-    with more pool threads than cores, the engine's pool sleeps between ops instead of
-    spinning and a forward runs at ~0.55x on a 2-core machine. A thread that has ended takes
-    its pool with it.
-    """
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["value"] = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the event loop below
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=target, name="prefixd-load", daemon=True)
-    thread.start()
-    await anyio.to_thread.run_sync(thread.join)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 def _default_factory(cfg: DaemonConfig, observer: Any) -> Runtime:
