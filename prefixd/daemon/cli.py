@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -117,6 +118,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 0
+    except Exception as e:  # a bug: one line for the user, the traceback at debug level
+        logging.getLogger("prefixd").debug("serve failed", exc_info=True)
+        print(f"prefixd: internal error: {e!r} (--log-level debug shows the traceback)", file=sys.stderr)
+        return 70  # EX_SOFTWARE
 
 
 def _install_units(args: argparse.Namespace) -> int:

@@ -16,13 +16,8 @@ def resolve(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """("cpu" | "cuda[:N]", "bf16" | "fp32") -> torch values; a clear error for a missing GPU."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    dev = torch.device(device)
     check_device(device)
-    if dev.type == "cuda" and not kernels.triton_available():
-        # without it a row's bits would depend on the round: refuse rather than be inexact
-        raise RuntimeError(f"device {device!r}: prefixd's row-invariant CUDA kernels need Triton "
-                           "(CUDA builds of torch install it; else `pip install triton`)")
-    return dev, DTYPES[dtype]
+    return torch.device(device), DTYPES[dtype]
 
 
 class DeviceError(RuntimeError):
@@ -31,7 +26,13 @@ class DeviceError(RuntimeError):
 
 def check_device(device: str) -> None:
     """Raise DeviceError when `device` ("cpu" | "cuda[:N]") cannot run here; cheap, loads no model."""
-    if torch.device(device).type != "cuda" or torch.cuda.is_available():
+    if torch.device(device).type != "cuda":
+        return
+    if torch.cuda.is_available():
+        if not kernels.triton_available():
+            # without it a row's bits would depend on the round: refuse rather than be inexact
+            raise DeviceError(f"--device {device}: prefixd's row-invariant CUDA kernels need Triton "
+                              "(CUDA builds of torch install it; else `pip install triton`)")
         return
     if torch.version.cuda is None:
         raise DeviceError(f"--device {device}: this torch {torch.__version__} is a CPU-only build and sees no CUDA "

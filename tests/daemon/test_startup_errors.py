@@ -124,3 +124,15 @@ def test_version():
     import prefixd
 
     assert (out.returncode, out.stdout) == (0, f"prefixd {prefixd.__version__}\n")
+
+
+def test_an_unexpected_error_is_one_line_with_a_pointer_to_the_traceback(tmp_path, monkeypatch, capsys):
+    from prefixd.daemon import cli, server
+
+    def broken(cfg):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(server, "serve", broken)
+    assert cli.main(["serve", "--socket", str(tmp_path / "p.sock"), "--metrics-addr", ""]) == 70
+    err = capsys.readouterr().err
+    assert err == "prefixd: internal error: ValueError('a bug') (--log-level debug shows the traceback)\n"
