@@ -153,10 +153,7 @@ def test_socket_activation_passes_the_listening_socket(tiny_dir, tmp_path):
            *_serve_args(tiny_dir, tmp_path / "unused" / "x.sock")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        while not sock.exists():  # systemd-socket-activate binds first, then waits for a client
-            if proc.poll() is not None:
-                pytest.fail(proc.communicate()[1])
-            os.sched_yield()
+        _wait_listening(sock, proc)
         with SyncClient(sock) as client:
             status = client.status()
             result = client.generate(tokens=[1, 2, 3], max_tokens=2).collect()
@@ -167,6 +164,19 @@ def test_socket_activation_passes_the_listening_socket(tiny_dir, tmp_path):
         assert proc.wait(timeout=LIVENESS_S) == 0
     finally:
         _reap(proc)
+
+
+def _wait_listening(sock: Path, proc: subprocess.Popen) -> None:
+    """Until `sock` accepts: systemd-socket-activate binds the file before it listens on it."""
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(proc.communicate()[1])
+        with socket.socket(socket.AF_UNIX) as probe:
+            try:
+                probe.connect(str(sock))
+                return
+            except (FileNotFoundError, ConnectionRefusedError):
+                os.sched_yield()
 
 
 def test_a_model_that_cannot_load_exits_1_with_the_reason_and_leaves_no_socket(tmp_path):
