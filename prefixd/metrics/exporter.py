@@ -24,7 +24,10 @@ def parse_metrics_addr(text: str) -> MetricsAddr | None:
     host, sep, port_text = text.rpartition(":")
     if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise MetricsAddrError(f"--metrics-addr {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9464 (\"\" disables)")
-    host = host.removeprefix("[").removesuffix("]") or "0.0.0.0"
+    host = host.removeprefix("[").removesuffix("]")
+    if not host:  # an empty host would bind every interface, which nobody should get by accident
+        raise MetricsAddrError(f"--metrics-addr {text!r}: give a host: 127.0.0.1{text} for this machine only, "
+                               f"0.0.0.0{text} for every interface")
     return MetricsAddr(host, int(port_text))
 
 

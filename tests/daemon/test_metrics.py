@@ -127,9 +127,12 @@ def test_parse_metrics_addr():
     assert parse_metrics_addr("") is None
     assert parse_metrics_addr("127.0.0.1:9464") == MetricsAddr("127.0.0.1", 9464)
     assert parse_metrics_addr("[::1]:80") == MetricsAddr("::1", 80)
+    assert parse_metrics_addr("0.0.0.0:9464") == MetricsAddr("0.0.0.0", 9464)
     for bad in ("9464", "host:", "host:port", "h:70000"):
         with pytest.raises(MetricsAddrError):
             parse_metrics_addr(bad)
+    with pytest.raises(MetricsAddrError, match="give a host: 127.0.0.1:9464 for this machine only, 0.0.0.0:9464"):
+        parse_metrics_addr(":9464")
 
 
 def test_exporter_serves_the_private_registry_over_http():
