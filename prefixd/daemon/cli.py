@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -99,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the server logs it: imports and config take a while
     try:
         cfg = config_from_args(args)
     except ConfigError as e:
