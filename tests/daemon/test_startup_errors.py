@@ -133,6 +133,7 @@ def test_an_unexpected_error_is_one_line_with_a_pointer_to_the_traceback(tmp_pat
         raise ValueError("a bug")
 
     monkeypatch.setattr(server, "serve", broken)
+    monkeypatch.setattr(cli.signal, "signal", lambda *args: None)  # leave this process's SIGHUP alone
     assert cli.main(["serve", "--socket", str(tmp_path / "p.sock"), "--metrics-addr", ""]) == 70
     err = capsys.readouterr().err
     assert err == "prefixd: internal error: ValueError('a bug') (--log-level debug shows the traceback)\n"
