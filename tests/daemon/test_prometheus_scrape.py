@@ -190,7 +190,7 @@ def dashboard_queries() -> dict[str, str]:
     out = {}
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
-            expr = target["expr"].replace("$__rate_interval", "1m").replace("$job", "prefixd")
+            expr = target["expr"].replace("$__rate_interval", "5m").replace("$job", "prefixd")
             assert "$" not in expr, expr
             out[f"{panel['title']}/{target['refId']}"] = expr
     return out
