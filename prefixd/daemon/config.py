@@ -6,7 +6,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
 DEFAULT_CPU_LANES = 8
@@ -113,7 +113,7 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
     """
     env = dict(os.environ) if env is None else env
 
-    def pick(name: str, env_name: str, default: object, parse: type = str) -> Any:
+    def pick(name: str, env_name: str, default: object, parse: Callable[[str], Any] = str) -> Any:
         value = getattr(args, name, None)
         where = f"--{name.replace('_', '-')}"
         if value is None:
@@ -122,9 +122,9 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
             value, where = env[env_name], env_name
         try:
             return parse(value)
-        except ValueError:
-            kind = {int: "an integer", float: "a number"}.get(parse, "a valid value")
-            raise ConfigError(f"{where}={value!r}: expected {kind}") from None
+        except ValueError as e:
+            expected = {int: "expected an integer", float: "expected a number"}.get(parse, str(e))
+            raise ConfigError(f"{where}={value!r}: {expected}") from None
 
     socket_text = pick("socket", "PREFIXD_SOCKET", None)
     budget = pick("cache_budget", "PREFIXD_CACHE_BUDGET", "auto")
@@ -135,8 +135,8 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
         raise ConfigError(f"{source}: {e}") from None
     cfg = DaemonConfig(
         model=pick("model", "PREFIXD_MODEL", "default"),
-        device=pick("device", "PREFIXD_DEVICE", "cpu"),
-        dtype=pick("dtype", "PREFIXD_DTYPE", "bf16"),
+        device=pick("device", "PREFIXD_DEVICE", "cpu", _device),
+        dtype=pick("dtype", "PREFIXD_DTYPE", "bf16", _one_of("bf16", "fp32")),
         lanes=pick("lanes", "PREFIXD_LANES", None, int),
         socket_path=None if socket_text in (None, "") else Path(str(socket_text)),
         allow_group=pick("allow_group", "PREFIXD_ALLOW_GROUP", None) or None,
@@ -147,9 +147,24 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
         page_size=pick("page_size", "PREFIXD_PAGE_SIZE", DEFAULT_PAGE_SIZE, int),
         grid=pick("grid", "PREFIXD_GRID", DEFAULT_GRID, int),
         max_context=pick("max_context", "PREFIXD_MAX_CONTEXT", None, int),
-        log_level=pick("log_level", "PREFIXD_LOG_LEVEL", "info"),
+        log_level=pick("log_level", "PREFIXD_LOG_LEVEL", "info", _one_of(*LOG_LEVELS)),
     )
     return _check(cfg)
+
+
+def _one_of(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def _device(text: str) -> str:
+    if text != "cpu" and not re.fullmatch(r"cuda(:\d+)?", text):
+        raise ValueError("expected cpu or cuda[:N]")
+    return text
 
 
 def _env_flag(env: dict[str, str], name: str) -> bool:
