@@ -131,7 +131,7 @@ def test_parse_metrics_addr():
     for bad in ("9464", "host:", "host:port", "h:70000"):
         with pytest.raises(MetricsAddrError):
             parse_metrics_addr(bad)
-    with pytest.raises(MetricsAddrError, match="give a host: 127.0.0.1:9464 for this machine only, 0.0.0.0:9464"):
+    with pytest.raises(MetricsAddrError, match="has no host: give 127.0.0.1:9464 for this machine only, or 0.0.0.0:9464"):
         parse_metrics_addr(":9464")
 
 
