@@ -109,7 +109,9 @@ class Server:
         self._out.write(f"prefixd: loading model {self.cfg.model} on {self.cfg.device} ({self.cfg.dtype})\n")
         observer = MetricsObserver(self.metrics)
         self._runtime = await run_on_own_thread(self._factory, self.cfg, observer)
-        self.metrics.set_build_info(prefixd.__version__, self._runtime.model_info)
+        info = self._runtime.model_info
+        self.metrics.set_build_info(version=prefixd.__version__, model=str(info.get("name", "")), dtype=self.cfg.dtype,
+                                    device=self.cfg.device, mode=str(info.get("mode", "invariant")))
         engine = self._runtime.engine
         self.metrics.track(lambda: len(self._connections),
                            lambda: (engine.allocator.num_free, engine.allocator.num_used))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Callable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
@@ -89,15 +89,9 @@ class Metrics:
         for direction in ("save", "restore"):
             self.snapshot_copy_bytes.labels(direction=direction)
 
-    def set_build_info(self, version: str, model_info: Mapping[str, Any]) -> None:
+    def set_build_info(self, *, version: str, model: str, dtype: str, device: str, mode: str) -> None:
         """prefixd_build_info{version, model, dtype, device, mode} 1, once the model is loaded."""
-        self.build_info.info({
-            "version": version,
-            "model": str(model_info.get("name", "")),
-            "dtype": str(model_info.get("dtype", "")),
-            "device": str(model_info.get("device", "")),
-            "mode": str(model_info.get("mode", "invariant")),
-        })
+        self.build_info.info({"version": version, "model": model, "dtype": dtype, "device": device, "mode": mode})
 
     def num_requests(self) -> int:
         """Finished requests of every finish reason."""

@@ -94,7 +94,7 @@ def test_label_values_are_exported_at_zero_before_any_event():
 
 def test_build_info_process_metrics_and_the_tracked_gauges():
     metrics = Metrics()
-    metrics.set_build_info("9.9.9", {"name": "m.gguf", "dtype": "bf16", "device": "cpu", "mode": "invariant"})
+    metrics.set_build_info(version="9.9.9", model="m.gguf", dtype="bf16", device="cpu", mode="invariant")
     connections, pages = [3], [(10, 6)]
     metrics.track(lambda: connections[0], lambda: pages[0])
     s = _samples(metrics)
@@ -146,3 +146,32 @@ def test_exporter_serves_the_private_registry_over_http():
         exporter.close()
     assert 'prefixd_prefix_cache_lookups_total{result="resident"} 1.0' in body
     assert "prefixd_prefix_cache_hits_tokens_total 10.0" in body
+
+
+async def test_a_live_daemon_exports_its_connections_pages_and_build():
+    import tempfile
+    from pathlib import Path
+
+    import anyio
+
+    from prefixd.ipc.client import AsyncClient
+    from tests.daemon.harness import running_server, wait_idle
+
+    def scrape(port: int) -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            lines = resp.read().decode().splitlines()
+        return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)
+                if not name.startswith("#") and name}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        async with running_server(Path(tmp)) as server:
+            async with await AsyncClient.connect(server.socket_path) as client:
+                await client.generate(prompt="abc", max_tokens=4).collect()
+                status = await wait_idle(server)
+                during = await anyio.to_thread.run_sync(scrape, server.metrics_port)
+            while (after := await anyio.to_thread.run_sync(scrape, server.metrics_port))["prefixd_connections"]:
+                await anyio.sleep(0.01)  # the server notices the close on its own time
+    assert during["prefixd_connections"] == 1 and after["prefixd_connections"] == 0
+    assert during['prefixd_kv_pages{state="free"}'] == status["pages_free"]
+    assert during['prefixd_kv_pages{state="used"}'] == status["pages_used"]
+    assert during['prefixd_build_info{device="cpu",dtype="bf16",mode="invariant",model="letters",version="0.1.0"}'] == 1
