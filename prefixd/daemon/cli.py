@@ -47,7 +47,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"context cap (default: the model's; at most {DEFAULT_CPU_MAX_CONTEXT} on CPU)")
     serve.add_argument("--grace", type=float, default=None, metavar="SECONDS",
                        help=f"on SIGTERM, time in-flight streams get to finish (default: {DEFAULT_GRACE_S:g})")
+    serve.add_argument("--disk-cache", default=None, metavar="DIR",
+                       help="disk tier below the prefix cache (default: $STATE_DIRECTORY under systemd, else "
+                            '$XDG_CACHE_HOME/prefixd, else ~/.cache/prefixd; "" turns it off)')
+    serve.add_argument("--disk-budget", default=None, metavar="BYTES",
+                       help="bytes the disk tier may hold (default: 8GiB; 0 turns it off)")
+    serve.add_argument("--idle-exit", default=None, type=float, metavar="SECONDS",
+                       help="flush the disk tier and exit after this long with no client and no request "
+                            "(default: never; for socket-activated units)")
     serve.add_argument("--log-level", default=None, choices=LOG_LEVELS, help="log verbosity (default: info)")
+    serve.add_argument("--http", default=None, metavar="HOST:PORT",
+                       help="also serve the OpenAI-compatible HTTP API here (default: off; see docs/http.md)")
+    serve.add_argument("--http-token-file", default=None, metavar="FILE",
+                       help="bearer token HTTP clients must send; required to listen beyond loopback (default: none)")
 
     chat = sub.add_parser("chat", help="interactive chat (/reset, /exit)")
     _add_socket(chat)
@@ -80,8 +92,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
+    p.add_argument("--greedy", action="store_true",
+                   help="greedy decoding, no penalty; overrides the defaults below (default: off)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's, else 0.7)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: the model's, else 0.9)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest (default: the model's, else 40)")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens under this share of the likeliest (default: the model's, else 0: off)")
+    p.add_argument("--repeat-penalty", type=float, default=None, help="penalty on repeated tokens (default: the model's, else 1.1)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: drawn, and printed so a reply can be reproduced)")
+    p.add_argument("--tools", metavar="FILE.json", default=None,
+                   help="a JSON list of OpenAI function tools (default: none)")
+    p.add_argument("--schema", metavar="FILE.json", default=None,
+                   help="a JSON schema the reply must match (default: none)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="each token's logprob and K alternatives, shown with --json (default: none)")
     p.add_argument("--stop", action="append", default=[], help="a stop string, repeatable (default: none)")
     p.add_argument("--no-cache", action="store_true", help="do not use or fill the prefix cache (default: use it)")
     p.add_argument("--namespace", default="",

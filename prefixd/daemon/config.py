@@ -21,6 +21,7 @@ DEFAULT_CPU_MAX_CONTEXT = 4096
 AUTO_CACHE_FRACTION = 0.5
 AUTO_CACHE_MAX_BYTES_CPU = 4 << 30  # host RAM is shared with everything else on the machine
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_DISK_BUDGET_BYTES = 8 << 30
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -49,6 +50,11 @@ class DaemonConfig:
     grid: int = DEFAULT_GRID
     max_context: int | None = None  # None: the model's, capped on CPU
     log_level: str = "info"
+    http_addr: str = ""  # "HOST:PORT" serves the OpenAI-compatible HTTP front; "" does not
+    http_token_file: Path | None = None  # a bearer token clients must send; needed off loopback
+    disk_cache_dir: Path | None = None  # None: no disk tier (config_from_args fills the default)
+    disk_budget_bytes: int = DEFAULT_DISK_BUDGET_BYTES
+    idle_exit_s: float | None = None  # None: never exit for idleness
 
     @property
     def num_lanes(self) -> int:
@@ -82,6 +88,17 @@ def parse_size(text: str) -> int | None:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def default_disk_cache_dir(env: dict[str, str]) -> Path:
+    """$STATE_DIRECTORY (systemd's StateDirectory=, the first if several), else
+    $XDG_CACHE_HOME/prefixd, else ~/.cache/prefixd."""
+    state = env.get("STATE_DIRECTORY", "").split(":")[0]
+    if state:
+        return Path(state)
+    xdg = env.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if xdg else Path(env.get("HOME") or Path.home()) / ".cache"
+    return base / "prefixd"
+
+
 def _check(cfg: DaemonConfig) -> DaemonConfig:
     if cfg.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", cfg.device):
         raise ConfigError(f"--device {cfg.device!r}: expected cpu or cuda[:N]")
@@ -97,6 +114,14 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"--max-context {cfg.max_context}: must be >= 2")
     if cfg.log_level not in LOG_LEVELS:
         raise ConfigError(f"log level {cfg.log_level!r}: expected one of {', '.join(LOG_LEVELS)}")
+    if cfg.http_addr:
+        from prefixd.daemon.http.addr import check_http_addr
+
+        check_http_addr(cfg.http_addr, cfg.http_token_file)
+    if cfg.disk_budget_bytes < 0:
+        raise ConfigError(f"--disk-budget {cfg.disk_budget_bytes}: must be >= 0")
+    if cfg.idle_exit_s is not None and cfg.idle_exit_s <= 0:
+        raise ConfigError(f"--idle-exit {cfg.idle_exit_s:g}: must be > 0 seconds")
     if cfg.metrics_addr:
         from prefixd.metrics.exporter import MetricsAddrError, parse_metrics_addr
 
@@ -105,6 +130,10 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
         except MetricsAddrError as e:
             raise ConfigError(str(e)) from None
     return cfg
+
+
+def _opt_path(value: object) -> Path | None:
+    return None if value in (None, "") else Path(str(value))
 
 
 def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonConfig:
@@ -128,12 +157,9 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
             raise ConfigError(f"{where}={value!r}: {expected}") from None
 
     socket_text = pick("socket", "PREFIXD_SOCKET", None)
-    budget = pick("cache_budget", "PREFIXD_CACHE_BUDGET", "auto")
-    try:
-        cache_budget_bytes = parse_size(str(budget))
-    except ConfigError as e:
-        source = "--cache-budget" if getattr(args, "cache_budget", None) is not None else "PREFIXD_CACHE_BUDGET"
-        raise ConfigError(f"{source}: {e}") from None
+    cache_budget_bytes = pick("cache_budget", "PREFIXD_CACHE_BUDGET", None, _size_or_auto)
+    disk_dir = pick("disk_cache", "PREFIXD_DISK_CACHE", None)
+    disk_budget = pick("disk_budget", "PREFIXD_DISK_BUDGET", None, _size_or_auto)
     cfg = DaemonConfig(
         model=pick("model", "PREFIXD_MODEL", "default"),
         device=pick("device", "PREFIXD_DEVICE", "cpu", _device),
@@ -149,8 +175,24 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
         grid=pick("grid", "PREFIXD_GRID", DEFAULT_GRID, int),
         max_context=pick("max_context", "PREFIXD_MAX_CONTEXT", None, int),
         log_level=pick("log_level", "PREFIXD_LOG_LEVEL", "info", _one_of(*LOG_LEVELS)),
+        http_addr=pick("http", "PREFIXD_HTTP", ""),
+        http_token_file=_opt_path(pick("http_token_file", "PREFIXD_HTTP_TOKEN_FILE", None)),
+        disk_cache_dir=default_disk_cache_dir(env) if disk_dir is None else (Path(disk_dir) if disk_dir else None),
+        disk_budget_bytes=DEFAULT_DISK_BUDGET_BYTES if disk_budget is None else disk_budget,
+        idle_exit_s=pick("idle_exit", "PREFIXD_IDLE_EXIT", None, _opt_float),
     )
     return _check(cfg)
+
+
+def _size_or_auto(text: str) -> int | None:
+    try:
+        return parse_size(str(text))
+    except ConfigError:
+        raise ValueError("expected BYTES (e.g. 4GiB, 512M) or auto") from None
+
+
+def _opt_float(text: str) -> float | None:
+    return None if text in (None, "") else float(text)
 
 
 def _one_of(*choices: str) -> Callable[[str], str]:

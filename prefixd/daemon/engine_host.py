@@ -39,6 +39,7 @@ class StreamTokens:
     stream_id: int
     ids: tuple[int, ...]
     logits_sha256: tuple[str, ...] | None = None
+    logprobs: tuple[Any, ...] | None = None  # scheduler.records.TokenLogprob per id, when asked
 
 
 class EngineFailed(RuntimeError):
@@ -158,9 +159,13 @@ class EngineHost:
             raise
         return receive
 
-    def cancel_nowait(self, stream_id: int) -> None:
-        """Ask the engine to cancel a stream; its DoneEvent (cancelled) still arrives."""
-        self._push(lambda: self.engine.cancel(stream_id))
+    def cancel_nowait(self, stream_id: int, keep_rows: int | None = None) -> None:
+        """Ask the engine to cancel a stream; its DoneEvent (cancelled) still arrives.
+        `keep_rows`: see Engine.cancel."""
+        if keep_rows is None:
+            self._push(lambda: self.engine.cancel(stream_id))
+        else:
+            self._push(lambda: self.engine.cancel(stream_id, keep_rows))
 
     # -- engine thread ----------------------------------------------------------------------
 
@@ -257,7 +262,8 @@ def _host_event(event: Any) -> Any:
     if ids is None:
         return event  # a DoneEvent passes through unchanged
     rows = getattr(event, "logits", None)
-    return StreamTokens(event.stream_id, tuple(ids), None if rows is None else logits_sha256(rows))
+    digests = None if rows is None else logits_sha256(rows)
+    return StreamTokens(event.stream_id, tuple(ids), digests, getattr(event, "logprobs", None))
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

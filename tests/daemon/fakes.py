@@ -149,6 +149,9 @@ class LetterDevice:
     def sample(self, lane: int, logits: Any, row: int = 0) -> int:
         return int(np.argmax(logits[row]))
 
+    def last_logprob(self, lane: int) -> None:
+        return None
+
     def capture(self, lane: int) -> FakeState:
         return FakeState()
 

@@ -26,6 +26,10 @@ NAMES = [
     "prefixd_prompt_tokens_total",
     "prefixd_generation_tokens_total",
     "prefixd_round_duration_seconds",
+    "prefixd_disk_cache_bytes",
+    "prefixd_disk_cache_hits_tokens_total",
+    "prefixd_disk_cache_written_bytes_total",
+    "prefixd_disk_cache_corrupt_total",
 ]
 
 
@@ -115,6 +119,20 @@ def test_num_requests_sums_every_finish_reason():
     for reason in ("stop", "length", "length", "error"):
         obs.on_done(reason, 1, 1)
     assert metrics.num_requests() == 4
+
+
+def test_disk_tier_totals_become_counter_increments_and_a_gauge():
+    from prefixd.disk.tier import DiskStats
+
+    metrics = Metrics()
+    observer = MetricsObserver(metrics)
+    observer.on_disk(DiskStats(5000, 10**9, 2, 4000, 1, 0, 30, None))
+    observer.on_disk(DiskStats(7000, 10**9, 3, 6500, 1, 0, 45, None))
+    samples = _samples(metrics)
+    assert samples[("prefixd_disk_cache_bytes", ())] == 7000
+    assert samples[("prefixd_disk_cache_written_bytes_total", ())] == 6500
+    assert samples[("prefixd_disk_cache_hits_tokens_total", ())] == 45
+    assert samples[("prefixd_disk_cache_corrupt_total", ())] == 1
 
 
 def test_two_metrics_objects_do_not_share_a_registry():

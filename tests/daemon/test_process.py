@@ -9,7 +9,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,7 +21,9 @@ from prefixd.ipc.sync_client import SyncClient
 from tests.helpers.tiny_models import make_tiny_hf_dir
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+# XDG_CACHE_HOME: the daemons' disk tier (on by default) goes to a directory of this run's own
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+       "XDG_CACHE_HOME": tempfile.mkdtemp(prefix="prefixd-test-cache-")}
 PREFIXD = [sys.executable, "-m", "prefixd.daemon.cli"]
 LIVENESS_S = 180  # bounds on waiting for a process, never asserted
 
@@ -80,7 +84,8 @@ def test_serve_notifies_ready_serves_the_cli_and_exits_0_on_sigterm(tiny_dir, tm
         out = _cli("generate", "--socket", str(sock), "--prompt", "Hello", "--max-tokens", "4", "--json")
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
-        assert set(result) == {"text", "tokens", "finish_reason", "usage"}
+        assert set(result) == {"text", "tokens", "finish_reason", "usage", "sampling"}
+        assert result["sampling"]["temperature"] == 0.7 and isinstance(result["sampling"]["seed"], int)
         assert result["finish_reason"] in ("length", "stop")
         assert result["usage"]["completion_tokens"] == len(result["tokens"])
 
@@ -147,13 +152,31 @@ def test_cli_without_a_daemon_says_how_to_start_one(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("systemd-socket-activate") is None, reason="systemd-socket-activate missing")
+def _accepts(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False
+    return True
+
+
 def test_socket_activation_passes_the_listening_socket(tiny_dir, tmp_path):
     sock = tmp_path / "act.sock"
     cmd = ["systemd-socket-activate", "-l", str(sock), "-E", f"PYTHONPATH={ROOT}",
+           "-E", f"XDG_CACHE_HOME={ENV['XDG_CACHE_HOME']}",  # the tool passes only what -E names
            *_serve_args(tiny_dir, tmp_path / "unused" / "x.sock")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_listening(sock, proc)
+        # systemd-socket-activate binds, then listens, then waits for a client: the file exists
+        # a moment before a connect can succeed.
+        deadline = time.monotonic() + LIVENESS_S
+        while not _accepts(sock):
+            if proc.poll() is not None:
+                pytest.fail(proc.communicate()[1])
+            if time.monotonic() > deadline:
+                pytest.fail(f"nothing listens on {sock}")
+            time.sleep(0.01)
         with SyncClient(sock) as client:
             status = client.status()
             result = client.generate(tokens=[1, 2, 3], max_tokens=2).collect()
@@ -164,19 +187,6 @@ def test_socket_activation_passes_the_listening_socket(tiny_dir, tmp_path):
         assert proc.wait(timeout=LIVENESS_S) == 0
     finally:
         _reap(proc)
-
-
-def _wait_listening(sock: Path, proc: subprocess.Popen) -> None:
-    """Until `sock` accepts: systemd-socket-activate binds the file before it listens on it."""
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(proc.communicate()[1])
-        with socket.socket(socket.AF_UNIX) as probe:
-            try:
-                probe.connect(str(sock))
-                return
-            except (FileNotFoundError, ConnectionRefusedError):
-                os.sched_yield()
 
 
 def test_a_model_that_cannot_load_exits_1_with_the_reason_and_leaves_no_socket(tmp_path):

@@ -106,8 +106,7 @@ def test_cuda_on_a_cpu_only_torch_says_how_to_get_a_cuda_build(tmp_path):
     ({"PREFIXD_LANES": "abc"}, "prefixd: PREFIXD_LANES='abc': expected an integer"),
     ({"PREFIXD_GRACE_S": "soon"}, "prefixd: PREFIXD_GRACE_S='soon': expected a number"),
     ({"PREFIXD_CACHE": "yes"}, "prefixd: PREFIXD_CACHE='yes': expected 1 or 0"),
-    ({"PREFIXD_CACHE_BUDGET": "lots"},
-     "prefixd: PREFIXD_CACHE_BUDGET: cache budget 'lots': expected BYTES (e.g. 4GiB, 512M) or auto"),
+    ({"PREFIXD_CACHE_BUDGET": "lots"}, "prefixd: PREFIXD_CACHE_BUDGET='lots': expected BYTES (e.g. 4GiB, 512M) or auto"),
     ({"PREFIXD_LOG_LEVEL": "loud"}, "prefixd: PREFIXD_LOG_LEVEL='loud': expected one of debug, info, warning, error"),
     ({"PREFIXD_DEVICE": "tpu"}, "prefixd: PREFIXD_DEVICE='tpu': expected cpu or cuda[:N]"),
 ])
