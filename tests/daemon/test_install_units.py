@@ -40,9 +40,11 @@ def test_install_units_points_exec_start_at_this_prefixd(tmp_path, flags, socket
     assert out.returncode == 0, out.stderr
     script = Path(sys.executable).parent / "prefixd"
     expected = str(script.absolute()) if script.is_file() else f"{sys.executable} -m prefixd.daemon.cli"
-    assert _exec_lines(tmp_path / "units" / "prefixd.service") == [
-        f"ExecStart={expected} serve --model default --socket {socket_arg}"]
     shipped = ROOT / "systemd" / ("user" if flags else "")
+    [shipped_line] = _exec_lines(shipped / "prefixd.service")
+    program, _, shipped_args = shipped_line.removeprefix("ExecStart=").partition(" ")
+    assert program.endswith("/prefixd") and shipped_args.startswith(f"serve --model default --socket {socket_arg}")
+    assert _exec_lines(tmp_path / "units" / "prefixd.service") == [f"ExecStart={expected} {shipped_args}"]
     assert (tmp_path / "units" / "prefixd.socket").read_text() == (shipped / "prefixd.socket").read_text()
     assert out.stdout.splitlines()[:2] == [f"wrote {tmp_path / 'units' / 'prefixd.service'}",
                                            f"wrote {tmp_path / 'units' / 'prefixd.socket'}"]
