@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help='"default" (SmolLM2-135M-Instruct), a FILE.gguf or a Hugging Face model dir (default: default)')
     serve.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cpu)")
     serve.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="compute dtype (default: bf16)")
+    serve.add_argument("--mode", default=None, choices=("auto", "invariant", "int4"),
+                       help="numeric mode: int4 = 4-bit weights (CPU bf16); auto: int4 where it exists on CPU bf16, "
+                            "else invariant (default: auto)")
     serve.add_argument("--lanes", type=int, default=None,
                        help=f"concurrent streams (default: {DEFAULT_CPU_LANES} on CPU, {DEFAULT_CUDA_LANES} on CUDA)")
     serve.add_argument("--allow-group", default=None, metavar="GROUP",

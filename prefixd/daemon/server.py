@@ -123,7 +123,7 @@ class Server:
         engine = self._runtime.engine
         self.metrics.track(lambda: len(self._connections),
                            lambda: (engine.allocator.num_free, engine.allocator.num_used))
-        self._host = EngineHost(engine)
+        self._host = EngineHost(engine, before_round=self._runtime.before_round)
         await self._host.start()
 
     async def main_loop(self) -> None:

@@ -98,3 +98,13 @@ def test_every_flag_of_every_command_says_its_default_in_its_help():
             if action.option_strings and not isinstance(action, ap._HelpAction) and "(default" not in (action.help or ""):  # noqa: SLF001
                 missing.append(f"{name} {action.option_strings[0]}")
     assert missing == []
+def test_mode_defaults_to_auto_and_flags_win_over_env():
+    assert config_from_args(_args(), env={}).mode == "auto"
+    assert config_from_args(_args(), env={"PREFIXD_MODE": "invariant"}).mode == "invariant"
+    assert config_from_args(_args(mode="int4"), env={"PREFIXD_MODE": "invariant"}).mode == "int4"
+
+
+@pytest.mark.parametrize("flags", [{"mode": "int3"}, {"mode": "int4", "dtype": "fp32"}, {"mode": "int4", "device": "cuda"}])
+def test_bad_mode_names_the_flag(flags):
+    with pytest.raises(ConfigError, match="--mode"):
+        config_from_args(_args(**flags), env={})

@@ -214,8 +214,7 @@ def test_sighup_is_logged_and_ignored_and_requests_and_shutdown_are_logged(tiny_
             first = next(stream)
             proc.send_signal(signal.SIGHUP)
             events = [first, *stream]  # the stream in flight goes on to its done
-            status = client.status()  # answered after the SIGHUP
-            assert (status["shutting_down"], status["model"]["mode"]) == (False, "invariant")
+            assert client.status()["shutting_down"] is False  # a status answered after the SIGHUP
             after = client.generate(tokens=[1, 2, 3], max_tokens=8).collect()
         assert events[-1].finish_reason == "length"
         assert after.ids == before.ids and len(before.ids) == 8
