@@ -51,7 +51,7 @@ class Sizes:
 
 
 FULL = Sizes(lanes=8, max_tokens=128, repeats=5, turns=4, turn_tokens=32)
-QUICK = Sizes(lanes=8, max_tokens=16, repeats=1, turns=2, turn_tokens=8)
+QUICK = Sizes(lanes=8, max_tokens=4, repeats=1, turns=2, turn_tokens=4)
 
 
 def messages_for(lane: int) -> list[dict[str, str]]:
