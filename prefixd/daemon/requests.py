@@ -56,7 +56,7 @@ class RequestBuilder:
         """A fresh UTF-8-safe incremental decoder (push(ids) -> str, flush() -> str)."""
         if self._decoder_factory is not None:
             return self._decoder_factory()
-        from prefixd.gpu.tokenizer import StreamDecoder
+        from prefixd.text.tokenizer import StreamDecoder
 
         return StreamDecoder(self.tokenizer)
 
@@ -139,7 +139,7 @@ class RequestBuilder:
 
     def _render(self, messages: tuple[dict[str, Any], ...], request_id: int,
                 client_gone: Callable[[], bool] | None, tools: tuple[dict[str, Any], ...] | None = None) -> Any:
-        from prefixd.gpu.chat import ChatTooLarge, RenderCancelled
+        from prefixd.text.chat import ChatTooLarge, RenderCancelled
 
         source = self._template_source(bool(tools))
         chat, template_tools = prepare_chat([dict(m) for m in messages], list(tools) if tools else None, source)

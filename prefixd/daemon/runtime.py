@@ -27,9 +27,9 @@ class Runtime:
     """A loaded model ready to serve: the engine (single-threaded), its tokenizer, a summary."""
 
     engine: Any  # prefixd.scheduler.engine.Engine
-    tokenizer: Any  # prefixd.gpu.tokenizer.Tokenizer
+    tokenizer: Any  # prefixd.text.tokenizer.Tokenizer
     model_info: dict[str, Any]
-    decoder_factory: Callable[[], Any] | None = None  # None: prefixd.gpu.tokenizer.StreamDecoder
+    decoder_factory: Callable[[], Any] | None = None  # None: prefixd.text.tokenizer.StreamDecoder
     disk: Any = None  # prefixd.disk.tier.DiskTier, or None when the disk tier is off
     before_round: Callable[[], Any] | None = None  # on the engine thread: the CPU thread policy
 
