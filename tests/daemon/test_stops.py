@@ -113,3 +113,11 @@ def test_stop_count_and_length_limits_are_bad_requests():
     with pytest.raises(ProtocolError) as err:
         parse_request({**base, "stop": ["a", "s" * (MAX_STOP_CHARS + 1)]})
     assert err.value.message == f"stop: a stop string of {MAX_STOP_CHARS + 1} characters; at most {MAX_STOP_CHARS} each"
+
+
+def test_the_stop_that_completes_first_wins_however_the_text_is_cut():
+    # '>' completes at 2, '<><' (which began earlier) only at 3: the stream stops at '>'.
+    assert StopMatcher(["<><", ">"]).push("<><") == ("<", True)
+    m = StopMatcher(["<><", ">"])
+    assert m.push("<") == ("", False)
+    assert m.push("><") == ("<", True)
