@@ -91,3 +91,52 @@ def test_garbage_in_reused_pages_changes_no_bits(which, request):
     for lane in range(NUM_LANES):
         assert_same(dirty[lane], clean[lane])
         assert all(bool(torch.isfinite(row).all()) for _, row in dirty[lane])
+
+
+@pytest.mark.parametrize("which", ["llama_runner", "hybrid_runner"])
+def test_a_nan_image_fails_its_lane_alone_in_an_eight_lane_round(which, request):
+    runner = request.getfixturevalue(which)
+    solo = {lane: run_lanes(runner, [lane], {})[lane] for lane in range(NUM_LANES) if lane != BAD_LANE}
+    together = run_lanes(runner, list(range(NUM_LANES)), {BAD_LANE: (nan_image(BAD_LANE, runner),)})
+    assert together[BAD_LANE] == [f"the logits row at position {LENGTHS[BAD_LANE] - 1} is not finite (NaN or inf)"]
+    for lane, want in solo.items():
+        assert_same(together[lane], want)
+    # the failed lane's pages (NaN rows) serve the next lane that gets them, bit for bit
+    runner.reset_lane(0)
+    runner.start_stream(0, SamplingParams(), history=())
+    w = prefill(0)
+    again = runner.run_round(RoundPlan((LaneWork(0, 0, w.tokens, lane_pages(BAD_LANE), True, sample_rows=w.sample_rows,
+                                                 logits_rows=w.logits_rows),))).lanes[0]
+    assert again.sampled == (solo[0][0][0],) and torch.equal(again.logits[0], solo[0][0][1])
+
+
+def test_a_failing_sampler_fails_its_lane_alone(llama_runner, monkeypatch):
+    runner = llama_runner
+    solo = {lane: run_lanes(runner, [lane], {})[lane] for lane in range(NUM_LANES)}
+    real_start = runner.start_stream
+
+    def start_stream(lane, sampling, history):
+        real_start(lane, sampling, history)
+        if lane == BAD_LANE:
+            def broken(logits):
+                raise RuntimeError("logits row has no finite probability mass")
+            monkeypatch.setattr(runner._samplers[lane], "sample", broken)
+
+    monkeypatch.setattr(runner, "start_stream", start_stream)
+    together = run_lanes(runner, list(range(NUM_LANES)), {})
+    assert together[BAD_LANE] == ["sampling failed: logits row has no finite probability mass"]
+    for lane in range(NUM_LANES):
+        if lane != BAD_LANE:
+            assert_same(together[lane], solo[lane])
+
+
+def test_image_rows_of_the_wrong_shape_keep_their_lane_out_of_the_round(llama_runner):
+    runner = llama_runner
+    want = run_lanes(runner, [0], {})[0][0]
+    bad = ImageRows(ImageIdentity(at=1, tokens=4, gh=2, gw=2, hash=b"x"), np.zeros((4, 3), dtype=np.float32))
+    runner.start_stream(0, SamplingParams(), history=())
+    runner.start_stream(1, SamplingParams(), history=())
+    res = runner.run_round(RoundPlan((prefill(0), prefill(1, (bad,))))).lanes
+    assert res[1].lane == 1 and res[1].sampled == () and res[1].logits is None
+    assert res[1].error == f"image at row 1: rows of shape (4, 3), the model needs (4, {runner.config.hidden_size})"
+    assert res[0].sampled == (want[0],) and torch.equal(res[0].logits[0], want[1])
