@@ -130,3 +130,22 @@ async def test_a_nan_image_past_admission_ends_only_its_own_request(tmp_path, ti
         status = await wait_idle(server)  # and the engine's integrity checks pass
         assert status["lanes_busy"] == 0 and status["waiting"] == 0
         assert server._host.num_failed_rounds == 0  # noqa: SLF001 - no round failed as a whole
+
+
+async def test_sampling_edges_the_spec_allows_finish_on_a_real_model(tmp_path, tiny_dir):
+    prompt = list(range(700, 730))
+    async with tiny_server(tmp_path, tiny_dir) as server:
+        async with await AsyncClient.connect(server.socket_path) as client:
+            async def run(**sampling):
+                return await client.generate(tokens=prompt, max_tokens=5, cache=False, sampling=sampling).collect()
+
+            greedy = await run()
+            tiny = await run(temperature=1e-38, seed=1)
+            assert (tiny.ids, tiny.finish_reason) == (greedy.ids, "length")  # an argmax over the top logits
+            for sampling in ({"temperature": 1e308, "seed": 2}, {"temperature": 5e-324, "seed": 3},
+                             {"temperature": 0.7, "repetition_penalty": 1e-300, "seed": 4},
+                             {"temperature": 0.7, "repetition_penalty": 1e300, "seed": 5},
+                             {"temperature": 1.0, "top_k": 2**31 - 1, "min_p": 1.0, "top_p": 1e-300, "seed": 6}):
+                result = await run(**sampling)
+                assert (result.finish_reason, len(result.ids)) == ("length", 5), sampling
+        assert (await wait_idle(server))["lanes_busy"] == 0
