@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
 DEFAULT_CPU_LANES = 8
@@ -18,6 +20,10 @@ DEFAULT_CPU_MAX_CONTEXT = 4096
 # `--cache-budget auto`: this share of the memory left after weights, lanes and workspace.
 AUTO_CACHE_FRACTION = 0.5
 AUTO_CACHE_MAX_BYTES_CPU = 4 << 30  # host RAM is shared with everything else on the machine
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# numeric modes (prefixd.gpu.model.MODES); "auto" is resolved by prefixd.gpu.families.resolve_mode
+MODES = ("auto", "invariant", "int4")
+DEFAULT_DISK_BUDGET_BYTES = 8 << 30
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -46,6 +52,12 @@ class DaemonConfig:
     grid: int = DEFAULT_GRID
     max_context: int | None = None  # None: the model's, capped on CPU
     log_level: str = "info"
+    mode: str = "auto"  # "auto" | "invariant" (weights in dtype) | "int4" (4-bit weights, CPU bf16)
+    http_addr: str = ""  # "HOST:PORT" serves the OpenAI-compatible HTTP front; "" does not
+    http_token_file: Path | None = None  # a bearer token clients must send; needed off loopback
+    disk_cache_dir: Path | None = None  # None: no disk tier (config_from_args fills the default)
+    disk_budget_bytes: int = DEFAULT_DISK_BUDGET_BYTES
+    idle_exit_s: float | None = None  # None: never exit for idleness
 
     @property
     def num_lanes(self) -> int:
@@ -79,11 +91,26 @@ def parse_size(text: str) -> int | None:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def default_disk_cache_dir(env: dict[str, str]) -> Path:
+    """$STATE_DIRECTORY (systemd's StateDirectory=, the first if several), else
+    $XDG_CACHE_HOME/prefixd, else ~/.cache/prefixd."""
+    state = env.get("STATE_DIRECTORY", "").split(":")[0]
+    if state:
+        return Path(state)
+    xdg = env.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if xdg else Path(env.get("HOME") or Path.home()) / ".cache"
+    return base / "prefixd"
+
+
 def _check(cfg: DaemonConfig) -> DaemonConfig:
     if cfg.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", cfg.device):
         raise ConfigError(f"--device {cfg.device!r}: expected cpu or cuda[:N]")
     if cfg.dtype not in ("bf16", "fp32"):
         raise ConfigError(f"--dtype {cfg.dtype!r}: expected bf16 or fp32")
+    if cfg.mode not in MODES:
+        raise ConfigError(f"--mode {cfg.mode!r}: expected one of {', '.join(MODES)}")
+    if cfg.mode == "int4" and (cfg.device != "cpu" or cfg.dtype != "bf16"):
+        raise ConfigError("--mode int4 runs on the CPU in bf16 only")
     if cfg.lanes is not None and cfg.lanes < 1:
         raise ConfigError(f"--lanes {cfg.lanes}: needs at least 1")
     if cfg.page_size < 1 or cfg.grid < 1 or cfg.grid % cfg.page_size:
@@ -92,6 +119,16 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"--grace {cfg.grace_s}: must be >= 0")
     if cfg.max_context is not None and cfg.max_context < 2:
         raise ConfigError(f"--max-context {cfg.max_context}: must be >= 2")
+    if cfg.log_level not in LOG_LEVELS:
+        raise ConfigError(f"log level {cfg.log_level!r}: expected one of {', '.join(LOG_LEVELS)}")
+    if cfg.http_addr:
+        from prefixd.daemon.http.addr import check_http_addr
+
+        check_http_addr(cfg.http_addr, cfg.http_token_file)
+    if cfg.disk_budget_bytes < 0:
+        raise ConfigError(f"--disk-budget {cfg.disk_budget_bytes}: must be >= 0")
+    if cfg.idle_exit_s is not None and cfg.idle_exit_s <= 0:
+        raise ConfigError(f"--idle-exit {cfg.idle_exit_s:g}: must be > 0 seconds")
     if cfg.metrics_addr:
         from prefixd.metrics.exporter import MetricsAddrError, parse_metrics_addr
 
@@ -102,39 +139,108 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
     return cfg
 
 
+def _opt_path(value: object) -> Path | None:
+    return None if value in (None, "") else Path(str(value))
+
+
 def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonConfig:
-    """Build the config from parsed `serve` flags; PREFIXD_* env fills what flags left unset."""
+    """Build the config from parsed `serve` flags; PREFIXD_* env fills what flags left unset.
+
+    A value that cannot be parsed raises ConfigError naming the flag or the variable it came from.
+    """
     env = dict(os.environ) if env is None else env
 
-    def pick(name: str, env_name: str, default: object) -> object:
+    def pick(name: str, env_name: str, default: object, parse: Callable[[str], Any] = str) -> Any:
         value = getattr(args, name, None)
-        if value is not None:
-            return value
-        return env.get(env_name, default)
+        where = f"--{name.replace('_', '-')}"
+        if value is None:
+            if env_name not in env:
+                return default
+            value, where = env[env_name], env_name
+        try:
+            return parse(value)
+        except ValueError as e:
+            expected = {int: "expected an integer", float: "expected a number"}.get(parse, str(e))
+            raise ConfigError(f"{where}={value!r}: {expected}") from None
 
-    lanes = pick("lanes", "PREFIXD_LANES", None)
     socket_text = pick("socket", "PREFIXD_SOCKET", None)
-    budget = pick("cache_budget", "PREFIXD_CACHE_BUDGET", "auto")
-    max_context = pick("max_context", "PREFIXD_MAX_CONTEXT", None)
-    try:
-        cfg = DaemonConfig(
-            model=str(pick("model", "PREFIXD_MODEL", "default")),
-            device=str(pick("device", "PREFIXD_DEVICE", "cpu")),
-            dtype=str(pick("dtype", "PREFIXD_DTYPE", "bf16")),
-            lanes=None if lanes is None else int(lanes),
-            socket_path=None if socket_text in (None, "") else Path(str(socket_text)),
-            allow_group=pick("allow_group", "PREFIXD_ALLOW_GROUP", None) or None,
-            metrics_addr=str(pick("metrics_addr", "PREFIXD_METRICS_ADDR", DEFAULT_METRICS_ADDR)),
-            grace_s=float(pick("grace", "PREFIXD_GRACE_S", DEFAULT_GRACE_S)),
-            cache=not bool(getattr(args, "no_cache", False)) and env.get("PREFIXD_CACHE", "1") != "0",
-            cache_budget_bytes=parse_size(str(budget)),
-            page_size=int(pick("page_size", "PREFIXD_PAGE_SIZE", DEFAULT_PAGE_SIZE)),
-            grid=int(pick("grid", "PREFIXD_GRID", DEFAULT_GRID)),
-            max_context=None if max_context is None else int(max_context),
-            log_level=str(pick("log_level", "PREFIXD_LOG_LEVEL", "info")),
-        )
-    except ValueError as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"bad number in flags or PREFIXD_* environment: {e}") from None
+    cache_budget_bytes = pick("cache_budget", "PREFIXD_CACHE_BUDGET", None, _size_or_auto)
+    disk_dir = pick("disk_cache", "PREFIXD_DISK_CACHE", None)
+    disk_budget = pick("disk_budget", "PREFIXD_DISK_BUDGET", None, _size_or_auto)
+    cfg = DaemonConfig(
+        model=pick("model", "PREFIXD_MODEL", "default"),
+        device=pick("device", "PREFIXD_DEVICE", "cpu", _device),
+        dtype=pick("dtype", "PREFIXD_DTYPE", "bf16", _one_of("bf16", "fp32")),
+        lanes=pick("lanes", "PREFIXD_LANES", None, int),
+        socket_path=None if socket_text in (None, "") else Path(str(socket_text)),
+        allow_group=pick("allow_group", "PREFIXD_ALLOW_GROUP", None) or None,
+        metrics_addr=pick("metrics_addr", "PREFIXD_METRICS_ADDR", DEFAULT_METRICS_ADDR),
+        grace_s=pick("grace", "PREFIXD_GRACE_S", DEFAULT_GRACE_S, float),
+        cache=not bool(getattr(args, "no_cache", False)) and _env_flag(env, "PREFIXD_CACHE"),
+        cache_budget_bytes=cache_budget_bytes,
+        page_size=pick("page_size", "PREFIXD_PAGE_SIZE", DEFAULT_PAGE_SIZE, int),
+        grid=pick("grid", "PREFIXD_GRID", DEFAULT_GRID, int),
+        max_context=pick("max_context", "PREFIXD_MAX_CONTEXT", None, int),
+        log_level=pick("log_level", "PREFIXD_LOG_LEVEL", "info", _one_of(*LOG_LEVELS)),
+        mode=pick("mode", "PREFIXD_MODE", "auto", _one_of(*MODES)),
+        http_addr=pick("http", "PREFIXD_HTTP", ""),
+        http_token_file=_opt_path(pick("http_token_file", "PREFIXD_HTTP_TOKEN_FILE", None)),
+        disk_cache_dir=default_disk_cache_dir(env) if disk_dir is None else (Path(disk_dir) if disk_dir else None),
+        disk_budget_bytes=DEFAULT_DISK_BUDGET_BYTES if disk_budget is None else disk_budget,
+        idle_exit_s=pick("idle_exit", "PREFIXD_IDLE_EXIT", None, _opt_float),
+    )
     return _check(cfg)
+
+
+def _size_or_auto(text: str) -> int | None:
+    try:
+        return parse_size(str(text))
+    except ConfigError:
+        raise ValueError("expected BYTES (e.g. 4GiB, 512M) or auto") from None
+
+
+def _opt_float(text: str) -> float | None:
+    return None if text in (None, "") else float(text)
+
+
+def _one_of(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def _device(text: str) -> str:
+    if text != "cpu" and not re.fullmatch(r"cuda(:\d+)?", text):
+        raise ValueError("expected cpu or cuda[:N]")
+    return text
+
+
+def _env_flag(env: dict[str, str], name: str) -> bool:
+    """A 1/0 switch from the environment (unset: 1)."""
+    value = env.get(name, "1")
+    if value not in ("0", "1"):
+        raise ConfigError(f"{name}={value!r}: expected 1 or 0")
+    return value == "1"
+
+
+def cache_budget_warning(info: Any, sched: Any) -> str | None:
+    """The start-up warning for an explicit cache budget that leaves the prefix store less
+    than one page (scheduler.config.store_budget_bytes reserves weights, lane state and
+    workspace out of the budget first), or None. `info`: the DeviceInfo; `sched`: the
+    SchedulerConfig the engine runs with."""
+    from prefixd.scheduler.config import store_budget_bytes
+
+    budget = sched.cache_budget_bytes
+    if budget is None or not sched.cache:
+        return None
+    allowance = store_budget_bytes(info, sched)
+    if allowance >= info.kv_bytes_per_page:
+        return None
+    unbounded = 1 << 62
+    reserved = unbounded - store_budget_bytes(info, dataclasses.replace(sched, cache_budget_bytes=unbounded))
+    return (f"--cache-budget {budget} bytes leaves the prefix cache {allowance} bytes (less than one "
+            f"{info.kv_bytes_per_page}-byte page): weights, lane state and workspace take {reserved} bytes of the "
+            f"budget first; give at least {reserved + info.kv_bytes_per_page} bytes, or auto, to cache prefixes")

@@ -39,6 +39,7 @@ class StreamTokens:
     stream_id: int
     ids: tuple[int, ...]
     logits_sha256: tuple[str, ...] | None = None
+    logprobs: tuple[Any, ...] | None = None  # scheduler.records.TokenLogprob per id, when asked
 
 
 class EngineFailed(RuntimeError):
@@ -80,8 +81,10 @@ class EngineHost:
     """
 
     def __init__(self, engine: Any, *, event_buffer: int = DEFAULT_EVENT_BUFFER,
-                 on_overflow: Callable[[int], None] | None = None) -> None:
+                 on_overflow: Callable[[int], None] | None = None,
+                 before_round: Callable[[], object] | None = None) -> None:
         self.engine = engine
+        self._before_round = before_round  # called on the engine thread (thread policy)
         self._event_buffer = event_buffer
         self._on_overflow = on_overflow
         self._cond = threading.Condition()
@@ -158,9 +161,13 @@ class EngineHost:
             raise
         return receive
 
-    def cancel_nowait(self, stream_id: int) -> None:
-        """Ask the engine to cancel a stream; its DoneEvent (cancelled) still arrives."""
-        self._push(lambda: self.engine.cancel(stream_id))
+    def cancel_nowait(self, stream_id: int, keep_rows: int | None = None) -> None:
+        """Ask the engine to cancel a stream; its DoneEvent (cancelled) still arrives.
+        `keep_rows`: see Engine.cancel."""
+        if keep_rows is None:
+            self._push(lambda: self.engine.cancel(stream_id))
+        else:
+            self._push(lambda: self.engine.cancel(stream_id, keep_rows))
 
     # -- engine thread ----------------------------------------------------------------------
 
@@ -181,6 +188,8 @@ class EngineHost:
                 for command in commands:
                     command()
                 if not self.engine.idle and not self._stopping:
+                    if self._before_round is not None:
+                        self._before_round()
                     events = self._step()
                     if events:
                         self._post(self._dispatch, [_host_event(e) for e in events])
@@ -214,6 +223,8 @@ class EngineHost:
 
     def _dispatch(self, events: list[Any]) -> None:
         for event in events:
+            if not isinstance(event, StreamTokens):
+                log_done(event)
             sink = self._sinks.get(event.stream_id)
             if sink is None:
                 continue
@@ -247,13 +258,22 @@ class EngineHost:
         self.failed.set()
 
 
+def log_done(event: Any) -> None:
+    """One info line per finished request (a DoneEvent): id, tokens, cache, TTFT, finish reason."""
+    u = event.usage
+    log.info("request %d %s: prompt %d tokens, %d cached (%s), %d generated, ttft %.3fs, total %.3fs%s",
+             event.stream_id, event.finish_reason, u.prompt_tokens, u.cached_tokens, u.cache,
+             u.completion_tokens, u.ttft_s, u.total_s, f" ({event.note})" if event.note else "")
+
+
 def _host_event(event: Any) -> Any:
     """Engine events as the loop sees them: tokens with digests instead of device rows."""
     ids = getattr(event, "ids", None)
     if ids is None:
         return event  # a DoneEvent passes through unchanged
     rows = getattr(event, "logits", None)
-    return StreamTokens(event.stream_id, tuple(ids), None if rows is None else logits_sha256(rows))
+    digests = None if rows is None else logits_sha256(rows)
+    return StreamTokens(event.stream_id, tuple(ids), digests, getattr(event, "logprobs", None))
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

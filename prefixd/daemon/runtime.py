@@ -6,13 +6,19 @@ The daemon only wires: loading and compute live in `prefixd.gpu`, scheduling in
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from prefixd.daemon.config import AUTO_CACHE_FRACTION, AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig
+import anyio
 
+from prefixd.daemon.config import AUTO_CACHE_FRACTION, AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig
+from prefixd.daemon.sampling_defaults import sampling_defaults
+
+log = logging.getLogger("prefixd.runtime")
 _DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
 
@@ -24,6 +30,8 @@ class Runtime:
     tokenizer: Any  # prefixd.gpu.tokenizer.Tokenizer
     model_info: dict[str, Any]
     decoder_factory: Callable[[], Any] | None = None  # None: prefixd.gpu.tokenizer.StreamDecoder
+    disk: Any = None  # prefixd.disk.tier.DiskTier, or None when the disk tier is off
+    before_round: Callable[[], Any] | None = None  # on the engine thread: the CPU thread policy
 
 
 def plan_num_pages(cfg: DaemonConfig, *, kv_bytes_per_page: int, max_context: int,
@@ -71,24 +79,31 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
                  progress: Callable[[str, int, int], None] | None = None) -> Runtime:
     """Load the model named by `cfg.model` and build the engine around it (blocking)."""
     from prefixd.gpu.backend import free_device_bytes, resolve
+    from prefixd.gpu.families import resolve_mode
     from prefixd.gpu.loading import load_checkpoint
     from prefixd.gpu.runner import ModelRunner
+    from prefixd.gpu.threads import CpuThreads
     from prefixd.scheduler.config import SchedulerConfig
     from prefixd.scheduler.engine import Engine
 
     device, dtype = resolve(cfg.device, cfg.dtype)
     checkpoint = load_checkpoint(cfg.model, device=device, dtype=dtype, progress=progress)
     max_context = cfg.resolved_max_context(checkpoint.config.max_context)
+    if cfg.max_context is not None and cfg.max_context > checkpoint.config.max_context:
+        log.warning("--max-context %d is above the model's limit of %d tokens; using %d",
+                    cfg.max_context, checkpoint.config.max_context, max_context)
     available = mem_available_bytes() if cfg.device == "cpu" else free_device_bytes(device)
     num_pages = plan_num_pages(
         cfg, kv_bytes_per_page=kv_bytes_per_page(checkpoint.config, cfg),
         max_context=max_context, available_bytes=available,
     )
+    mode = resolve_mode(cfg.mode, checkpoint.config.family, device, dtype)  # the disk tier keys on it
     runner = ModelRunner(checkpoint, device=device, dtype=dtype, num_lanes=cfg.num_lanes,
-                         num_pages=num_pages, page_size=cfg.page_size)
+                         num_pages=num_pages, page_size=cfg.page_size, mode=mode)
     sched = SchedulerConfig(num_lanes=cfg.num_lanes, grid=cfg.grid, max_context=max_context,
                             cache=cfg.cache, cache_budget_bytes=cfg.cache_budget_bytes)
-    engine = Engine(runner, sched, observer=observer)
+    disk = build_disk_tier(cfg, checkpoint.path, runner, device.type, observer) if cfg.cache else None
+    engine = Engine(runner, sched, observer=observer, disk=disk)
     info = runner.info
     model_info = {
         "name": Path(str(checkpoint.path)).name,
@@ -99,9 +114,60 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         "max_context": engine.max_context,
         "device": cfg.device,
         "dtype": cfg.dtype,
+        "mode": runner.model.mode,
         "lanes": cfg.num_lanes,
         "page_size": info.page_size,
         "num_pages": info.num_pages,
         "weights_bytes": info.weights_bytes,
+        "sampling_defaults": sampling_defaults(Path(str(checkpoint.path)), checkpoint.source),
     }
-    return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info)
+    threads = CpuThreads.up_to_current() if cfg.device == "cpu" else None
+    return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info, disk=disk,
+                   before_round=None if threads is None else threads.tick)
+
+
+def build_disk_tier(cfg: DaemonConfig, model_path: Any, runner: Any, device_kind: str, observer: Any) -> Any:
+    """The disk tier in `cfg.disk_cache_dir`, or None when it is off or cannot be opened (a
+    warning: the daemon serves from RAM)."""
+    if cfg.disk_cache_dir is None or cfg.disk_budget_bytes <= 0:
+        return None
+    from prefixd.disk.identity import model_content_hash
+    from prefixd.disk.tier import DiskTier
+    from prefixd.scheduler.store.disk_index import TierIdentity
+
+    info = runner.info
+    try:
+        identity = TierIdentity(
+            model_hash=model_content_hash(Path(str(model_path)), cfg.disk_cache_dir), dtype=cfg.dtype,
+            device_kind=device_kind, mode=runner.mode, page_size=info.page_size,
+            kv_bytes_per_page=info.kv_bytes_per_page, lane_state_bytes=info.lane_state_bytes,
+            logits_row_bytes=info.logits_row_bytes, lookahead=info.lookahead, invariant_rows=info.invariant_rows)
+        return DiskTier(cfg.disk_cache_dir, identity, budget_bytes=cfg.disk_budget_bytes, observer=observer)
+    except OSError as e:
+        log.warning("disk cache off: cannot use %s: %s; serving from RAM", cfg.disk_cache_dir, e)
+        return None
+
+
+async def run_on_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) on a thread that ends when fn returns (the model load).
+
+    torch's OpenMP pool belongs to the thread that first ran a parallel op. A load on one of
+    anyio's worker threads, which live on, leaves a second pool beside the engine thread's;
+    with more pool threads than cores, the engine's pool sleeps between ops instead of
+    spinning and a forward runs at ~0.55x on a 2-core machine. A thread that has ended takes
+    its pool with it.
+    """
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the event loop below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="prefixd-load", daemon=True)
+    thread.start()
+    await anyio.to_thread.run_sync(thread.join)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

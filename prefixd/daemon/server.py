@@ -6,13 +6,12 @@ re-raised; cleanup is shielded.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
 import signal
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -23,47 +22,25 @@ import anyio.abc
 import prefixd
 from prefixd.daemon.admission import AcceptErrors, refuse_connection, return_freed_memory
 from prefixd.daemon.bounds import ConnectionBounds
-from prefixd.daemon.config import DaemonConfig
+from prefixd.daemon.config import DaemonConfig, cache_budget_warning
 from prefixd.daemon.connection import Connection, Services
 from prefixd.daemon.engine_host import EngineHost
-from prefixd.daemon.listener import PeerPolicy, bind_listening_socket, peer_cred
+from prefixd.daemon.http.serve import HttpServer
+from prefixd.daemon.listener import PeerPolicy, SocketPathError, peer_cred
 from prefixd.daemon.requests import RequestBuilder
-from prefixd.daemon.runtime import Runtime, load_runtime
-from prefixd.daemon.systemd import Notifier, take_activation_socket
+from prefixd.daemon.runtime import Runtime, load_runtime, run_on_own_thread
+from prefixd.daemon.startup import StartupError, activation_socket, bind_socket, check_device, open_exporter
+from prefixd.daemon.systemd import Notifier
 from prefixd.ipc.framing import Limits
 from prefixd.ipc.transport import BufferBudget, FramedStream
-from prefixd.metrics import Metrics, MetricsExporter, MetricsObserver, parse_metrics_addr
+from prefixd.metrics import Metrics, MetricsExporter, MetricsObserver
 
 log = logging.getLogger("prefixd.server")
 _TRIM_AFTER_BYTES = 1 << 20  # a connection that buffered this much hands freed heap back on close
 _CANCEL_FLUSH_S = 5.0  # after the grace period: time for cancelled streams to send their done
+DISK_FLUSH_S = 120.0  # at shutdown, time the disk tier's writer gets to finish its queue
 
 RuntimeFactory = Callable[[DaemonConfig, Any], Runtime]
-
-
-async def run_on_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) on a thread that ends when fn returns (the model load).
-
-    torch's OpenMP pool belongs to the thread that first ran a parallel op. A load on one of
-    anyio's worker threads, which live on, leaves a second pool beside the engine thread's;
-    with more pool threads than cores, the engine's pool sleeps between ops instead of
-    spinning and a forward runs at ~0.55x on a 2-core machine. A thread that has ended takes
-    its pool with it.
-    """
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["value"] = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the event loop below
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=target, name="prefixd-load", daemon=True)
-    thread.start()
-    await anyio.to_thread.run_sync(thread.join)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 def _default_factory(cfg: DaemonConfig, observer: Any) -> Runtime:
@@ -91,6 +68,7 @@ class Server:
         self.metrics_port: int | None = None
         self._owns_socket_file = False
         self._exporter: MetricsExporter | None = None
+        self.http: HttpServer | None = None
         self._listener: anyio.abc.SocketListener | None = None
         self._host: EngineHost | None = None
         self._runtime: Runtime | None = None
@@ -110,6 +88,7 @@ class Server:
         async with anyio.create_task_group() as tg:
             if self.notifier.watchdog_interval_s is not None:  # also while the model loads
                 tg.start_soon(self._watchdog, self.notifier.watchdog_interval_s)
+            await tg.start(self._watch_hangup)  # before the model loads: SIGHUP never kills the daemon
             try:
                 await self.startup()
                 await self.main_loop()
@@ -124,29 +103,47 @@ class Server:
         return self.exit_code
 
     async def startup(self) -> None:
+        """Cheap checks first (metrics address, socket, device), then the model load."""
+        self._exporter = open_exporter(self.metrics.registry, self.cfg.metrics_addr)
+        if self._exporter is not None:
+            self.metrics_port = self._exporter.port
         self._listener = await self._open_listener()
+        check_device(self.cfg)
         self.notifier.status("loading model")
         self._out.write(f"prefixd: loading model {self.cfg.model} on {self.cfg.device} ({self.cfg.dtype})\n")
         observer = MetricsObserver(self.metrics)
         self._runtime = await run_on_own_thread(self._factory, self.cfg, observer)
-        self._host = EngineHost(self._runtime.engine)
+        warning = cache_budget_warning(self._runtime.engine.info, self._runtime.engine.config)
+        if warning is not None:
+            log.warning("%s", warning)
+            self._out.write(f"prefixd: warning: {warning}\n")
+        info = self._runtime.model_info
+        self.metrics.set_build_info(version=prefixd.__version__, model=str(info.get("name", "")), dtype=self.cfg.dtype,
+                                    device=self.cfg.device, mode=str(info.get("mode", "invariant")))
+        engine = self._runtime.engine
+        self.metrics.track(lambda: len(self._connections),
+                           lambda: (engine.allocator.num_free, engine.allocator.num_used))
+        self._host = EngineHost(engine, before_round=self._runtime.before_round)
         await self._host.start()
-        addr = parse_metrics_addr(self.cfg.metrics_addr)
-        if addr is not None:
-            self._exporter = MetricsExporter(self.metrics.registry, addr)
-            self.metrics_port = self._exporter.port
 
     async def main_loop(self) -> None:
         assert self._listener is not None and self._exit_event is not None and self._host is not None
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch_signals, tg.cancel_scope)
             tg.start_soon(self._watch_engine)
+            if self.cfg.idle_exit_s is not None:
+                tg.start_soon(self._watch_idle, self.cfg.idle_exit_s)
             async with anyio.create_task_group() as conns:
                 conns.start_soon(self._accept_loop, conns)
+                if self.cfg.http_addr:
+                    self.http = HttpServer.build(self._services(), self.cfg.http_addr, self.cfg.http_token_file)
+                    await conns.start(self.http.serve)
                 self._announce()
                 await self._exit_event.wait()
                 self.notifier.stopping()
                 await self._stop_accepting()
+                if self.http is not None:
+                    self.http.stop()  # uvicorn stops listening; open responses go on while streams drain
                 await self._drain(self.cfg.grace_s)
                 conns.cancel_scope.cancel()
             tg.cancel_scope.cancel()
@@ -155,9 +152,16 @@ class Server:
         await self._stop_accepting()
         if self._host is not None:
             await self._host.stop()
+        if getattr(self._runtime, "disk", None) is not None:
+            disk, self._runtime = self._runtime.disk, dataclasses.replace(self._runtime, disk=None)
+            await anyio.to_thread.run_sync(disk.close, DISK_FLUSH_S)  # every queued entry file is written
+            self._out.write(f"prefixd: disk cache flushed ({disk.stats().entries} entries)\n")
         if self._exporter is not None:
             self._exporter.close()
             self._exporter = None
+        if self._runtime is not None:
+            log.info("stopped after %.1fs: exit code %d, %d requests served", time.monotonic() - self._started_s,
+                     self.exit_code, self.metrics.num_requests())
 
     def request_exit(self, code: int = 0) -> None:
         """Ask the daemon to stop gracefully (what SIGTERM does)."""
@@ -180,11 +184,32 @@ class Server:
                 self._out.write(f"prefixd: {signal.Signals(signum).name}: stopping (grace {self.cfg.grace_s:g}s)\n")
                 self.request_exit(0)
 
+    async def _watch_hangup(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """SIGHUP is logged and otherwise ignored: prefixd writes only to stderr, there is no log to reopen."""
+        with anyio.open_signal_receiver(signal.SIGHUP) as signals:
+            task_status.started()
+            async for _ in signals:
+                log.info("SIGHUP ignored (logs go to stderr; nothing to reopen or reload)")
+
     async def _watch_engine(self) -> None:
         assert self._host is not None
         await self._host.failed.wait()
         self._out.write(f"prefixd: engine failed: {self._host.failure!r}\n")
         self.request_exit(1)
+
+    async def _watch_idle(self, idle_s: float) -> None:
+        """Exit (gracefully: the disk tier is flushed) after `idle_s` with no client connected
+        and no request open; a socket-activated unit is started again by the next client."""
+        assert self._host is not None
+        last_busy = time.monotonic()
+        while not self.should_exit:
+            await anyio.sleep(min(1.0, idle_s / 4))
+            if self._connections or self._host.num_open_streams:
+                last_busy = time.monotonic()
+            elif time.monotonic() - last_busy >= idle_s:
+                self._out.write(f"prefixd: idle for {idle_s:g}s: exiting\n")
+                self.request_exit(0)
+                return
 
     async def _watchdog(self, interval_s: float) -> None:
         while True:
@@ -247,28 +272,32 @@ class Server:
     # -- helpers ----------------------------------------------------------------------------
 
     async def _open_listener(self) -> anyio.abc.SocketListener:
-        activated = take_activation_socket(self._env)
+        activated = activation_socket(self._env)
         if activated is not None:
             name = activated.getsockname()
             self.socket_path = Path(name) if isinstance(name, str) and name else None
             activated.setblocking(False)
             return await anyio.abc.SocketListener.from_socket(activated)
         path = self.cfg.resolved_socket_path()
-        sock: socket.socket = bind_listening_socket(path, group_gid=self._group_gid())
+        sock = bind_socket(path, self._group_gid())
         self.socket_path = path
         self._owns_socket_file = True
         sock.setblocking(False)
         return await anyio.abc.SocketListener.from_socket(sock)
 
     def _group_gid(self) -> int | None:
-        policy = PeerPolicy.for_this_process(self.cfg.allow_group)
-        return policy.allowed_gid
+        try:
+            return PeerPolicy.for_this_process(self.cfg.allow_group).allowed_gid
+        except SocketPathError as e:
+            raise StartupError(str(e)) from None
 
     def _announce(self) -> None:
         where = str(self.socket_path) if self.socket_path else "the activation socket"
         self._out.write(f"prefixd: listening on {where}\n")
         if self.socket_path:
             self._out.write(f"prefixd: chat with it: prefixd chat --socket {self.socket_path}\n")
+        if self.http is not None:
+            self._out.write(f"prefixd: OpenAI-compatible HTTP on http://{self.http.host}:{self.http.port}/v1\n")
         if self.metrics_port is not None:
             self._out.write(f"prefixd: metrics on {self.cfg.metrics_addr.rpartition(':')[0]}:{self.metrics_port}\n")
         self._out.flush()
@@ -285,16 +314,20 @@ class Server:
     async def _drain(self, grace_s: float) -> None:
         """Let in-flight streams finish within `grace_s`, then cancel the rest and flush."""
         with anyio.move_on_after(grace_s):
-            while any(c.num_streams for c in self._connections):
+            while any(c.num_streams for c in self._stream_holders()):
                 await anyio.sleep(0.05)
-        for connection in list(self._connections):
-            connection.cancel_streams()
+        for holder in self._stream_holders():
+            holder.cancel_streams()
         with anyio.move_on_after(_CANCEL_FLUSH_S):
-            while any(c.num_streams for c in self._connections):
+            while any(c.num_streams for c in self._stream_holders()):
                 await anyio.sleep(0.02)
         async with anyio.create_task_group() as tg:  # every done event reaches its client
             for connection in list(self._connections):
                 tg.start_soon(connection.flush)
+
+    def _stream_holders(self) -> list[Any]:
+        """Socket connections and the HTTP front: whatever has generates in flight."""
+        return [*self._connections, *([self.http.front] if self.http is not None else [])]
 
     def _services(self) -> Services:
         assert self._host is not None and self._runtime is not None
@@ -310,7 +343,7 @@ class Server:
 
     def _hello_reply(self) -> dict[str, Any]:
         assert self._runtime is not None
-        return {"version": 1, "server": f"prefixd {prefixd.__version__}", "model": dict(self._runtime.model_info),
+        return {"server": f"prefixd {prefixd.__version__}", "model": dict(self._runtime.model_info),
                 "limits": self.limits.to_wire()}
 
     def _status_extra(self) -> dict[str, Any]:

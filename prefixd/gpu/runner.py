@@ -20,14 +20,17 @@ import numpy as np
 import torch
 
 from prefixd.gpu.attention import AttentionSpan, plan_attention
+from prefixd.gpu.constrain import GrammarMask
 from prefixd.gpu.copy import CopyEngine
 from prefixd.gpu.families import build_family
 from prefixd.gpu.kv_pool import KVPool
 from prefixd.gpu.model import RoundInputs
 from prefixd.gpu.sampling import LaneSampler
 from prefixd.scheduler.device import DeviceInfo
-from prefixd.scheduler.records import (LaneResult, LaneWork, RoundPlan, RoundResult,
-                                       SamplingParams)
+from prefixd.gpu.families.qwen3_5_state import HybridState
+from prefixd.scheduler.records import (DiskLoad, LaneResult, LaneWork, PagePayload, RoundPlan, RoundResult,
+                                       SamplingParams, TokenLogprob)
+from prefixd.text.grammar import ll_tokenizer
 
 # Errors a lane's sampler may raise on its own row; device-wide ones (a CUDA fault, no memory)
 # are re-raised so that the round fails as a whole.
@@ -42,6 +45,7 @@ class ModelRunner:
                  num_pages: int, page_size: int = 16, mode: str = "invariant") -> None:
         self.device = torch.device(device)
         self.dtype = dtype
+        self.mode = mode
         self.tokenizer = checkpoint.tokenizer
         self.config = config = checkpoint.config
         self.model = build_family(checkpoint, self.device, dtype, mode)
@@ -58,6 +62,7 @@ class ModelRunner:
             invariant_rows=self.model.invariant_rows)
         self.copies = CopyEngine(self.device)  # page and state copies, fenced
         self._samplers: dict[int, LaneSampler] = {}
+        self._ll_tokenizer: Any = None
 
     # Device protocol -------------------------------------------------------------------
     def start_stream(self, lane: int, sampling: SamplingParams, history: Sequence[int]) -> None:
@@ -65,7 +70,14 @@ class ModelRunner:
         vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
         self._samplers[lane] = LaneSampler(sampling, history, vocab_size=self.config.vocab_size,
                                            tokenizer_vocab=min(vocab, self.config.vocab_size),
-                                           device=self.device)
+                                           device=self.device, constraint=self._constraint(sampling))
+
+    def _constraint(self, sampling: SamplingParams) -> GrammarMask | None:
+        if sampling.grammar is None:
+            return None
+        if self._ll_tokenizer is None:  # built on first use: ~1 s for a large vocabulary
+            self._ll_tokenizer = ll_tokenizer(self.tokenizer)
+        return GrammarMask(self._ll_tokenizer, sampling.grammar, vocab_size=self.config.vocab_size)
 
     def run_round(self, plan: RoundPlan) -> RoundResult:
         refused = {w.lane: err for w in plan.lanes if (err := self._image_error(w)) is not None}
@@ -88,6 +100,9 @@ class ModelRunner:
 
     def sample(self, lane: int, logits: torch.Tensor, row: int = 0) -> int:
         return self._sampler(lane).sample(logits[row])
+
+    def last_logprob(self, lane: int) -> TokenLogprob | None:
+        return self._sampler(lane).last_logprob
 
     def capture(self, lane: int) -> Any:
         self._check_lane(lane)
@@ -125,6 +140,38 @@ class ModelRunner:
             return 0
         self.copies.copy_pages(self.kv.pools(), src, dst).wait()
         return len(src) * self.kv.bytes_per_page
+
+    def export_pages(self, pages: Sequence[int], state: Any, logits: torch.Tensor | None) -> PagePayload:
+        """Host copies for the disk tier: the pages page-major (n, 2, layers, P, kv_heads, head_dim), the lane state's bytes and the float32 logits rows. Runs on the engine
+        thread; the writer thread only reads the returned buffers."""
+        self.copies.wait_all()
+        idx = torch.tensor(list(pages), dtype=torch.long, device=self.device)
+        # page-major (n, 2, L, P, H, D), one gather: a file's leading pages are a byte prefix
+        kv = self.kv.storage.permute(2, 0, 1, 3, 4, 5).index_select(0, idx)
+        return PagePayload(kv=_host_bytes(kv), state=None if state is None else _host_bytes(state.data),
+                           logits=None if logits is None else _host_bytes(logits))
+
+    def load_pages(self, load: DiskLoad) -> tuple[Any, torch.Tensor | None]:
+        """Write the load's page bytes into their pages (one copy from the read buffer into the
+        pool); the state and logits row come back as device tensors made from the bytes."""
+        self.copies.wait_all()
+        shape = self.kv.storage.shape  # (2, L, num_pages, P, H, D)
+        for pl in load.pages:
+            if not pl.pages:
+                continue
+            src = torch.frombuffer(pl.kv, dtype=torch.uint8).view(self.dtype)
+            src = src.view(len(pl.pages), shape[0], shape[1], *shape[3:]).to(self.device)  # (n, 2, L, P, H, D)
+            idx = torch.tensor(list(pl.pages), dtype=torch.long, device=self.device)
+            self.kv.storage.index_copy_(2, idx, src.permute(1, 2, 0, 3, 4, 5))
+        state = None
+        if load.state is not None:
+            # clones: the snapshot must not keep the whole read buffer (its pages) alive
+            state = HybridState(torch.frombuffer(load.state, dtype=torch.uint8).to(self.device).clone())
+        logits = None
+        if load.logits is not None:
+            rows = torch.frombuffer(load.logits, dtype=torch.float32).view(-1, self.config.vocab_size)
+            logits = rows.to(self.device).clone()
+        return state, logits
 
     def kv_rows(self, layer: int, page_table: Sequence[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V (n, kv_heads, head_dim) of attention layer `layer`, for tests."""
@@ -224,8 +271,11 @@ class ModelRunner:
             return LaneResult(w.lane, error=f"the logits row at position {w.start + bad[0]} is not "
                                             "finite (NaN or inf)")
         sampler = self._sampler(w.lane) if w.sample_rows else None
+        sampled, logprobs = [], []
         try:
-            sampled = tuple(sampler.sample(logits[where[(w.lane, r)]]) for r in w.sample_rows)
+            for r in w.sample_rows:
+                sampled.append(sampler.sample(logits[where[(w.lane, r)]]))
+                logprobs.append(sampler.last_logprob)
         except _DEVICE_ERRORS:
             raise
         except _LANE_ERRORS as e:
@@ -234,4 +284,12 @@ class ModelRunner:
         if w.logits_rows:
             idx = torch.tensor([where[(w.lane, r)] for r in w.logits_rows], device=self.device)
             rows = logits.index_select(0, idx)
-        return LaneResult(lane=w.lane, sampled=sampled, logits=rows)
+        wants = sampler is not None and sampler.params.logprobs is not None
+        return LaneResult(lane=w.lane, sampled=tuple(sampled), logits=rows,
+                          logprobs=tuple(logprobs) if wants else None)
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes in host memory, as a flat byte view (no copy on CPU beyond contiguity)."""
+    t = t.detach().contiguous()
+    return memoryview(t.view(torch.uint8).reshape(-1).cpu().numpy())

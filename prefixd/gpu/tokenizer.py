@@ -10,7 +10,7 @@ from __future__ import annotations
 import codecs
 import json
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -180,6 +180,10 @@ class Tokenizer:
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode("utf-8")
 
+    def backend_json(self) -> str:
+        """The `tokenizers` JSON of this tokenizer (what constrained decoding builds on)."""
+        return self._backend.to_str()
+
     def token_id(self, text: str) -> int | None:
         """Id of a vocabulary entry or special token spelled exactly `text`, or None."""
         return self._backend.token_to_id(text)
@@ -190,23 +194,31 @@ class Tokenizer:
 
     # --- chat ------------------------------------------------------------------------
 
+    @property
+    def named_templates(self) -> dict[str, str]:
+        """The model's named chat templates (e.g. "default", "tool_use"), by name."""
+        return dict(self._named_templates)
+
     def render_chat(
         self,
         messages: list[dict],
         *,
         add_generation_prompt: bool = True,
         tools: list | None = None,
+        should_stop: Callable[[], bool] | None = None,
         **template_kwargs: Any,
     ) -> RenderedChat:
         """Render `messages` with the model's chat template and tokenize the text.
 
         Returns the ids, the token position where each message starts (plus the generation
         prompt's start when add_generation_prompt), and the text. Raises ChatTemplateError when
-        the model has no template or the template rejects the conversation.
+        the model has no template or the template rejects the conversation (ChatTooLarge, before
+        rendering, past the size limits), RenderCancelled once `should_stop()` is true.
         """
         template = self._template(tools)
         return render_conversation(
-            template, messages, self, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+            template, messages, self, add_generation_prompt=add_generation_prompt, tools=tools,
+            should_stop=should_stop, **template_kwargs
         )
 
     def _template(self, tools: list | None) -> ChatTemplate:

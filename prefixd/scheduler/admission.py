@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from prefixd.scheduler.device import Device
 from prefixd.scheduler.events import EngineObserver
@@ -45,6 +45,7 @@ class Seating:
     stream: Stream
     first: int | None = None
     logits: object | None = None
+    logprob: object | None = None  # records.TokenLogprob of `first`, when the stream asks
 
 
 class Admitter:
@@ -68,6 +69,7 @@ class Admitter:
         headroom_rows: int,
         max_context: int,
         cache: bool,
+        disk: Any = None,
     ) -> None:
         self.lanes = lanes
         self.tables = tables
@@ -80,6 +82,7 @@ class Admitter:
         self.headroom_rows = headroom_rows
         self.max_context = max_context
         self.cache = cache
+        self.disk = disk  # a DiskTier (prefixd.disk.tier) or None: asked when RAM misses
         self.invariant_rows = device.info.invariant_rows
         self.page_size = device.info.page_size
         self.waiting = WaitQueue()
@@ -155,7 +158,10 @@ class Admitter:
         """Ask the store once per stream; a hit's pages are held (and its entry pinned) from now
         on, so making room for the stream cannot evict what it resumes from."""
         stream.looked_up = True
-        hit = self.store.lookup(stream.key, self.schedules[stream.stream_id])
+        schedule = self.schedules[stream.stream_id]
+        hit = self.store.lookup(stream.key, schedule)
+        if self.disk is not None and self.disk.fetch(stream.key, schedule, hit.rows if hit is not None else 0):
+            hit = self.store.lookup(stream.key, schedule, count=False)  # the disk entry, now in RAM
         if hit is not None:
             self.tables.allocator.incref(hit.pages)
             self.store.pin(hit)
@@ -238,7 +244,9 @@ class Admitter:
             logits = hit.snapshot.logits if hit is not None and hit.snapshot is not None else None
             if logits is None:
                 raise RuntimeError(f"stream {stream.stream_id}: a hit on the whole prompt without a logits row")
-            return Seating(stream, self.device.sample(lane.index, logits), logits if req.want_logits else None)
+            first = self.device.sample(lane.index, logits)
+            logprob = self.device.last_logprob(lane.index) if req.sampling.logprobs is not None else None
+            return Seating(stream, first, logits if req.want_logits else None, logprob)
         return Seating(stream)
 
     def _continue_resident(self, stream: Stream, lane: Lane, resume: int) -> None:

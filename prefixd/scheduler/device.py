@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from prefixd.scheduler.records import DeviceRows, DeviceState, RoundPlan, RoundResult, SamplingParams
+from prefixd.scheduler.records import (DeviceRows, DeviceState, DiskLoad, PagePayload, RoundPlan, RoundResult,
+                                       SamplingParams, TokenLogprob)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,9 @@ class Device(Protocol):
     def sample(self, lane: int, logits: DeviceRows, row: int = 0) -> int:
         """Sample one token for `lane` from a stored logits row (a full cache hit: no forward)."""
 
+    def last_logprob(self, lane: int) -> TokenLogprob | None:
+        """The logprobs of the token `lane` sampled last, when its sampling asks for them."""
+
     def capture(self, lane: int) -> DeviceState:
         """Copy the lane's non-page state (waits for in-flight copies first)."""
 
@@ -57,3 +61,12 @@ class Device(Protocol):
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
         """Copy KV pages src[i] -> dst[i] (copy-on-write of a partial page); returns bytes."""
+
+    def export_pages(self, pages: Sequence[int], state: DeviceState | None,
+                     logits: DeviceRows | None) -> PagePayload:
+        """Host copies of `pages` (every attention layer, K and V, in page order), of `state`
+        and of `logits`, for the disk tier's writer thread (which runs no device code)."""
+
+    def load_pages(self, load: DiskLoad) -> tuple[DeviceState | None, DeviceRows | None]:
+        """Write each load's bytes into its pages; returns the state and logits row made from
+        the load's bytes (None where it has none)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from prefixd.scheduler.admission import Admitter
 from prefixd.scheduler.config import SchedulerConfig, store_budget_bytes
@@ -21,10 +21,10 @@ from prefixd.scheduler.events import EngineObserver, NullObserver
 from prefixd.scheduler.lanes import Lane, PageTables, check_page_refs
 from prefixd.scheduler.pages import PageAllocator
 from prefixd.scheduler.planner import Schedule, plan_schedule
-from prefixd.scheduler.records import DeviceRows, LaneResult, RoundPlan, RoundResult
+from prefixd.scheduler.records import DeviceRows, LaneResult, RoundPlan, RoundResult, TokenLogprob
 from prefixd.scheduler.rounds import PlannedWork, plan_round
 from prefixd.scheduler.store import PrefixStore, Snapshot, make_key
-from prefixd.scheduler.streams import DoneEvent, Stream, StreamRequest, TokenEvent, validate_request
+from prefixd.scheduler.streams import DoneEvent, Stream, StreamRequest, TokenEvent, context_full_note, validate_request
 
 Event = TokenEvent | DoneEvent
 OUT_OF_PAGES_NOTE = "stopped early: no KV pages left for another row"
@@ -39,7 +39,8 @@ class Engine:
 
     `store_factory(allocator=, page_size=, kv_bytes_per_page=, budget_bytes=, invariant_rows=,
     clock=)` builds the prefix store when `config.cache` (default `PrefixStore`); returning None
-    leaves only resident lanes.
+    leaves only resident lanes. `disk` (a `prefixd.disk.tier.DiskTier`, used only with a
+    store) is written through on every keep and asked when a lookup misses RAM.
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class Engine:
         observer: EngineObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         store_factory: Callable[..., PrefixStore | None] | None = None,
+        disk: Any = None,
     ) -> None:
         info = device.info
         config.check_device(info)
@@ -67,6 +69,9 @@ class Engine:
             self.store = (store_factory or PrefixStore)(
                 allocator=self.allocator, page_size=info.page_size, kv_bytes_per_page=info.kv_bytes_per_page,
                 budget_bytes=store_budget_bytes(info, config), invariant_rows=info.invariant_rows, clock=clock)
+        self.disk = disk if self.store is not None else None
+        if self.disk is not None:
+            self.disk.attach(store=self.store, allocator=self.allocator, device=device)
         self._streams: dict[int, Stream] = {}
         self._schedules: dict[int, Schedule] = {}
         self._seq = itertools.count()
@@ -76,6 +81,7 @@ class Engine:
             lanes=self.lanes, tables=self.tables, device=device, store=self.store,
             schedules=self._schedules, observer=self.observer, clock=clock, grid=config.grid,
             headroom_rows=config.decode_headroom_rows, max_context=self.max_context, cache=config.cache,
+            disk=self.disk,
         )
 
     # -- public API -------------------------------------------------------------------
@@ -98,21 +104,34 @@ class Engine:
         self._schedules[req.stream_id] = plan_schedule(len(req.tokens), req.chunk_starts, self.config.grid)
         self.admitter.waiting.push(stream)
 
-    def cancel(self, stream_id: int) -> bool:
+    def cancel(self, stream_id: int, keep_rows: int | None = None) -> bool:
         """Mark a stream cancelled; it leaves its lane (or the queue) by the end of the next step().
 
-        Returns False if no such stream is waiting or running.
+        With `keep_rows` (a reply cut by a stop string: the next turn repeats only the text
+        before the stop), the lane the stream leaves resident holds at most its first
+        `keep_rows` rows; when the stream has already ended, its lane, if still resident and
+        untouched since, is cut back now. Returns False if no such stream is waiting or running.
         """
         stream = self._streams.get(stream_id)
         if stream is None:
+            if keep_rows is not None:
+                self._trim_resident(stream_id, keep_rows)
             return False
         stream.cancelled = True
+        stream.keep_rows = keep_rows
         return True
+
+    def _trim_resident(self, stream_id: int, keep_rows: int) -> None:
+        for lane in self.lanes:
+            if lane.resident and lane.last_stream_id == stream_id:
+                self.tables.truncate(lane, keep_rows)
 
     def step(self) -> list[Event]:
         """Run one lane round; returns the token and done events it produced, in order."""
         t0 = self.clock()
         events: list[Event] = []
+        if self.disk is not None:
+            self.disk.poll()
         planned = self._schedule(events)
         plan = RoundPlan(tuple(p.work for p in planned))
         forward_s = 0.0
@@ -165,6 +184,9 @@ class Engine:
         }
         if self.store is not None:
             out["store"] = dataclasses.asdict(self.store.stats())
+        if self.disk is not None:
+            self.disk.poll()
+            out["disk"] = dataclasses.asdict(self.disk.stats())
         return out
 
     def check_integrity(self) -> None:
@@ -190,7 +212,7 @@ class Engine:
         for seating in self.admitter.admit():
             self._store_touched = True
             if seating.first is not None:
-                self._emit(seating.stream, seating.first, seating.logits, events)
+                self._emit(seating.stream, seating.first, seating.logits, events, seating.logprob)
         busy = sorted((lane for lane in self.lanes if lane.busy), key=lambda lane: lane.stream.seq)
         decoding = [lane for lane in busy if not lane.stream.prefilling]
         prefilling = [lane for lane in busy if lane.stream.prefilling]
@@ -255,7 +277,8 @@ class Engine:
             if work.sample_rows:
                 if res is None or len(res.sampled) != len(work.sample_rows):
                     raise RuntimeError(f"lane {lane.index}: the device sampled {res} for rows {work.sample_rows}")
-                self._emit(stream, res.sampled[0], res.logits if stream.req.want_logits else None, events)
+                logprob = res.logprobs[0] if res.logprobs else None
+                self._emit(stream, res.sampled[0], res.logits if stream.req.want_logits else None, events, logprob)
 
     def _fail_lane(self, stream: Stream, error: str, events: list[Event]) -> None:
         """The device failed this lane alone: end its stream with "error"; the lane is freed, not
@@ -280,20 +303,23 @@ class Engine:
                                Snapshot(state=state, logits=logits), prefilled_upto=lane.prefilled_upto,
                                restored=lane.restored)
 
-    def _emit(self, stream: Stream, token: int, logits: DeviceRows | None, events: list[Event]) -> None:
+    def _emit(self, stream: Stream, token: int, logits: DeviceRows | None, events: list[Event],
+              logprob: TokenLogprob | None = None) -> None:
         now = self.clock()
         if stream.first_token_s is None:
             stream.first_token_s = now
-            self.observer.on_first_token(now - stream.submit_s)
+            self.observer.on_first_token(now - stream.submit_s, stream.cache_result)
         else:
             self.observer.on_token_gap(now - stream.last_token_s)
         stream.last_token_s = now
         stream.generated.append(token)
-        events.append(TokenEvent(stream.stream_id, (token,), logits))
+        events.append(TokenEvent(stream.stream_id, (token,), logits, None if logprob is None else (logprob,)))
         if token in stream.req.stop_ids:
             self._finish(stream, "stop", events)
-        elif len(stream.generated) >= stream.req.max_tokens or stream.num_prompt + len(stream.generated) >= self.max_context:
+        elif len(stream.generated) >= stream.req.max_tokens:
             self._finish(stream, "length", events)
+        elif stream.num_prompt + len(stream.generated) >= self.max_context:
+            self._finish(stream, "length", events, note=context_full_note(stream, self.max_context))
 
     def _finish(self, stream: Stream, reason: str, events: list[Event], note: str | None = None, keep: bool = True) -> None:
         """End a running stream; its lane stays resident when it may keep, else is freed."""
@@ -305,6 +331,9 @@ class Engine:
         if keep and self.admitter.reuse_allowed(stream) and not stream.prefilling:
             lane.resident = True
             lane.last_used = next(self._tick)
+            lane.last_stream_id = stream.stream_id
+            if stream.keep_rows is not None:
+                self.tables.truncate(lane, stream.keep_rows)
         else:
             self.tables.release(lane)
         if note is not None:

@@ -21,6 +21,8 @@ class SamplingParams:
     min_p: float = 0.0  # 0.0: off
     repetition_penalty: float = 1.0  # 1.0: off
     seed: int | None = None  # None: a seed drawn once at stream start
+    grammar: str | None = None  # an llguidance grammar the output must match (None: free)
+    logprobs: int | None = None  # per sampled token: its logprob and this many top alternatives
 
     @property
     def greedy(self) -> bool:
@@ -100,10 +102,20 @@ class LaneResult:
     lane: int
     sampled: tuple[int, ...] = ()  # one token per entry of LaneWork.sample_rows
     logits: DeviceRows | None = None  # rows for LaneWork.logits_rows, in that order
+    logprobs: tuple[TokenLogprob, ...] | None = None  # per sampled token, when its stream asks
     # Set when this lane alone failed (non-finite logits, a sampler error, a bad image): the
     # lane's rows of this round are unusable, `sampled` and `logits` are empty, and every other
     # lane of the round is unaffected.
     error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model's fp32 logits row it was drawn
+    from (before penalties, filters and grammar), and the `k` most likely (id, logprob)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,3 +126,32 @@ class RoundResult:
 
     def by_lane(self) -> dict[int, LaneResult]:
         return {r.lane: r for r in self.lanes}
+
+
+@dataclass(frozen=True, slots=True)
+class PagePayload:
+    """Host copies for the disk tier: KV pages page-major (each page's bytes together, so a
+    file's leading pages are a prefix of its bytes), a lane state and
+    a logits row, each a bytes-like buffer (state / logits None when there are none)."""
+
+    kv: Any
+    state: Any | None = None
+    logits: Any | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PageLoad:
+    """Load `kv` (len(pages) pages' bytes, page-major as `PagePayload.kv`) into `pages`."""
+
+    pages: tuple[int, ...]
+    kv: Any
+
+
+@dataclass(frozen=True, slots=True)
+class DiskLoad:
+    """What one disk hit puts on the device: page loads, and the snapshot's state and logits
+    row as bytes (None when the entry has none)."""
+
+    pages: tuple[PageLoad, ...]
+    state: Any | None = None
+    logits: Any | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixd.scheduler.records import DeviceRows, ImageRows, SamplingParams
+from prefixd.scheduler.records import DeviceRows, ImageRows, SamplingParams, TokenLogprob
 
 
 class RequestError(Exception):
@@ -60,6 +60,7 @@ class TokenEvent:
     stream_id: int
     ids: tuple[int, ...]
     logits: DeviceRows | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # per id, when the stream asks
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +102,12 @@ def validate_request(req: StreamRequest, *, vocab_size: int, max_context: int, p
         end = ident.at + ident.tokens
 
 
+def context_full_note(stream: Stream, max_context: int) -> str:
+    """The done note of a stream the context ended before its max_tokens (clamped, not refused)."""
+    return (f"stopped at the context: {stream.num_prompt} prompt + {len(stream.generated)} generated tokens "
+            f"fill max_context {max_context} before max_tokens {stream.req.max_tokens}")
+
+
 @dataclass(eq=False)
 class Stream:
     """A stream's live state inside the engine (mutable; engine-private)."""
@@ -119,6 +126,7 @@ class Stream:
     cached_tokens: int = 0
     prefilled_tokens: int = 0
     cancelled: bool = False
+    keep_rows: int | None = None  # on cancel: rows its lane keeps when left resident
     note: str | None = None
     key: object | None = None  # store.ReuseKey of the prompt; None: may not reuse or keep
     hit: object | None = None  # a pinned store.Hit (pages held) found while waiting

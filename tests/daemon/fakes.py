@@ -52,7 +52,8 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: Any = None) -> Rendered:
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: Any = None,
+                    should_stop: Any = None) -> Rendered:
         text, starts = "", []
         for m in messages:
             starts.append(len(text.encode()))
@@ -147,6 +148,9 @@ class LetterDevice:
 
     def sample(self, lane: int, logits: Any, row: int = 0) -> int:
         return int(np.argmax(logits[row]))
+
+    def last_logprob(self, lane: int) -> None:
+        return None
 
     def capture(self, lane: int) -> FakeState:
         return FakeState()

@@ -9,7 +9,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,7 +21,9 @@ from prefixd.ipc.sync_client import SyncClient
 from tests.helpers.tiny_models import make_tiny_hf_dir
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+# XDG_CACHE_HOME: the daemons' disk tier (on by default) goes to a directory of this run's own
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+       "XDG_CACHE_HOME": tempfile.mkdtemp(prefix="prefixd-test-cache-")}
 PREFIXD = [sys.executable, "-m", "prefixd.daemon.cli"]
 LIVENESS_S = 180  # bounds on waiting for a process, never asserted
 
@@ -80,7 +84,8 @@ def test_serve_notifies_ready_serves_the_cli_and_exits_0_on_sigterm(tiny_dir, tm
         out = _cli("generate", "--socket", str(sock), "--prompt", "Hello", "--max-tokens", "4", "--json")
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
-        assert set(result) == {"text", "tokens", "finish_reason", "usage"}
+        assert set(result) == {"text", "tokens", "finish_reason", "usage", "sampling"}
+        assert result["sampling"]["temperature"] == 0.7 and isinstance(result["sampling"]["seed"], int)
         assert result["finish_reason"] in ("length", "stop")
         assert result["usage"]["completion_tokens"] == len(result["tokens"])
 
@@ -147,16 +152,31 @@ def test_cli_without_a_daemon_says_how_to_start_one(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("systemd-socket-activate") is None, reason="systemd-socket-activate missing")
+def _accepts(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False
+    return True
+
+
 def test_socket_activation_passes_the_listening_socket(tiny_dir, tmp_path):
     sock = tmp_path / "act.sock"
     cmd = ["systemd-socket-activate", "-l", str(sock), "-E", f"PYTHONPATH={ROOT}",
+           "-E", f"XDG_CACHE_HOME={ENV['XDG_CACHE_HOME']}",  # the tool passes only what -E names
            *_serve_args(tiny_dir, tmp_path / "unused" / "x.sock")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        while not sock.exists():  # systemd-socket-activate binds first, then waits for a client
+        # systemd-socket-activate binds, then listens, then waits for a client: the file exists
+        # a moment before a connect can succeed.
+        deadline = time.monotonic() + LIVENESS_S
+        while not _accepts(sock):
             if proc.poll() is not None:
                 pytest.fail(proc.communicate()[1])
-            os.sched_yield()
+            if time.monotonic() > deadline:
+                pytest.fail(f"nothing listens on {sock}")
+            time.sleep(0.01)
         with SyncClient(sock) as client:
             status = client.status()
             result = client.generate(tokens=[1, 2, 3], max_tokens=2).collect()
@@ -177,3 +197,41 @@ def test_a_model_that_cannot_load_exits_1_with_the_reason_and_leaves_no_socket(t
     assert "prefixd: cannot load model:" in out.stderr
     assert str(tmp_path / "no-such-model") in out.stderr
     assert not sock.exists()
+
+
+def test_sighup_is_logged_and_ignored_and_requests_and_shutdown_are_logged(tiny_dir, tmp_path):
+    sock = tmp_path / "run" / "p.sock"
+    notify = NotifyReceiver(tmp_path / "notify")
+    args = _serve_args(tiny_dir, sock, "--grace", "5")
+    args[args.index("--max-context") + 1] = "1000000"  # above the tiny model's limit: a warning
+    proc = subprocess.Popen(args, env={**ENV, "NOTIFY_SOCKET": str(notify.path)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        notify.until("READY=1")
+        with SyncClient(sock) as client:
+            before = client.generate(tokens=[1, 2, 3], max_tokens=8).collect()
+            stream = iter(client.generate(tokens=[1, 2, 3], max_tokens=8))
+            first = next(stream)
+            proc.send_signal(signal.SIGHUP)
+            events = [first, *stream]  # the stream in flight goes on to its done
+            assert client.status()["shutting_down"] is False  # a status answered after the SIGHUP
+            after = client.generate(tokens=[1, 2, 3], max_tokens=8).collect()
+        assert events[-1].finish_reason == "length"
+        assert after.ids == before.ids and len(before.ids) == 8
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=LIVENESS_S) == 0
+        stderr = proc.communicate()[1]
+        assert not sock.exists()
+    finally:
+        _reap(proc)
+        notify.close()
+    lines = stderr.splitlines()
+    assert "Traceback" not in stderr
+    assert sum("SIGHUP ignored" in line for line in lines) == 1
+    assert any("--max-context 1000000 is above the model's limit of" in line for line in lines)
+    done = [line for line in lines if " length: prompt 3 tokens, " in line]
+    assert len(done) == 3, stderr
+    assert done[0].startswith("prefixd INFO prefixd.engine: request 1 length: prompt 3 tokens, 0 cached (miss), "
+                              "8 generated, ttft "), done[0]
+    assert any("stopped after" in line and "exit code 0, 3 requests served" in line for line in lines), stderr

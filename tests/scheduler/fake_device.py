@@ -13,11 +13,13 @@ when computed with the same chunking.
 from __future__ import annotations
 
 import hashlib
+import struct
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from prefixd.scheduler.device import DeviceInfo
-from prefixd.scheduler.records import LaneResult, LaneWork, RoundPlan, RoundResult, SamplingParams
+from prefixd.scheduler.records import DiskLoad, LaneResult, LaneWork, PagePayload, RoundPlan, RoundResult, SamplingParams
 
 POISON = "nan"  # what a failed lane leaves in its rows: any later read of them changes a hash
 
@@ -91,6 +93,8 @@ class FakeDevice:
         self.pool: list[list[int | None]] = [[None] * p for _ in range(self.info.num_pages)]
         self.state: list[int] = [0] * self.info.num_lanes
         self.samplers: dict[int, _Sampler] = {}
+        self.exported: list[tuple[int, ...]] = []  # pages of each export_pages, in order
+        self.loaded: list[tuple[int, ...]] = []  # pages of each load_pages, in order
 
     # -- Device protocol --------------------------------------------------------------
 
@@ -119,6 +123,9 @@ class FakeDevice:
     def sample(self, lane: int, logits: FakeRows, row: int = 0) -> int:
         return self._pick(lane, logits.values[row])
 
+    def last_logprob(self, lane: int) -> None:
+        return None
+
     def capture(self, lane: int) -> FakeState:
         return FakeState(self.state[lane], self.info.lane_state_bytes)
 
@@ -137,6 +144,34 @@ class FakeDevice:
         nbytes = len(src) * self.info.kv_bytes_per_page
         self.copied_bytes += nbytes
         return nbytes
+
+    def export_pages(self, pages: Sequence[int], state: FakeState | None, logits: FakeRows | None) -> PagePayload:
+        """Each page as its rows' token ids (int64, -1 unwritten), padded to kv_bytes_per_page."""
+        bpp = self.info.kv_bytes_per_page
+        kv = b"".join(array("q", [-1 if t is None else t for t in self.pool[p]]).tobytes().ljust(bpp, b"\0")
+                      for p in pages)
+        st = struct.pack("<Q", state.value).ljust(state.nbytes, b"\0") if state is not None else None
+        lg = b"".join(struct.pack("<Q", v).ljust(logits.row_bytes, b"\0") for v in logits.values) if logits else None
+        self.exported.append(tuple(pages))
+        return PagePayload(kv, st, lg)
+
+    def load_pages(self, load: DiskLoad) -> tuple[FakeState | None, FakeRows | None]:
+        bpp, p = self.info.kv_bytes_per_page, self.info.page_size
+        for pl in load.pages:
+            data = bytes(pl.kv)
+            if len(data) != len(pl.pages) * bpp:
+                raise AssertionError(f"{len(data)} bytes for {len(pl.pages)} pages")
+            for i, page in enumerate(pl.pages):
+                rows = array("q", data[i * bpp: i * bpp + 8 * p])
+                self.pool[page] = [None if t < 0 else t for t in rows]
+        self.loaded.append(tuple(pg for pl in load.pages for pg in pl.pages))
+        state = FakeState(struct.unpack_from("<Q", load.state)[0], len(load.state)) if load.state is not None else None
+        rb = self.info.logits_row_bytes
+        logits = None
+        if load.logits is not None:
+            raw = bytes(load.logits)
+            logits = FakeRows(tuple(struct.unpack_from("<Q", raw, i)[0] for i in range(0, len(raw), rb)), rb)
+        return state, logits
 
     # -- the fake model ---------------------------------------------------------------
 

@@ -168,6 +168,8 @@ def test_generation_stops_with_length_at_max_context():
     events = run_until_idle(engine)
     assert tokens_by_stream(events)[1] == reference_tokens(range(12), 4)
     assert done_by_stream(events)[1].finish_reason == "length"
+    assert done_by_stream(events)[1].note == (
+        "stopped at the context: 12 prompt + 4 generated tokens fill max_context 16 before max_tokens 100")
     assert max(w.start + len(w.tokens) for p in device.plans for w in p.lanes) == 15
 
 
@@ -265,8 +267,8 @@ class Recorder(NullObserver):
     def on_admit(self, wait_s):
         self.calls.append("admit")
 
-    def on_first_token(self, ttft_s):
-        self.calls.append("first")
+    def on_first_token(self, ttft_s, cache):
+        self.calls.append(("first", cache))
 
     def on_token_gap(self, itl_s):
         self.calls.append("gap")
@@ -285,7 +287,7 @@ def test_observer_sees_admission_tokens_and_done():
     engines.ENGINES.append(engine)
     engine.submit(req(1, range(5), max_tokens=3))
     run_until_idle(engine)
-    assert rec.calls == ["admit", ("lookup", "miss", 5, 0), "first", "gap", "gap", ("done", "length", 5, 3)]
+    assert rec.calls == ["admit", ("lookup", "miss", 5, 0), ("first", "miss"), "gap", "gap", ("done", "length", 5, 3)]
 
 
 def test_usage_says_off_when_the_cache_is_off():
