@@ -198,12 +198,18 @@ class EngineHost:
             self._post(self._fail, e)
 
     def _step(self) -> list[Any]:
+        """One round. A lane that failed alone ends only its stream (the engine did that); a
+        failed round, the device's own failure, ends every stream with "error"; serving goes on."""
         try:
-            return self.engine.step()
-        except Exception as e:  # a failed round ends its streams with "error"; serving goes on
+            events = self.engine.step()
+        except Exception as e:
             log.exception("lane round failed; ending every stream with finish_reason error")
             self.num_failed_rounds += 1
             return self.engine.abort(f"the device failed during a lane round: {e!r}")
+        for event in events:
+            if getattr(event, "finish_reason", None) == "error":
+                log.warning("stream %d ended with error: %s", event.stream_id, event.note)
+        return events
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop

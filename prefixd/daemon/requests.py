@@ -199,5 +199,11 @@ class RequestBuilder:
                                 f"images.rows: {image.tokens} x {image.hidden} values, the model needs hidden {hidden}",
                                 request_id)
         rows = np.frombuffer(image.rows, dtype="<f4").reshape(image.tokens, hidden)
+        finite = np.isfinite(rows)
+        if not finite.all():
+            row, col = (int(i) for i in np.argwhere(~finite)[0])
+            raise ProtocolError(ErrorCode.BAD_PAYLOAD,
+                                f"images.rows: value {rows[row, col]} at row {row}, column {col} of the image at "
+                                f"{image.at} is not finite; embeddings must be finite float32", request_id)
         return ImageRows(ImageIdentity(image.at, image.tokens, image.gh, image.gw, image.hash), rows)
 

@@ -103,6 +103,10 @@ class LaneResult:
     sampled: tuple[int, ...] = ()  # one token per entry of LaneWork.sample_rows
     logits: DeviceRows | None = None  # rows for LaneWork.logits_rows, in that order
     logprobs: tuple[TokenLogprob, ...] | None = None  # per sampled token, when its stream asks
+    # Set when this lane alone failed (non-finite logits, a sampler error, a bad image): the
+    # lane's rows of this round are unusable, `sampled` and `logits` are empty, and every other
+    # lane of the round is unaffected.
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
