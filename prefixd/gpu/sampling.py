@@ -31,7 +31,6 @@ import torch
 from prefixd.scheduler.records import SamplingParams, TokenLogprob
 
 _NEG_INF = float("-inf")
-_MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
 _TOP_P_FIRST_K = 256
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -42,17 +41,10 @@ def _as_float32(x: float) -> float:
 
 
 def validate_params(params: SamplingParams) -> None:
-    """Raise ValueError when a field is outside its meaningful range."""
-    if params.top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {params.top_k}")
-    if not 0.0 < params.top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-    if not 0.0 <= params.min_p <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
-    if not params.repetition_penalty > 0.0:
-        raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
-    if params.seed is not None and not 0 <= params.seed < _MAX_SEED:
-        raise ValueError(f"seed must be in [0, 2**64), got {params.seed}")
+    """Raise ValueError when a field is outside its meaningful range (SamplingParams.problem)."""
+    problem = params.problem()
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def repetition_penalty(row: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -185,6 +185,13 @@ def test_generation_stops_with_length_at_max_context():
         (dict(chunk_starts=(0, 0)), "bad_request"),
         (dict(chunk_starts=(5,)), "bad_request"),
         (dict(images=(ImageRows(ImageIdentity(at=3, tokens=3, gh=1, gw=3, hash=b"x"), None),)), "bad_request"),
+        # Sampling a lane could not serve is refused here, whatever front built the request.
+        (dict(sampling=SamplingParams(temperature=0.7, top_p=0.0)), "bad_request"),
+        (dict(sampling=SamplingParams(temperature=float("nan"))), "bad_request"),
+        (dict(sampling=SamplingParams(temperature=float("inf"))), "bad_request"),
+        (dict(sampling=SamplingParams(repetition_penalty=0.0)), "bad_request"),
+        (dict(sampling=SamplingParams(min_p=1.5)), "bad_request"),
+        (dict(sampling=SamplingParams(seed=2**64)), "bad_request"),
     ],
 )
 def test_bad_requests_raise_request_error_with_their_code(request_kw, code):
