@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 MODEL_ARGS ?=
 
-.PHONY: run test setup bench devcarry clean
+.PHONY: run test setup bench devcarry clean install-units install-units-system check-alerts
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,17 @@ devcarry: $(STAMP)
 	  print(*(f'{p}=={m.version(p)}' for p in ('gguf', 'pytest-asyncio')))")
 	$(PY) -c "import shutil; from tests.helpers.tiny_models import _tokenizer_files; \
 	  shutil.copytree(_tokenizer_files(), '.devcarry/tokenizer')"
+
+# The systemd units with ExecStart pointing at this checkout's .venv/bin/prefixd.
+install-units: $(STAMP)
+	$(VENV)/bin/prefixd install-units --user
+
+install-units-system: $(STAMP)
+	$(VENV)/bin/prefixd install-units
+
+# The alert rules' own unit tests (promtool comes with Debian's prometheus package).
+check-alerts:
+	cd deploy/prometheus && promtool check rules prefixd-alerts.yml && promtool test rules prefixd-alerts.test.yml
 
 clean:
 	rm -rf $(VENV)

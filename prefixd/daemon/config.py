@@ -7,7 +7,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
 DEFAULT_CPU_LANES = 8
@@ -21,6 +21,7 @@ DEFAULT_CPU_MAX_CONTEXT = 4096
 # `--cache-budget auto`: this share of the memory left after weights, lanes and workspace.
 AUTO_CACHE_FRACTION = 0.5
 AUTO_CACHE_MAX_BYTES_CPU = 4 << 30  # host RAM is shared with everything else on the machine
+LOG_LEVELS = ("debug", "info", "warning", "error")
 # numeric modes (prefixd.gpu.model.MODES); "auto" is resolved by prefixd.gpu.families.resolve_mode
 MODES = ("auto", "invariant", "int4")
 DEFAULT_DISK_BUDGET_BYTES = 8 << 30
@@ -93,13 +94,6 @@ def parse_size(text: str) -> int | None:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def _disk_budget(text: str) -> int | None:
-    try:
-        return parse_size(text)
-    except ConfigError:
-        raise ConfigError(f"--disk-budget {text!r}: expected BYTES (e.g. 8GiB, 512M)") from None
-
-
 def default_disk_cache_dir(env: dict[str, str]) -> Path:
     """$STATE_DIRECTORY (systemd's StateDirectory=, the first if several), else
     $XDG_CACHE_HOME/prefixd, else ~/.cache/prefixd."""
@@ -132,6 +126,8 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"--grace {cfg.grace_s}: must be >= 0")
     if cfg.max_context is not None and cfg.max_context < 2:
         raise ConfigError(f"--max-context {cfg.max_context}: must be >= 2")
+    if cfg.log_level not in LOG_LEVELS:
+        raise ConfigError(f"log level {cfg.log_level!r}: expected one of {', '.join(LOG_LEVELS)}")
     if cfg.http_addr:
         from prefixd.daemon.http.addr import check_http_addr
 
@@ -155,52 +151,88 @@ def _opt_path(value: object) -> Path | None:
 
 
 def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonConfig:
-    """Build the config from parsed `serve` flags; PREFIXD_* env fills what flags left unset."""
+    """Build the config from parsed `serve` flags; PREFIXD_* env fills what flags left unset.
+
+    A value that cannot be parsed raises ConfigError naming the flag or the variable it came from.
+    """
     env = dict(os.environ) if env is None else env
 
-    def pick(name: str, env_name: str, default: object) -> object:
+    def pick(name: str, env_name: str, default: object, parse: Callable[[str], Any] = str) -> Any:
         value = getattr(args, name, None)
-        if value is not None:
-            return value
-        return env.get(env_name, default)
+        where = f"--{name.replace('_', '-')}"
+        if value is None:
+            if env_name not in env:
+                return default
+            value, where = env[env_name], env_name
+        try:
+            return parse(value)
+        except ValueError as e:
+            expected = {int: "expected an integer", float: "expected a number"}.get(parse, str(e))
+            raise ConfigError(f"{where}={value!r}: {expected}") from None
 
-    lanes = pick("lanes", "PREFIXD_LANES", None)
     socket_text = pick("socket", "PREFIXD_SOCKET", None)
-    budget = pick("cache_budget", "PREFIXD_CACHE_BUDGET", "auto")
-    max_context = pick("max_context", "PREFIXD_MAX_CONTEXT", None)
+    cache_budget_bytes = pick("cache_budget", "PREFIXD_CACHE_BUDGET", None, _size_or_auto)
     disk_dir = pick("disk_cache", "PREFIXD_DISK_CACHE", None)
-    disk_budget = _disk_budget(str(pick("disk_budget", "PREFIXD_DISK_BUDGET", DEFAULT_DISK_BUDGET_BYTES)))
-    idle_exit = pick("idle_exit", "PREFIXD_IDLE_EXIT", None)
-    try:
-        cfg = DaemonConfig(
-            model=str(pick("model", "PREFIXD_MODEL", "default")),
-            device=str(pick("device", "PREFIXD_DEVICE", "cpu")),
-            dtype=str(pick("dtype", "PREFIXD_DTYPE", "bf16")),
-            lanes=None if lanes is None else int(lanes),
-            socket_path=None if socket_text in (None, "") else Path(str(socket_text)),
-            allow_group=pick("allow_group", "PREFIXD_ALLOW_GROUP", None) or None,
-            metrics_addr=str(pick("metrics_addr", "PREFIXD_METRICS_ADDR", DEFAULT_METRICS_ADDR)),
-            grace_s=float(pick("grace", "PREFIXD_GRACE_S", DEFAULT_GRACE_S)),
-            cache=not bool(getattr(args, "no_cache", False)) and env.get("PREFIXD_CACHE", "1") != "0",
-            cache_budget_bytes=parse_size(str(budget)),
-            page_size=int(pick("page_size", "PREFIXD_PAGE_SIZE", DEFAULT_PAGE_SIZE)),
-            grid=int(pick("grid", "PREFIXD_GRID", DEFAULT_GRID)),
-            max_context=None if max_context is None else int(max_context),
-            log_level=str(pick("log_level", "PREFIXD_LOG_LEVEL", "info")),
-            mode=str(pick("mode", "PREFIXD_MODE", "auto")),
-            http_addr=str(pick("http", "PREFIXD_HTTP", "")),
-            http_token_file=_opt_path(pick("http_token_file", "PREFIXD_HTTP_TOKEN_FILE", None)),
-            disk_cache_dir=default_disk_cache_dir(env) if disk_dir is None else (Path(str(disk_dir)) if disk_dir else None),
-            disk_budget_bytes=DEFAULT_DISK_BUDGET_BYTES if disk_budget is None else disk_budget,
-            idle_exit_s=None if idle_exit in (None, "") else float(idle_exit),
-            draft=str(pick("draft", "PREFIXD_DRAFT", "off")),
-            draft_max=int(pick("draft_max", "PREFIXD_DRAFT_MAX", DEFAULT_DRAFT_MAX)),
-        )
-    except ValueError as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"bad number in flags or PREFIXD_* environment: {e}") from None
+    disk_budget = pick("disk_budget", "PREFIXD_DISK_BUDGET", None, _size_or_auto)
+    cfg = DaemonConfig(
+        model=pick("model", "PREFIXD_MODEL", "default"),
+        device=pick("device", "PREFIXD_DEVICE", "cpu", _device),
+        dtype=pick("dtype", "PREFIXD_DTYPE", "bf16", _one_of("bf16", "fp32")),
+        lanes=pick("lanes", "PREFIXD_LANES", None, int),
+        socket_path=None if socket_text in (None, "") else Path(str(socket_text)),
+        allow_group=pick("allow_group", "PREFIXD_ALLOW_GROUP", None) or None,
+        metrics_addr=pick("metrics_addr", "PREFIXD_METRICS_ADDR", DEFAULT_METRICS_ADDR),
+        grace_s=pick("grace", "PREFIXD_GRACE_S", DEFAULT_GRACE_S, float),
+        cache=not bool(getattr(args, "no_cache", False)) and _env_flag(env, "PREFIXD_CACHE"),
+        cache_budget_bytes=cache_budget_bytes,
+        page_size=pick("page_size", "PREFIXD_PAGE_SIZE", DEFAULT_PAGE_SIZE, int),
+        grid=pick("grid", "PREFIXD_GRID", DEFAULT_GRID, int),
+        max_context=pick("max_context", "PREFIXD_MAX_CONTEXT", None, int),
+        log_level=pick("log_level", "PREFIXD_LOG_LEVEL", "info", _one_of(*LOG_LEVELS)),
+        mode=pick("mode", "PREFIXD_MODE", "auto", _one_of(*MODES)),
+        http_addr=pick("http", "PREFIXD_HTTP", ""),
+        http_token_file=_opt_path(pick("http_token_file", "PREFIXD_HTTP_TOKEN_FILE", None)),
+        disk_cache_dir=default_disk_cache_dir(env) if disk_dir is None else (Path(disk_dir) if disk_dir else None),
+        disk_budget_bytes=DEFAULT_DISK_BUDGET_BYTES if disk_budget is None else disk_budget,
+        idle_exit_s=pick("idle_exit", "PREFIXD_IDLE_EXIT", None, _opt_float),
+        draft=pick("draft", "PREFIXD_DRAFT", "off", _one_of("ngram", "off")),
+        draft_max=pick("draft_max", "PREFIXD_DRAFT_MAX", DEFAULT_DRAFT_MAX, int),
+    )
     return _check(cfg)
+
+
+def _size_or_auto(text: str) -> int | None:
+    try:
+        return parse_size(str(text))
+    except ConfigError:
+        raise ValueError("expected BYTES (e.g. 4GiB, 512M) or auto") from None
+
+
+def _opt_float(text: str) -> float | None:
+    return None if text in (None, "") else float(text)
+
+
+def _one_of(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def _device(text: str) -> str:
+    if text != "cpu" and not re.fullmatch(r"cuda(:\d+)?", text):
+        raise ValueError("expected cpu or cuda[:N]")
+    return text
+
+
+def _env_flag(env: dict[str, str], name: str) -> bool:
+    """A 1/0 switch from the environment (unset: 1)."""
+    value = env.get(name, "1")
+    if value not in ("0", "1"):
+        raise ConfigError(f"{name}={value!r}: expected 1 or 0")
+    return value == "1"
 
 
 def cache_budget_warning(info: Any, sched: Any) -> str | None:

@@ -198,12 +198,18 @@ class EngineHost:
             self._post(self._fail, e)
 
     def _step(self) -> list[Any]:
+        """One round. A lane that failed alone ends only its stream (the engine did that); a
+        failed round, the device's own failure, ends every stream with "error"; serving goes on."""
         try:
-            return self.engine.step()
-        except Exception as e:  # a failed round ends its streams with "error"; serving goes on
+            events = self.engine.step()
+        except Exception as e:
             log.exception("lane round failed; ending every stream with finish_reason error")
             self.num_failed_rounds += 1
             return self.engine.abort(f"the device failed during a lane round: {e!r}")
+        for event in events:
+            if getattr(event, "finish_reason", None) == "error":
+                log.warning("stream %d ended with error: %s", event.stream_id, event.note)
+        return events
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop
@@ -217,6 +223,8 @@ class EngineHost:
 
     def _dispatch(self, events: list[Any]) -> None:
         for event in events:
+            if not isinstance(event, StreamTokens):
+                log_done(event)
             sink = self._sinks.get(event.stream_id)
             if sink is None:
                 continue
@@ -248,6 +256,14 @@ class EngineHost:
         for stream_id in list(self._sinks):
             self._drop(stream_id)
         self.failed.set()
+
+
+def log_done(event: Any) -> None:
+    """One info line per finished request (a DoneEvent): id, tokens, cache, TTFT, finish reason."""
+    u = event.usage
+    log.info("request %d %s: prompt %d tokens, %d cached (%s), %d generated, ttft %.3fs, total %.3fs%s",
+             event.stream_id, event.finish_reason, u.prompt_tokens, u.cached_tokens, u.cache,
+             u.completion_tokens, u.ttft_s, u.total_s, f" ({event.note})" if event.note else "")
 
 
 def _host_event(event: Any) -> Any:

@@ -56,7 +56,7 @@ class RequestBuilder:
         """A fresh UTF-8-safe incremental decoder (push(ids) -> str, flush() -> str)."""
         if self._decoder_factory is not None:
             return self._decoder_factory()
-        from prefixd.gpu.tokenizer import StreamDecoder
+        from prefixd.text.tokenizer import StreamDecoder
 
         return StreamDecoder(self.tokenizer)
 
@@ -140,7 +140,7 @@ class RequestBuilder:
 
     def _render(self, messages: tuple[dict[str, Any], ...], request_id: int,
                 client_gone: Callable[[], bool] | None, tools: tuple[dict[str, Any], ...] | None = None) -> Any:
-        from prefixd.gpu.chat import ChatTooLarge, RenderCancelled
+        from prefixd.text.chat import ChatTooLarge, RenderCancelled
 
         source = self._template_source(bool(tools))
         chat, template_tools = prepare_chat([dict(m) for m in messages], list(tools) if tools else None, source)
@@ -200,5 +200,11 @@ class RequestBuilder:
                                 f"images.rows: {image.tokens} x {image.hidden} values, the model needs hidden {hidden}",
                                 request_id)
         rows = np.frombuffer(image.rows, dtype="<f4").reshape(image.tokens, hidden)
+        finite = np.isfinite(rows)
+        if not finite.all():
+            row, col = (int(i) for i in np.argwhere(~finite)[0])
+            raise ProtocolError(ErrorCode.BAD_PAYLOAD,
+                                f"images.rows: value {rows[row, col]} at row {row}, column {col} of the image at "
+                                f"{image.at} is not finite; embeddings must be finite float32", request_id)
         return ImageRows(ImageIdentity(image.at, image.tokens, image.gh, image.gw, image.hash), rows)
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+import anyio
 
 from prefixd.daemon.config import AUTO_CACHE_FRACTION, AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig
 from prefixd.daemon.sampling_defaults import sampling_defaults
@@ -24,9 +27,9 @@ class Runtime:
     """A loaded model ready to serve: the engine (single-threaded), its tokenizer, a summary."""
 
     engine: Any  # prefixd.scheduler.engine.Engine
-    tokenizer: Any  # prefixd.gpu.tokenizer.Tokenizer
+    tokenizer: Any  # prefixd.text.tokenizer.Tokenizer
     model_info: dict[str, Any]
-    decoder_factory: Callable[[], Any] | None = None  # None: prefixd.gpu.tokenizer.StreamDecoder
+    decoder_factory: Callable[[], Any] | None = None  # None: prefixd.text.tokenizer.StreamDecoder
     disk: Any = None  # prefixd.disk.tier.DiskTier, or None when the disk tier is off
     before_round: Callable[[], Any] | None = None  # on the engine thread: the CPU thread policy
 
@@ -86,6 +89,9 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
     device, dtype = resolve(cfg.device, cfg.dtype)
     checkpoint = load_checkpoint(cfg.model, device=device, dtype=dtype, progress=progress)
     max_context = cfg.resolved_max_context(checkpoint.config.max_context)
+    if cfg.max_context is not None and cfg.max_context > checkpoint.config.max_context:
+        log.warning("--max-context %d is above the model's limit of %d tokens; using %d",
+                    cfg.max_context, checkpoint.config.max_context, max_context)
     available = mem_available_bytes() if cfg.device == "cpu" else free_device_bytes(device)
     num_pages = plan_num_pages(
         cfg, kv_bytes_per_page=kv_bytes_per_page(checkpoint.config, cfg),
@@ -141,3 +147,28 @@ def build_disk_tier(cfg: DaemonConfig, model_path: Any, runner: Any, device_kind
     except OSError as e:
         log.warning("disk cache off: cannot use %s: %s; serving from RAM", cfg.disk_cache_dir, e)
         return None
+
+
+async def run_on_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) on a thread that ends when fn returns (the model load).
+
+    torch's OpenMP pool belongs to the thread that first ran a parallel op. A load on one of
+    anyio's worker threads, which live on, leaves a second pool beside the engine thread's;
+    with more pool threads than cores, the engine's pool sleeps between ops instead of
+    spinning and a forward runs at ~0.55x on a 2-core machine. A thread that has ended takes
+    its pool with it.
+    """
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the event loop below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="prefixd-load", daemon=True)
+    thread.start()
+    await anyio.to_thread.run_sync(thread.join)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

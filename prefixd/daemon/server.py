@@ -11,9 +11,7 @@ import itertools
 import logging
 import os
 import signal
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -28,13 +26,14 @@ from prefixd.daemon.config import DaemonConfig, cache_budget_warning
 from prefixd.daemon.connection import Connection, Services
 from prefixd.daemon.engine_host import EngineHost
 from prefixd.daemon.http.serve import HttpServer
-from prefixd.daemon.listener import PeerPolicy, bind_listening_socket, peer_cred
+from prefixd.daemon.listener import PeerPolicy, SocketPathError, peer_cred
 from prefixd.daemon.requests import RequestBuilder
-from prefixd.daemon.runtime import Runtime, load_runtime
-from prefixd.daemon.systemd import Notifier, take_activation_socket
+from prefixd.daemon.runtime import Runtime, load_runtime, run_on_own_thread
+from prefixd.daemon.startup import StartupError, activation_socket, bind_socket, check_device, open_exporter
+from prefixd.daemon.systemd import Notifier
 from prefixd.ipc.framing import Limits
 from prefixd.ipc.transport import BufferBudget, FramedStream
-from prefixd.metrics import Metrics, MetricsExporter, MetricsObserver, parse_metrics_addr
+from prefixd.metrics import Metrics, MetricsExporter, MetricsObserver
 
 log = logging.getLogger("prefixd.server")
 _TRIM_AFTER_BYTES = 1 << 20  # a connection that buffered this much hands freed heap back on close
@@ -42,31 +41,6 @@ _CANCEL_FLUSH_S = 5.0  # after the grace period: time for cancelled streams to s
 DISK_FLUSH_S = 120.0  # at shutdown, time the disk tier's writer gets to finish its queue
 
 RuntimeFactory = Callable[[DaemonConfig, Any], Runtime]
-
-
-async def run_on_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) on a thread that ends when fn returns (the model load).
-
-    torch's OpenMP pool belongs to the thread that first ran a parallel op. A load on one of
-    anyio's worker threads, which live on, leaves a second pool beside the engine thread's;
-    with more pool threads than cores, the engine's pool sleeps between ops instead of
-    spinning and a forward runs at ~0.55x on a 2-core machine. A thread that has ended takes
-    its pool with it.
-    """
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["value"] = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the event loop below
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=target, name="prefixd-load", daemon=True)
-    thread.start()
-    await anyio.to_thread.run_sync(thread.join)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 def _default_factory(cfg: DaemonConfig, observer: Any) -> Runtime:
@@ -114,6 +88,7 @@ class Server:
         async with anyio.create_task_group() as tg:
             if self.notifier.watchdog_interval_s is not None:  # also while the model loads
                 tg.start_soon(self._watchdog, self.notifier.watchdog_interval_s)
+            await tg.start(self._watch_hangup)  # before the model loads: SIGHUP never kills the daemon
             try:
                 await self.startup()
                 await self.main_loop()
@@ -128,7 +103,12 @@ class Server:
         return self.exit_code
 
     async def startup(self) -> None:
+        """Cheap checks first (metrics address, socket, device), then the model load."""
+        self._exporter = open_exporter(self.metrics.registry, self.cfg.metrics_addr)
+        if self._exporter is not None:
+            self.metrics_port = self._exporter.port
         self._listener = await self._open_listener()
+        check_device(self.cfg)
         self.notifier.status("loading model")
         self._out.write(f"prefixd: loading model {self.cfg.model} on {self.cfg.device} ({self.cfg.dtype})\n")
         observer = MetricsObserver(self.metrics)
@@ -137,12 +117,14 @@ class Server:
         if warning is not None:
             log.warning("%s", warning)
             self._out.write(f"prefixd: warning: {warning}\n")
-        self._host = EngineHost(self._runtime.engine, before_round=self._runtime.before_round)
+        info = self._runtime.model_info
+        self.metrics.set_build_info(version=prefixd.__version__, model=str(info.get("name", "")), dtype=self.cfg.dtype,
+                                    device=self.cfg.device, mode=str(info.get("mode", "invariant")))
+        engine = self._runtime.engine
+        self.metrics.track(lambda: len(self._connections),
+                           lambda: (engine.allocator.num_free, engine.allocator.num_used))
+        self._host = EngineHost(engine, before_round=self._runtime.before_round)
         await self._host.start()
-        addr = parse_metrics_addr(self.cfg.metrics_addr)
-        if addr is not None:
-            self._exporter = MetricsExporter(self.metrics.registry, addr)
-            self.metrics_port = self._exporter.port
 
     async def main_loop(self) -> None:
         assert self._listener is not None and self._exit_event is not None and self._host is not None
@@ -177,6 +159,9 @@ class Server:
         if self._exporter is not None:
             self._exporter.close()
             self._exporter = None
+        if self._runtime is not None:
+            log.info("stopped after %.1fs: exit code %d, %d requests served", time.monotonic() - self._started_s,
+                     self.exit_code, self.metrics.num_requests())
 
     def request_exit(self, code: int = 0) -> None:
         """Ask the daemon to stop gracefully (what SIGTERM does)."""
@@ -198,6 +183,13 @@ class Server:
                     return
                 self._out.write(f"prefixd: {signal.Signals(signum).name}: stopping (grace {self.cfg.grace_s:g}s)\n")
                 self.request_exit(0)
+
+    async def _watch_hangup(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """SIGHUP is logged and otherwise ignored: prefixd writes only to stderr, there is no log to reopen."""
+        with anyio.open_signal_receiver(signal.SIGHUP) as signals:
+            task_status.started()
+            async for _ in signals:
+                log.info("SIGHUP ignored (logs go to stderr; nothing to reopen or reload)")
 
     async def _watch_engine(self) -> None:
         assert self._host is not None
@@ -280,22 +272,24 @@ class Server:
     # -- helpers ----------------------------------------------------------------------------
 
     async def _open_listener(self) -> anyio.abc.SocketListener:
-        activated = take_activation_socket(self._env)
+        activated = activation_socket(self._env)
         if activated is not None:
             name = activated.getsockname()
             self.socket_path = Path(name) if isinstance(name, str) and name else None
             activated.setblocking(False)
             return await anyio.abc.SocketListener.from_socket(activated)
         path = self.cfg.resolved_socket_path()
-        sock: socket.socket = bind_listening_socket(path, group_gid=self._group_gid())
+        sock = bind_socket(path, self._group_gid())
         self.socket_path = path
         self._owns_socket_file = True
         sock.setblocking(False)
         return await anyio.abc.SocketListener.from_socket(sock)
 
     def _group_gid(self) -> int | None:
-        policy = PeerPolicy.for_this_process(self.cfg.allow_group)
-        return policy.allowed_gid
+        try:
+            return PeerPolicy.for_this_process(self.cfg.allow_group).allowed_gid
+        except SocketPathError as e:
+            raise StartupError(str(e)) from None
 
     def _announce(self) -> None:
         where = str(self.socket_path) if self.socket_path else "the activation socket"

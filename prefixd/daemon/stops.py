@@ -1,10 +1,11 @@
 """Stop strings matched in streamed text, holding back only what could still become a stop.
 
-The work per piece does not grow with the number of stop strings in Python: a match is one
-search of a regex alternation compiled once (by StopSet, in the request builder's worker
+The work per piece does not grow with the number of stop strings in Python: a piece without
+a stop costs one search of a regex alternation compiled once (by StopSet, in the request builder's worker
 thread, off the event loop), and the held-back tail is found by bisecting the sorted stops,
 at most (longest stop - 1) times. The protocol bounds how many stops a request may send and
-how long each may be (ipc/messages.py), so both are small.
+how long each may be (ipc/messages.py), so both are small. A piece that holds a stop is scanned
+once more, up to the end of the leftmost match, for the stop that completes first.
 """
 
 from __future__ import annotations
@@ -20,17 +21,32 @@ class StopSet:
         self.stops = tuple(dict.fromkeys(s for s in stops if s))
         self._sorted = sorted(self.stops)
         self.max_len = max((len(s) for s in self.stops), default=0)
+        self._by_length: dict[int, set[str]] = {}
+        for stop in self.stops:
+            self._by_length.setdefault(len(stop), set()).add(stop)
+        self._lengths = sorted(self._by_length, reverse=True)  # longest first: ties go to the earliest start
         self._search = re.compile("|".join(re.escape(s) for s in self.stops)).search if self.stops else None
 
     def __bool__(self) -> bool:
         return bool(self.stops)
 
     def first_match(self, text: str) -> int:
-        """Where the earliest stop in `text` begins, or -1."""
+        """Where the stop that completes first in `text` begins (the longest, where several end
+        at the same place), or -1.
+
+        "First to complete" rather than "first to begin" is what a stream can decide the moment
+        a stop arrives, so the answer never depends on how the text was cut into pieces.
+        """
         if self._search is None:
             return -1
         found = self._search(text)
-        return -1 if found is None else found.start()
+        if found is None:
+            return -1
+        for end in range(1, found.end() + 1):  # a shorter stop may end inside the leftmost one
+            for length in self._lengths:
+                if length <= end and text[end - length:end] in self._by_length[length]:
+                    return end - length
+        raise AssertionError(f"the search found {found.group()!r} but no stop ends by {found.end()}")
 
     def held_len(self, text: str) -> int:
         """Length of the longest end of `text` that is a proper beginning of some stop."""

@@ -10,6 +10,12 @@ positions (block j holds positions [j*B, (j+1)*B)). For every (row, block):
     l_j = sum_B p,  a_j = p @ v    fixed length B, one bmm of shape (M, B) x (B, D)
     out = (sum_j a_j) / (sum_j l_j) sums over blocks by halving, zero-padded to 2^k blocks
 
+Masked keys contribute nothing whatever their bytes hold. Pages are reused, so the rows of a
+lane's pages past its last row hold whatever an earlier request left there (NaN included):
+scores of masked keys are selected to -inf, never computed from, and the value rows past a
+lane's last row are zeroed after the gather, since p = 0 times a stale NaN value is NaN. The
+rows below it are the lane's own.
+
 Blocks past a row's position are fully masked and add exactly 0, so a row gets the same
 bits whether it is prefilled in one chunk, in pieces, decoded alone or beside other lanes
 padded to more blocks. The two bmms take the pool's dtype (bf16 in bf16 mode: fp32
@@ -61,6 +67,7 @@ class AttentionTile:
     page_index: torch.Tensor  # (num_lanes * num_blocks * block // page_size,)
     mask_from: int  # first block where some row of the tile has a masked key
     masked: torch.Tensor  # (num_lanes, num_blocks - mask_from, 1, rows * group, block) bool
+    dead: torch.Tensor  # (num_lanes, num_blocks - mask_from, 1, block, 1) bool: keys past each lane's last row
     kv_group: int  # tiles of one group share one K/V gather: that of the group's widest tile
 
 
@@ -103,9 +110,11 @@ def _tile(pieces: Sequence[tuple[AttentionSpan, int, int]], *, total_rows: int, 
     kpos = torch.arange(mask_from * block, num_blocks * block, device=device).view(1, 1, 1, -1)
     masked = (kpos > qp).expand(nl, rows, group, span_keys)
     masked = masked.reshape(nl, rows * group, num_blocks - mask_from, block).permute(0, 2, 1, 3)
+    lane_end = torch.tensor(ends, dtype=torch.long, device=device).view(nl, 1, 1, 1, 1)
+    dead = kpos.view(1, num_blocks - mask_from, 1, block, 1) >= lane_end
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return AttentionTile(nl, rows, num_blocks, as_long(q_index), as_long(out_index),
-                         as_long(page_index), mask_from, masked.unsqueeze(2).contiguous(), kv_group)
+                         as_long(page_index), mask_from, masked.unsqueeze(2).contiguous(), dead, kv_group)
 
 
 def plan_attention(spans: Sequence[AttentionSpan], *, total_rows: int, group: int, page_size: int,
@@ -137,6 +146,14 @@ def _gather(pool: torch.Tensor, tile: AttentionTile, block: int) -> torch.Tensor
     pages = pool.index_select(0, tile.page_index)  # (lanes * pages, P, kvh, D): row copies
     view = pages.view(tile.num_lanes, tile.num_blocks, block, kvh, d).permute(0, 1, 3, 2, 4)
     return view.contiguous()
+
+
+def _gather_values(pool: torch.Tensor, tile: AttentionTile, block: int) -> torch.Tensor:
+    """`_gather` of values with the rows past each lane's last row zeroed: their probability
+    is 0, and 0 times a stale non-finite value would not be."""
+    v = _gather(pool, tile, block)
+    v[:, tile.mask_from:].masked_fill_(tile.dead, 0.0)
+    return v
 
 
 def attend_tile(q_ext: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -203,6 +220,6 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     gathered: tuple[int, torch.Tensor, torch.Tensor] | None = None
     for tile in tiles:  # a group's widest tile comes first
         if gathered is None or gathered[0] != tile.kv_group:
-            gathered = (tile.kv_group, _gather(k_pool, tile, block), _gather(v_pool, tile, block))
+            gathered = (tile.kv_group, _gather(k_pool, tile, block), _gather_values(v_pool, tile, block))
         out.index_copy_(0, tile.out_index, attend_tile(q_ext, gathered[1], gathered[2], tile))
     return out[:r]

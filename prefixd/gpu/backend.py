@@ -16,14 +16,30 @@ def resolve(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """("cpu" | "cuda[:N]", "bf16" | "fp32") -> torch values; a clear error for a missing GPU."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {device!r}: this torch build sees no CUDA device")
-    if dev.type == "cuda" and not kernels.triton_available():
-        # without it a row's bits would depend on the round: refuse rather than be inexact
-        raise RuntimeError(f"device {device!r}: prefixd's row-invariant CUDA kernels need Triton "
-                           "(CUDA builds of torch install it; else `pip install triton`)")
-    return dev, DTYPES[dtype]
+    check_device(device)
+    return torch.device(device), DTYPES[dtype]
+
+
+class DeviceError(RuntimeError):
+    """The asked-for device is not usable by this torch build or machine; the message says why."""
+
+
+def check_device(device: str) -> None:
+    """Raise DeviceError when `device` ("cpu" | "cuda[:N]") cannot run here; cheap, loads no model."""
+    if torch.device(device).type != "cuda":
+        return
+    if torch.cuda.is_available():
+        if not kernels.triton_available():
+            # without it a row's bits would depend on the round: refuse rather than be inexact
+            raise DeviceError(f"--device {device}: prefixd's row-invariant CUDA kernels need Triton "
+                              "(CUDA builds of torch install it; else `pip install triton`)")
+        return
+    if torch.version.cuda is None:
+        raise DeviceError(f"--device {device}: this torch {torch.__version__} is a CPU-only build and sees no CUDA "
+                          "device; install a CUDA build (pip install torch --index-url "
+                          "https://download.pytorch.org/whl/cu128) or use --device cpu")
+    raise DeviceError(f"--device {device}: this CUDA build of torch sees no CUDA device "
+                      "(check the driver and CUDA_VISIBLE_DEVICES)")
 
 
 def free_device_bytes(device: torch.device) -> int | None:

@@ -3,6 +3,12 @@
 One `run_round` is one batched forward: the plan's lanes are concatenated into one row
 batch, every row's K/V goes into its lane's pages, attention reads only through each
 lane's page table, and the lm_head runs only on rows that are sampled or returned.
+
+A failure that belongs to one lane ends that lane alone (`LaneResult.error`): image rows of the
+wrong shape keep the lane out of the forward; a non-finite logits row or a sampler error is
+found per lane after it. Other lanes' rows never read the failed lane's (attention reads only
+through each lane's page table), so their bits are unchanged. A failure of the forward itself
+raises: the device, not one lane, failed.
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ from prefixd.gpu.families.qwen3_5_state import HybridState
 from prefixd.scheduler.records import (DiskLoad, LaneResult, LaneWork, PagePayload, RoundPlan, RoundResult,
                                        SamplingParams, TokenLogprob)
 from prefixd.text.grammar import ll_tokenizer
+
+# Errors a lane's sampler may raise on its own row; device-wide ones (a CUDA fault, no memory)
+# are re-raised so that the round fails as a whole.
+_LANE_ERRORS = (RuntimeError, ValueError, ArithmeticError)
+_DEVICE_ERRORS = (torch.AcceleratorError, torch.OutOfMemoryError)
 
 
 class ModelRunner:
@@ -69,18 +80,23 @@ class ModelRunner:
         return GrammarMask(self._ll_tokenizer, sampling.grammar, vocab_size=self.config.vocab_size)
 
     def run_round(self, plan: RoundPlan) -> RoundResult:
-        if not plan.lanes:
-            return RoundResult(lanes=())
+        refused = {w.lane: err for w in plan.lanes if (err := self._image_error(w)) is not None}
+        runnable = tuple(w for w in plan.lanes if w.lane not in refused)
+        if not runnable:
+            return RoundResult(lanes=tuple(LaneResult(lane, error=err) for lane, err in refused.items()))
         self.copies.wait_all()  # a round must not read pages a copy is still writing
         with torch.inference_mode():
-            inputs = self._inputs(plan)
+            run = RoundPlan(runnable)
+            inputs = self._inputs(run)
             t0 = time.perf_counter()
             hidden = self.model.forward(inputs, self.kv)
-            wanted, where = self._wanted_rows(plan, inputs)
+            wanted, where = self._wanted_rows(run, inputs)
             logits = self.model.logits(hidden.index_select(0, wanted)) if where else None
+            finite = torch.isfinite(logits).all(dim=1).tolist() if logits is not None else []
             forward_s = time.perf_counter() - t0
-            return RoundResult(lanes=tuple(self._lane_result(w, logits, where) for w in plan.lanes),
-                               forward_s=forward_s)
+            results = {w.lane: self._lane_result(w, logits, where, finite) for w in runnable}
+        results.update((lane, LaneResult(lane, error=err)) for lane, err in refused.items())
+        return RoundResult(lanes=tuple(results[w.lane] for w in plan.lanes), forward_s=forward_s)
 
     def sample(self, lane: int, logits: torch.Tensor, row: int = 0) -> int:
         sampler = self._sampler(lane)  # a stored row: the stream's first token
@@ -225,9 +241,6 @@ class ModelRunner:
                 if lo >= hi:
                     continue
                 rows = torch.as_tensor(np.asarray(image.rows, dtype=np.float32))
-                if rows.shape != (image.identity.tokens, self.config.hidden_size):
-                    raise ValueError(f"lane {w.lane}: image rows {tuple(rows.shape)} != "
-                                     f"({image.identity.tokens}, {self.config.hidden_size})")
                 idx = torch.arange(span.row + lo - w.start, span.row + hi - w.start, device=self.device)
                 yield idx, rows[lo - at : hi - at].to(self.device)
 
@@ -241,16 +254,37 @@ class ModelRunner:
                 rows.append(span.row + r)
         return torch.tensor(rows, dtype=torch.long, device=self.device), where
 
-    def _lane_result(self, w: LaneWork, logits: torch.Tensor | None, where: dict) -> LaneResult:
+    def _image_error(self, w: LaneWork) -> str | None:
+        """Why the lane's image rows cannot enter the forward, or None."""
+        for image in w.images:
+            shape = np.shape(image.rows)
+            if shape != (image.identity.tokens, self.config.hidden_size):
+                return (f"image at row {image.identity.at}: rows of shape {tuple(shape)}, the model needs "
+                        f"({image.identity.tokens}, {self.config.hidden_size})")
+        return None
+
+    def _lane_result(self, w: LaneWork, logits: torch.Tensor | None, where: dict,
+                     finite: list[bool]) -> LaneResult:
+        """The lane's sampled tokens and logits rows, or its error when a row it samples from or
+        returns is not finite, or its sampler fails."""
+        bad = [r for r in sorted(set(w.sample_rows) | set(w.logits_rows)) if not finite[where[(w.lane, r)]]]
+        if bad:
+            return LaneResult(w.lane, error=f"the logits row at position {w.start + bad[0]} is not "
+                                            "finite (NaN or inf)")
         if w.drafts and (w.sample_rows != tuple(range(len(w.tokens))) or len(w.tokens) != len(w.drafts) + 1):
             raise ValueError(f"lane {w.lane}: verify rows must be 1 + {len(w.drafts)} rows, each sampled")
         sampler = self._sampler(w.lane) if w.sample_rows else None
         sampled, logprobs = [], []
-        for i, r in enumerate(w.sample_rows):
-            sampled.append(sampler.sample(logits[where[(w.lane, r)]], w.start + r + 1))
-            logprobs.append(sampler.last_logprob)
-            if w.drafts and (i == len(w.drafts) or sampled[-1] != w.drafts[i]):
-                break  # verify rows: only up to the first rejected draft (LaneSampler.verify)
+        try:
+            for i, r in enumerate(w.sample_rows):
+                sampled.append(sampler.sample(logits[where[(w.lane, r)]], w.start + r + 1))
+                logprobs.append(sampler.last_logprob)
+                if w.drafts and (i == len(w.drafts) or sampled[-1] != w.drafts[i]):
+                    break  # verify rows: only up to the first rejected draft (LaneSampler.verify)
+        except _DEVICE_ERRORS:
+            raise
+        except _LANE_ERRORS as e:
+            return LaneResult(w.lane, error=f"sampling failed: {e}")
         if w.drafts and len(sampled) < len(w.tokens):
             self.rollback(w.lane, len(sampled))  # the copy may still be in flight: later steps wait
         rows = None

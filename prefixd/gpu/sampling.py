@@ -11,6 +11,10 @@ Processing order for one logits row (the same order transformers applies them):
     repetition penalty -> drop padded ids -> greedy argmax
                                           -> temperature -> top-k -> top-p -> min-p -> draw
 
+Every finite value of every field that validate_params accepts keeps a finite row drawable:
+penalties saturate at float32's range and temperatures past it fall back to a shifted form
+(`apply_temperature`), so no edge of the spec can end a stream with NaN.
+
 The draw walks the cumulative distribution in id order with one uniform number u, so a
 token depends only on the row and u.
 
@@ -20,6 +24,7 @@ be checked on its own against hand-made logits or a reference implementation.
 
 from __future__ import annotations
 
+import math
 import secrets
 from typing import Any, Sequence
 
@@ -28,7 +33,6 @@ import torch
 from prefixd.scheduler.records import SamplingParams, TokenLogprob
 
 _NEG_INF = float("-inf")
-_MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
 _TOP_P_FIRST_K = 256
 _MASK64 = 2**64 - 1
 
@@ -49,32 +53,50 @@ def position_uniform(seed: int, position: int) -> float:
     key = _mix64((seed + 0x9E3779B97F4A7C15) & _MASK64)
     bits = _mix64((key ^ (position * 0x9E3779B97F4A7C15)) & _MASK64)
     return (bits >> 11) * 2.0**-53
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _as_float32(x: float) -> float:
+    """`x` as a float32 scalar would hold it (what torch multiplies a float32 row by)."""
+    return float(torch.tensor(x, dtype=torch.float32))
 
 
 def validate_params(params: SamplingParams) -> None:
-    """Raise ValueError when a field is outside its meaningful range."""
-    if params.top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {params.top_k}")
-    if not 0.0 < params.top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-    if not 0.0 <= params.min_p <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
-    if not params.repetition_penalty > 0.0:
-        raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
-    if params.seed is not None and not 0 <= params.seed < _MAX_SEED:
-        raise ValueError(f"seed must be in [0, 2**64), got {params.seed}")
+    """Raise ValueError when a field is outside its meaningful range (SamplingParams.problem)."""
+    problem = params.problem()
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def repetition_penalty(row: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """Penalise ids where `seen` (bool, same length as `row`) is set.
 
     A positive logit is divided by `penalty`, a negative one multiplied (each id once,
-    however often it occurred).
+    however often it occurred). A result past the float32 range saturates at its finite end,
+    so any penalty > 0 keeps a finite row finite.
     """
     if penalty == 1.0:
         return row
-    penalised = torch.where(row < 0, row * penalty, row / penalty)
+    if 0.0 < _as_float32(penalty) < math.inf:  # in float32 like the row: transformers' bits
+        penalised = torch.where(row < 0, row * penalty, row / penalty)
+    else:  # 1e-300 or 1e300 round to 0 or inf in float32: 0/0 and inf*0 would be NaN
+        wide = row.double()
+        penalised = torch.where(row < 0, wide * penalty, wide / penalty)
+    penalised = penalised.clamp(-_FLOAT32_MAX, _FLOAT32_MAX).to(row.dtype)
     return torch.where(seen, penalised, row)
+
+
+def apply_temperature(row: torch.Tensor, temperature: float) -> torch.Tensor:
+    """row / temperature. Where that leaves the float32 range (a temperature near 0 or past
+    float32's largest), (row - max) / temperature in float64 instead: the top logits stay
+    finite (0 at the max) and the rest may fall to -inf, so a tiny temperature is an argmax
+    over the top logits and a huge one a uniform draw over the kept ids. Ordinary
+    temperatures keep the plain division's bits."""
+    out = row / temperature
+    if bool(torch.isnan(out).any()) or bool((torch.isinf(out) & torch.isfinite(row)).any()):
+        wide = row.double()
+        out = ((wide - wide.max()) / temperature).to(row.dtype)
+    return out
 
 
 def drop_padded(row: torch.Tensor, tokenizer_vocab: int) -> torch.Tensor:
@@ -108,7 +130,9 @@ def top_p_filter(row: torch.Tensor, p: float) -> torch.Tensor:
         if k == num_ids or bool(mass[-1] >= p):
             break
         k = min(num_ids, k * 8)
-    keep = ids[(mass - probs) < p]  # mass of strictly more probable ids below p
+    below = (mass - probs) < p  # mass of strictly more probable ids below p
+    below[0] = True  # the top id, also where p rounds to 0 in float32 (p = 1e-300)
+    keep = ids[below]
     out = torch.full_like(row, _NEG_INF)
     out[keep] = row[keep]
     return out
@@ -130,7 +154,7 @@ def apply_penalties_and_filters(
     out = drop_padded(repetition_penalty(row, seen, params.repetition_penalty), tokenizer_vocab)
     if params.greedy:
         return out
-    out = out / params.temperature
+    out = apply_temperature(out, params.temperature)
     out = top_k_filter(out, params.top_k)
     out = top_p_filter(out, params.top_p)
     return min_p_filter(out, params.min_p)

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from typing import Callable
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
+
+from prefixd.scheduler.store.entries import REASONS as EVICTION_REASONS
 
 # Latencies of a local daemon span sub-millisecond decode steps to minute-long prefills.
 _LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )
+# Label values known up front, exported at 0 so dashboards see zeros, not gaps.
+CACHE_RESULTS = ("miss", "hit", "resident", "off")
+LOOKUP_RESULTS = ("hit", "miss", "resident")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
 _ROUND_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -19,8 +28,10 @@ class Metrics:
     """
 
     def __init__(self) -> None:
+        prometheus_client.disable_created_metrics()  # _created series double every counter's cost for nothing
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        ProcessCollector(registry=r)
         self.cache_queries_tokens = Counter(
             "prefixd_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.", registry=r
         )
@@ -41,8 +52,8 @@ class Metrics:
             "prefixd_snapshot_copy_bytes", "Bytes copied by snapshot save/restore.", ["direction"], registry=r
         )
         self.ttft_s = Histogram(
-            "prefixd_time_to_first_token_seconds", "Time from submission to the first token.",
-            buckets=_LATENCY_BUCKETS_S, registry=r,
+            "prefixd_time_to_first_token_seconds", "Time from submission to the first token, by cache result.",
+            ["cache"], buckets=_LATENCY_BUCKETS_S, registry=r,
         )
         self.itl_s = Histogram(
             "prefixd_inter_token_latency_seconds", "Time between consecutive tokens of a stream.",
@@ -61,6 +72,9 @@ class Metrics:
             "prefixd_round_duration_seconds", "Wall time of one lane round.",
             buckets=_ROUND_BUCKETS_S, registry=r,
         )
+        self.connections = Gauge("prefixd_connections", "Open client connections.", registry=r)
+        self.kv_pages = Gauge("prefixd_kv_pages", "KV pool pages by state (free, used).", ["state"], registry=r)
+        self.build_info = Info("prefixd_build", "Version, model, dtype, device and numeric mode.", registry=r)
         self.disk_bytes = Gauge("prefixd_disk_cache_bytes", "Bytes of entry files the disk tier holds.", registry=r)
         self.disk_hits_tokens = Counter(
             "prefixd_disk_cache_hits_tokens", "Prompt tokens served from the disk tier.", registry=r
@@ -81,12 +95,33 @@ class Metrics:
         self._prime_labels()
 
     def _prime_labels(self) -> None:
-        # Known label values exist from the start so dashboards see zeros, not gaps.
-        for result in ("hit", "miss", "resident"):
+        for result in LOOKUP_RESULTS:
             self.cache_lookups.labels(result=result)
-        for reason in ("stop", "length", "cancelled", "error"):
+        for cache in CACHE_RESULTS:
+            self.ttft_s.labels(cache=cache)
+        for reason in EVICTION_REASONS:
+            self.cache_evictions.labels(reason=reason)
+        for reason in FINISH_REASONS:
             self.requests.labels(finish_reason=reason)
         for direction in ("save", "restore"):
             self.snapshot_copy_bytes.labels(direction=direction)
         for result in ("accepted", "rejected"):
             self.draft_tokens.labels(result=result)
+
+    def set_build_info(self, *, version: str, model: str, dtype: str, device: str, mode: str) -> None:
+        """prefixd_build_info{version, model, dtype, device, mode} 1, once the model is loaded."""
+        self.build_info.info({"version": version, "model": model, "dtype": dtype, "device": device, "mode": mode})
+
+    def num_requests(self) -> int:
+        """Finished requests of every finish reason."""
+        return int(sum(self.registry.get_sample_value("prefixd_requests_total", {"finish_reason": r}) or 0
+                       for r in FINISH_REASONS))
+
+    def track(self, num_connections: Callable[[], int], num_pages: Callable[[], tuple[int, int]]) -> None:
+        """Read the connections and KV pages gauges from these callables at each scrape.
+
+        `num_pages` returns (free, used); both are plain int reads, safe from the scrape thread.
+        """
+        self.connections.set_function(lambda: float(num_connections()))
+        self.kv_pages.labels(state="free").set_function(lambda: float(num_pages()[0]))
+        self.kv_pages.labels(state="used").set_function(lambda: float(num_pages()[1]))

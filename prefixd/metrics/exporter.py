@@ -44,11 +44,11 @@ def parse_metrics_addr(text: str) -> MetricsAddr | None:
         return None
     host, sep, port_text = text.rpartition(":")
     if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise MetricsAddrError(f"metrics address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9464")
+        raise MetricsAddrError(f"--metrics-addr {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9464 (\"\" disables)")
     host = host.removeprefix("[").removesuffix("]")
-    if not host:
+    if not host:  # an empty host would bind every interface, which nobody should get by accident
         raise MetricsAddrError(
-            f"metrics address {text!r} has no host: give 127.0.0.1:{port_text} for this machine only, "
+            f"--metrics-addr {text!r} has no host: give 127.0.0.1:{port_text} for this machine only, "
             f"or 0.0.0.0:{port_text} to listen on every interface"
         )
     return MetricsAddr(host, int(port_text))

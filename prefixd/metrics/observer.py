@@ -26,8 +26,8 @@ class MetricsObserver:
     def on_admit(self, wait_s: float) -> None:
         """Queue wait is visible through requests_waiting; nothing else to record."""
 
-    def on_first_token(self, ttft_s: float) -> None:
-        self.metrics.ttft_s.observe(ttft_s)
+    def on_first_token(self, ttft_s: float, cache: str) -> None:
+        self.metrics.ttft_s.labels(cache=cache).observe(ttft_s)
 
     def on_token_gap(self, itl_s: float) -> None:
         self.metrics.itl_s.observe(itl_s)

@@ -2,6 +2,8 @@
 
 One `step()` is one lane round: `_schedule()` (drop cancels, admit, plan) ->
 `device.run_round()` -> `_postprocess()` (append tokens, keep cuts, finish streams).
+A lane the device reports failed (`LaneResult.error`) ends its stream alone; the round's other
+lanes go on.
 Single-threaded: the daemon calls it from one engine thread.
 """
 
@@ -280,6 +282,9 @@ class Engine:
         for p in planned:
             lane, stream, work = p.lane, p.stream, p.work
             res = by_lane.get(lane.index)
+            if res is not None and res.error is not None:
+                self._fail_lane(stream, res.error, events)
+                continue
             end = work.start + len(work.tokens)
             if work.prefill:
                 lane.ids.extend(stream.key_tokens[work.start : end])
@@ -329,6 +334,11 @@ class Engine:
                 return i + 1
         return len(sampled)
 
+    def _fail_lane(self, stream: Stream, error: str, events: list[Event]) -> None:
+        """The device failed this lane alone: end its stream with "error"; the lane is freed, not
+        kept resident, and its rows of this round reach neither the store nor a snapshot."""
+        self._finish(stream, "error", events, note=f"this request failed in its lane round: {error}", keep=False)
+
     def _keep_cut(self, lane: Lane, stream: Stream, cut: int, res: LaneResult | None) -> None:
         """A prefill chunk ended at a cut: capture the lane's state and publish the rows below it."""
         last_cuts = self._schedules[stream.stream_id].cuts[-RESIDENT_CUTS:]
@@ -352,7 +362,7 @@ class Engine:
         now = self.clock()
         if stream.first_token_s is None:
             stream.first_token_s = now
-            self.observer.on_first_token(now - stream.submit_s)
+            self.observer.on_first_token(now - stream.submit_s, stream.cache_result)
         else:
             self.observer.on_token_gap(now - stream.last_token_s)
         stream.last_token_s = now

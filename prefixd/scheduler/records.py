@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
+_MAX_FLOAT = 1.7976931348623157e308
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How a stream picks its next token. temperature == 0 means greedy."""
@@ -27,6 +30,23 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    def problem(self) -> str | None:
+        """Why these parameters cannot be served, or None. Every value this accepts is served
+        (gpu/sampling.py keeps a finite row drawable at each edge)."""
+        if not 0.0 <= self.temperature <= _MAX_FLOAT:
+            return f"temperature must be a finite number >= 0, got {self.temperature}"
+        if self.top_k < 0:
+            return f"top_k must be >= 0, got {self.top_k}"
+        if not 0.0 < self.top_p <= 1.0:
+            return f"top_p must be in (0, 1], got {self.top_p}"
+        if not 0.0 <= self.min_p <= 1.0:
+            return f"min_p must be in [0, 1], got {self.min_p}"
+        if not 0.0 < self.repetition_penalty <= _MAX_FLOAT:
+            return f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            return f"seed must be in [0, 2**64), got {self.seed}"
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +132,10 @@ class LaneResult:
     sampled: tuple[int, ...] = ()  # one token per entry of LaneWork.sample_rows (verify: 1..k+1)
     logits: DeviceRows | None = None  # rows for LaneWork.logits_rows, in that order
     logprobs: tuple[TokenLogprob, ...] | None = None  # per sampled token, when its stream asks
+    # Set when this lane alone failed (non-finite logits, a sampler error, a bad image): the
+    # lane's rows of this round are unusable, `sampled` and `logits` are empty, and every other
+    # lane of the round is unaffected.
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

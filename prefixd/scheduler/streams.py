@@ -93,6 +93,9 @@ def validate_request(req: StreamRequest, *, vocab_size: int, max_context: int, p
             raise RequestError("invalid_token", f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
     if req.max_tokens <= 0:
         raise RequestError("bad_request", f"max_tokens must be positive, got {req.max_tokens}")
+    problem = req.sampling.problem()
+    if problem is not None:  # checked here too, so no front can hand a lane a sampler that fails
+        raise RequestError("bad_request", problem)
     prev = -1
     for s in req.chunk_starts:
         if not prev < s < n:

@@ -10,7 +10,7 @@ import threading
 import anyio
 import pytest
 
-from prefixd.gpu.chat import ChatTemplate, RenderCancelled, render_conversation
+from prefixd.text.chat import ChatTemplate, RenderCancelled, render_conversation
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.errors import ClientError
 from prefixd.ipc.transport import FramedStream
@@ -96,7 +96,7 @@ async def test_render_of_a_present_client_finishes(tmp_path, gated):
 
 
 async def test_too_many_messages_is_a_clear_bad_request(tmp_path, gated):
-    from prefixd.gpu.chat import MAX_CHAT_MESSAGES
+    from prefixd.text.chat import MAX_CHAT_MESSAGES
 
     gated.release.set()
     async with running_server(tmp_path) as server:

@@ -85,6 +85,19 @@ def test_bad_number_in_env_is_a_config_error():
         config_from_args(_args(), env={"PREFIXD_LANES": "many"})
 
 
+def test_every_flag_of_every_command_says_its_default_in_its_help():
+    import argparse as ap
+
+    from prefixd.daemon.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, ap._SubParsersAction))  # noqa: SLF001
+    missing = []
+    for name, sub in commands.choices.items():
+        for action in sub._actions:  # noqa: SLF001
+            if action.option_strings and not isinstance(action, ap._HelpAction) and "(default" not in (action.help or ""):  # noqa: SLF001
+                missing.append(f"{name} {action.option_strings[0]}")
+    assert missing == []
 def test_mode_defaults_to_auto_and_flags_win_over_env():
     assert config_from_args(_args(), env={}).mode == "auto"
     assert config_from_args(_args(), env={"PREFIXD_MODE": "invariant"}).mode == "invariant"

@@ -63,7 +63,7 @@ def test_observer_feeds_counters_gauges_and_histograms_with_exact_values():
     obs.on_snapshot_copy("restore", 256)
     obs.on_store(4096, 8192)
     obs.on_round(0.02, 0.019, 9, 3, 2)
-    obs.on_first_token(0.5)
+    obs.on_first_token(0.5, "hit")
     obs.on_token_gap(0.01)
     obs.on_done("stop", 120, 7)
     s = _samples(metrics)
@@ -81,11 +81,46 @@ def test_observer_feeds_counters_gauges_and_histograms_with_exact_values():
     assert s[("prefixd_requests_waiting", ())] == 2
     assert s[("prefixd_round_duration_seconds_count", ())] == 1
     assert s[("prefixd_round_duration_seconds_sum", ())] == 0.02
-    assert s[("prefixd_time_to_first_token_seconds_sum", ())] == 0.5
+    assert s[("prefixd_time_to_first_token_seconds_sum", (("cache", "hit"),))] == 0.5
+    assert s[("prefixd_time_to_first_token_seconds_count", (("cache", "miss"),))] == 0
     assert s[("prefixd_inter_token_latency_seconds_count", ())] == 1
     assert s[("prefixd_requests_total", (("finish_reason", "stop"),))] == 1
     assert s[("prefixd_prompt_tokens_total", ())] == 120
     assert s[("prefixd_generation_tokens_total", ())] == 7
+
+
+def test_label_values_are_exported_at_zero_before_any_event():
+    text = generate_latest(Metrics().registry).decode()
+    for reason in ("moved_past", "never_hit", "lru", "shared", "replaced", "cleared"):
+        assert f'prefixd_prefix_cache_evictions_total{{reason="{reason}"}} 0.0\n' in text, reason
+    for cache in ("miss", "hit", "resident", "off"):
+        assert f'prefixd_time_to_first_token_seconds_count{{cache="{cache}"}} 0.0\n' in text, cache
+    assert "_created" not in text
+
+
+def test_build_info_process_metrics_and_the_tracked_gauges():
+    metrics = Metrics()
+    metrics.set_build_info(version="9.9.9", model="m.gguf", dtype="bf16", device="cpu", mode="invariant")
+    connections, pages = [3], [(10, 6)]
+    metrics.track(lambda: connections[0], lambda: pages[0])
+    s = _samples(metrics)
+    labels = (("device", "cpu"), ("dtype", "bf16"), ("mode", "invariant"), ("model", "m.gguf"), ("version", "9.9.9"))
+    assert s[("prefixd_build_info", labels)] == 1
+    assert s[("prefixd_connections", ())] == 3
+    assert s[("prefixd_kv_pages", (("state", "free"),))] == 10
+    assert s[("prefixd_kv_pages", (("state", "used"),))] == 6
+    connections[0], pages[0] = 0, (16, 0)  # read again at each collection
+    s = _samples(metrics)
+    assert (s[("prefixd_connections", ())], s[("prefixd_kv_pages", (("state", "used"),))]) == (0, 0)
+    assert s[("process_open_fds", ())] >= 3 and s[("process_resident_memory_bytes", ())] > 0  # this process's
+
+
+def test_num_requests_sums_every_finish_reason():
+    metrics = Metrics()
+    obs = MetricsObserver(metrics)
+    for reason in ("stop", "length", "length", "error"):
+        obs.on_done(reason, 1, 1)
+    assert metrics.num_requests() == 4
 
 
 def test_disk_tier_totals_become_counter_increments_and_a_gauge():
@@ -124,9 +159,12 @@ def test_parse_metrics_addr():
     assert parse_metrics_addr("") is None
     assert parse_metrics_addr("127.0.0.1:9464") == MetricsAddr("127.0.0.1", 9464)
     assert parse_metrics_addr("[::1]:80") == MetricsAddr("::1", 80)
+    assert parse_metrics_addr("0.0.0.0:9464") == MetricsAddr("0.0.0.0", 9464)
     for bad in ("9464", "host:", "host:port", "h:70000"):
         with pytest.raises(MetricsAddrError):
             parse_metrics_addr(bad)
+    with pytest.raises(MetricsAddrError, match="has no host: give 127.0.0.1:9464 for this machine only, or 0.0.0.0:9464"):
+        parse_metrics_addr(":9464")
 
 
 def test_exporter_serves_the_private_registry_over_http():
@@ -140,3 +178,32 @@ def test_exporter_serves_the_private_registry_over_http():
         exporter.close()
     assert 'prefixd_prefix_cache_lookups_total{result="resident"} 1.0' in body
     assert "prefixd_prefix_cache_hits_tokens_total 10.0" in body
+
+
+async def test_a_live_daemon_exports_its_connections_pages_and_build():
+    import tempfile
+    from pathlib import Path
+
+    import anyio
+
+    from prefixd.ipc.client import AsyncClient
+    from tests.daemon.harness import running_server, wait_idle
+
+    def scrape(port: int) -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            lines = resp.read().decode().splitlines()
+        return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)
+                if not name.startswith("#") and name}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        async with running_server(Path(tmp)) as server:
+            async with await AsyncClient.connect(server.socket_path) as client:
+                await client.generate(prompt="abc", max_tokens=4).collect()
+                status = await wait_idle(server)
+                during = await anyio.to_thread.run_sync(scrape, server.metrics_port)
+            while (after := await anyio.to_thread.run_sync(scrape, server.metrics_port))["prefixd_connections"]:
+                await anyio.sleep(0.01)  # the server notices the close on its own time
+    assert during["prefixd_connections"] == 1 and after["prefixd_connections"] == 0
+    assert during['prefixd_kv_pages{state="free"}'] == status["pages_free"]
+    assert during['prefixd_kv_pages{state="used"}'] == status["pages_used"]
+    assert during['prefixd_build_info{device="cpu",dtype="bf16",mode="invariant",model="letters",version="0.1.0"}'] == 1

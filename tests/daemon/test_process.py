@@ -197,3 +197,41 @@ def test_a_model_that_cannot_load_exits_1_with_the_reason_and_leaves_no_socket(t
     assert "prefixd: cannot load model:" in out.stderr
     assert str(tmp_path / "no-such-model") in out.stderr
     assert not sock.exists()
+
+
+def test_sighup_is_logged_and_ignored_and_requests_and_shutdown_are_logged(tiny_dir, tmp_path):
+    sock = tmp_path / "run" / "p.sock"
+    notify = NotifyReceiver(tmp_path / "notify")
+    args = _serve_args(tiny_dir, sock, "--grace", "5")
+    args[args.index("--max-context") + 1] = "1000000"  # above the tiny model's limit: a warning
+    proc = subprocess.Popen(args, env={**ENV, "NOTIFY_SOCKET": str(notify.path)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        notify.until("READY=1")
+        with SyncClient(sock) as client:
+            before = client.generate(tokens=[1, 2, 3], max_tokens=8).collect()
+            stream = iter(client.generate(tokens=[1, 2, 3], max_tokens=8))
+            first = next(stream)
+            proc.send_signal(signal.SIGHUP)
+            events = [first, *stream]  # the stream in flight goes on to its done
+            assert client.status()["shutting_down"] is False  # a status answered after the SIGHUP
+            after = client.generate(tokens=[1, 2, 3], max_tokens=8).collect()
+        assert events[-1].finish_reason == "length"
+        assert after.ids == before.ids and len(before.ids) == 8
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=LIVENESS_S) == 0
+        stderr = proc.communicate()[1]
+        assert not sock.exists()
+    finally:
+        _reap(proc)
+        notify.close()
+    lines = stderr.splitlines()
+    assert "Traceback" not in stderr
+    assert sum("SIGHUP ignored" in line for line in lines) == 1
+    assert any("--max-context 1000000 is above the model's limit of" in line for line in lines)
+    done = [line for line in lines if " length: prompt 3 tokens, " in line]
+    assert len(done) == 3, stderr
+    assert done[0].startswith("prefixd INFO prefixd.engine: request 1 length: prompt 3 tokens, 0 cached (miss), "
+                              "8 generated, ttft "), done[0]
+    assert any("stopped after" in line and "exit code 0, 3 requests served" in line for line in lines), stderr

@@ -142,7 +142,8 @@ async def test_metrics_endpoint_exposes_the_names_after_a_request(tmp_path):
     assert 'prefixd_requests_total{finish_reason="length"} 1.0' in body
     assert "prefixd_prompt_tokens_total 3.0" in body
     assert "prefixd_generation_tokens_total 4.0" in body
-    assert "prefixd_time_to_first_token_seconds_count 1.0" in body
+    assert 'prefixd_time_to_first_token_seconds_count{cache="miss"} 1.0' in body
+    assert 'prefixd_time_to_first_token_seconds_count{cache="hit"} 0.0' in body
     assert "prefixd_inter_token_latency_seconds_count 3.0" in body
     for name in ("prefixd_round_duration_seconds_count", "prefixd_lanes_busy", "prefixd_requests_waiting",
                  "prefixd_prefix_cache_queries_tokens_total", "prefixd_prefix_cache_bytes"):

@@ -68,12 +68,13 @@ def naive_held(text: str, stops: list[str]) -> int:
 @given(st.lists(st.text(alphabet="ab<>", min_size=1, max_size=5), min_size=1, max_size=6),
        st.text(alphabet="ab<>x", max_size=60), st.lists(st.integers(0, 7), max_size=30))
 def test_matcher_equals_the_naive_definition_piece_by_piece(stops, text, cuts):
-    """Sent text is the text before the earliest stop; after each piece, exactly the part that
+    """Sent text is the text before the stop that completes first; after each piece, exactly the part that
     could still begin a stop is held back; the match is reported on the piece that completes it."""
     m = StopMatcher(stops)
     sent, pos = "", 0
-    firsts = [text.find(s) for s in stops]
-    first = min((i for i in firsts if i >= 0), default=-1)
+    # The stop that completes first wins (the longest where several complete together).
+    ends = [(text.find(s) + len(s), -len(s)) for s in stops if s in text]
+    first = min(ends)[0] + min(ends)[1] if ends else -1
     for c in cuts + [len(text)]:
         piece = text[pos:pos + c]
         pos += c
@@ -112,3 +113,11 @@ def test_stop_count_and_length_limits_are_bad_requests():
     with pytest.raises(ProtocolError) as err:
         parse_request({**base, "stop": ["a", "s" * (MAX_STOP_CHARS + 1)]})
     assert err.value.message == f"stop: a stop string of {MAX_STOP_CHARS + 1} characters; at most {MAX_STOP_CHARS} each"
+
+
+def test_the_stop_that_completes_first_wins_however_the_text_is_cut():
+    # '>' completes at 2, '<><' (which began earlier) only at 3: the stream stops at '>'.
+    assert StopMatcher(["<><", ">"]).push("<><") == ("<", True)
+    m = StopMatcher(["<><", ">"])
+    assert m.push("<") == ("", False)
+    assert m.push("><") == ("<", True)

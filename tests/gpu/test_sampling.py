@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from prefixd.gpu.sampling import (
     LaneSampler,
     apply_penalties_and_filters,
+    apply_temperature,
     greedy_token,
     min_p_filter,
     pick_token,
@@ -377,3 +378,91 @@ def test_cuda_lane_gives_the_cpu_lane_tokens():
                         tokenizer_vocab=HF_VOCAB - 10, device=device)
         tokens[name] = [s.sample(r.to(device), 3 + i) for i, r in enumerate(rows)]
     assert tokens["cuda"] == tokens["cpu"]
+
+
+# --- edges of the spec's ranges: each keeps a finite row drawable ----------------------
+
+
+def edge_row() -> torch.Tensor:
+    """Ids 4 and 9 tie at the top, 20 is close behind, 2 and 30 are negative; 60.. padded."""
+    row = torch.zeros(VOCAB)
+    row[[4, 9, 20, 2, 30]] = torch.tensor([5.0, 5.0, 4.999, -3.0, -1e30])
+    return row
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 1e-300, 5e-324])
+def test_a_tiny_temperature_draws_only_the_top_logits(temperature):
+    row = apply_penalties_and_filters(edge_row(), SamplingParams(temperature=temperature), no_seen(), 60)
+    assert not torch.isnan(row).any()
+    assert row[4].item() == row[9].item() == 0.0
+    assert torch.nonzero(torch.softmax(row, dim=0)).flatten().tolist() == [4, 9]
+    draws = {sampler(SamplingParams(temperature=temperature, seed=s), tok_vocab=60).sample(edge_row())
+             for s in range(40)}
+    assert draws == {4, 9}
+
+
+def test_a_temperature_near_float32s_smallest_normal_keeps_the_division_where_it_fits():
+    row = torch.tensor([1e-3, -1e-3, 0.0, -2e-3])
+    assert torch.equal(apply_temperature(row, 1e-30), row / 1e-30)  # no overflow: the plain division's bits
+    assert torch.equal(apply_temperature(edge_row(), 0.7), edge_row() / 0.7)
+
+
+@pytest.mark.parametrize("temperature", [1e38, 1e39, 1e308])
+def test_a_huge_temperature_draws_uniformly_over_the_unpadded_ids(temperature):
+    row = apply_penalties_and_filters(edge_row(), SamplingParams(temperature=temperature), no_seen(), 60)
+    assert not torch.isnan(row).any() and kept(row) == list(range(60))
+    assert row[:60].abs().max().item() < 1e-7  # every kept id all but equal: a uniform draw
+    draws = {sampler(SamplingParams(temperature=temperature, seed=s), tok_vocab=60).sample(edge_row())
+             for s in range(300)}
+    assert draws <= set(range(60)) and len(draws) > 40
+
+
+@pytest.mark.parametrize("penalty, want", [
+    (1e-300, {4: 3.4028234663852886e38, 9: 5.0, 2: -0.0, 30: -0.0, 0: 0.0}),
+    (1e-45, {4: 3.4028234663852886e38, 9: 5.0, 2: -0.0, 30: -0.0, 0: 0.0}),
+    (1e300, {4: 0.0, 9: 5.0, 2: -3.4028234663852886e38, 30: -3.4028234663852886e38, 0: 0.0}),
+    (1e30, {4: 5e-30, 9: 5.0, 2: -3e30, 30: -3.4028234663852886e38, 0: 0.0}),
+])
+def test_an_extreme_repetition_penalty_saturates_and_stays_finite(penalty, want):
+    seen = no_seen()
+    seen[[4, 2, 30, 0]] = True
+    out = repetition_penalty(edge_row(), seen, penalty)
+    assert bool(torch.isfinite(out).all())
+    assert {i: out[i].item() for i in want} == pytest.approx(want, rel=1e-6)
+    assert [str(out[i].item())[0] == "-" for i in (2, 30)] == [True, True]
+
+
+@pytest.mark.parametrize("penalty, top", [(1e-300, 4), (1e300, 9)])
+@pytest.mark.parametrize("temperature", [0.0, 1e-38, 1e-300])
+def test_extreme_penalties_give_a_finite_draw_at_any_temperature(penalty, top, temperature):
+    s = sampler(SamplingParams(temperature=temperature, repetition_penalty=penalty, seed=3),
+                history=[4], tok_vocab=60)
+    assert s.sample(edge_row()) == top  # a tiny penalty favours the seen id 4, a huge one bans it
+
+
+def test_a_penalty_in_float32s_range_keeps_transformers_bits_where_nothing_overflows():
+    row = edge_row()
+    seen = torch.zeros(VOCAB, dtype=torch.bool)
+    seen[[4, 2]] = True
+    out = repetition_penalty(row, seen, 1.3)
+    assert out[4].item() == (row[4] / 1.3).item() and out[2].item() == (row[2] * 1.3).item()
+
+
+def test_top_k_of_the_largest_int_keeps_every_id():
+    row = edge_row()
+    assert torch.equal(top_k_filter(row, 2**31 - 1), row)
+    assert sampler(SamplingParams(temperature=1.0, top_k=2**31 - 1, seed=1)).sample(row) in range(VOCAB)
+
+
+def test_min_p_of_one_keeps_only_the_top_ties():
+    row = apply_penalties_and_filters(edge_row(), SamplingParams(temperature=1.0, min_p=1.0), no_seen(), 60)
+    assert kept(row) == [4, 9]
+
+
+def test_top_p_of_zero_is_refused_and_a_tiny_one_keeps_the_top_id():
+    with pytest.raises(ValueError, match="top_p"):
+        sampler(SamplingParams(temperature=1.0, top_p=0.0))
+    row = edge_row()
+    row[9] = 4.5
+    out = apply_penalties_and_filters(row, SamplingParams(temperature=1.0, top_p=1e-300), no_seen(), 60)
+    assert kept(out) == [4]

@@ -16,10 +16,12 @@ import hashlib
 import struct
 from array import array
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from prefixd.scheduler.device import DeviceInfo
-from prefixd.scheduler.records import DiskLoad, LaneResult, PagePayload, RoundPlan, RoundResult, SamplingParams
+from prefixd.scheduler.records import DiskLoad, LaneResult, LaneWork, PagePayload, RoundPlan, RoundResult, SamplingParams
+
+POISON = "nan"  # what a failed lane leaves in its rows: any later read of them changes a hash
 
 
 def _h(*parts: object) -> int:
@@ -83,6 +85,8 @@ class FakeDevice:
     copied_bytes: int = 0  # copy_pages + restore
     resets: list[int] = field(default_factory=list)
     starts: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (lane, history)
+    # fault(work) -> an error for that lane alone (its rows are then poisoned), or None
+    fault: Callable[[LaneWork], str | None] | None = None
 
     def __post_init__(self) -> None:
         p = self.info.page_size
@@ -105,6 +109,11 @@ class FakeDevice:
             raise AssertionError(f"a lane appears twice in {plan}")
         results = []
         for work in plan.lanes:
+            error = self.fault(work) if self.fault is not None else None
+            if error is not None:
+                self._poison(work)
+                results.append(LaneResult(lane=work.lane, error=error))
+                continue
             values = self._forward(work)
             sampled = self._verify(work, values) if work.drafts else tuple(
                 self._pick(work.lane, values[i], work.start + i + 1) for i in work.sample_rows)
@@ -183,6 +192,12 @@ class FakeDevice:
             context = self.read(work.page_table, work.start + i + 1)
             values.append(_h(context, self.state[work.lane]) if not self.info.invariant_rows else _h(context))
         return values
+
+    def _poison(self, work: LaneWork) -> None:
+        p = self.info.page_size
+        for pos in range(work.start, work.start + len(work.tokens)):
+            self.pool[work.page_table[pos // p]][pos % p] = POISON  # type: ignore[call-overload]
+        self.state[work.lane] = _h(POISON)
 
     def read(self, page_table: Sequence[int], rows: int) -> tuple[int, ...]:
         """The token ids stored in rows [0, rows) through `page_table`."""

@@ -185,6 +185,13 @@ def test_generation_stops_with_length_at_max_context():
         (dict(chunk_starts=(0, 0)), "bad_request"),
         (dict(chunk_starts=(5,)), "bad_request"),
         (dict(images=(ImageRows(ImageIdentity(at=3, tokens=3, gh=1, gw=3, hash=b"x"), None),)), "bad_request"),
+        # Sampling a lane could not serve is refused here, whatever front built the request.
+        (dict(sampling=SamplingParams(temperature=0.7, top_p=0.0)), "bad_request"),
+        (dict(sampling=SamplingParams(temperature=float("nan"))), "bad_request"),
+        (dict(sampling=SamplingParams(temperature=float("inf"))), "bad_request"),
+        (dict(sampling=SamplingParams(repetition_penalty=0.0)), "bad_request"),
+        (dict(sampling=SamplingParams(min_p=1.5)), "bad_request"),
+        (dict(sampling=SamplingParams(seed=2**64)), "bad_request"),
     ],
 )
 def test_bad_requests_raise_request_error_with_their_code(request_kw, code):
@@ -267,8 +274,8 @@ class Recorder(NullObserver):
     def on_admit(self, wait_s):
         self.calls.append("admit")
 
-    def on_first_token(self, ttft_s):
-        self.calls.append("first")
+    def on_first_token(self, ttft_s, cache):
+        self.calls.append(("first", cache))
 
     def on_token_gap(self, itl_s):
         self.calls.append("gap")
@@ -287,7 +294,7 @@ def test_observer_sees_admission_tokens_and_done():
     engines.ENGINES.append(engine)
     engine.submit(req(1, range(5), max_tokens=3))
     run_until_idle(engine)
-    assert rec.calls == ["admit", ("lookup", "miss", 5, 0), "first", "gap", "gap", ("done", "length", 5, 3)]
+    assert rec.calls == ["admit", ("lookup", "miss", 5, 0), ("first", "miss"), "gap", "gap", ("done", "length", 5, 3)]
 
 
 def test_usage_says_off_when_the_cache_is_off():

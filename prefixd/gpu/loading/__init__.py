@@ -21,7 +21,7 @@ from prefixd.gpu.loading.errors import ModelLoadError
 from prefixd.gpu.loading.gguf_loader import load_gguf
 from prefixd.gpu.loading.hf_loader import load_hf_dir
 from prefixd.gpu.loading.progress import stderr_progress
-from prefixd.gpu.tokenizer import Tokenizer
+from prefixd.text.tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "ModelLoadError", "load_checkpoint", "resolve_spec", "stderr_progress"]
 

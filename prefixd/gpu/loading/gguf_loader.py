@@ -26,7 +26,7 @@ from prefixd.gpu.config import (
 from prefixd.gpu.loading.dequant import SUPPORTED_TYPES, dequantize
 from prefixd.gpu.loading.errors import ModelLoadError, same_up_to_unit_dims
 from prefixd.gpu.loading.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
-from prefixd.gpu.tokenizer import Tokenizer, TokenizerError
+from prefixd.text.tokenizer import Tokenizer, TokenizerError
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

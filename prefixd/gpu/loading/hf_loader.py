@@ -19,7 +19,7 @@ import torch
 
 from prefixd.gpu.config import ConfigError, ModelConfig, config_from_hf, tensor_shapes
 from prefixd.gpu.loading.errors import ModelLoadError, same_up_to_unit_dims
-from prefixd.gpu.tokenizer import Tokenizer, TokenizerError
+from prefixd.text.tokenizer import Tokenizer, TokenizerError
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 _INDEX = "model.safetensors.index.json"

@@ -14,8 +14,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from prefixd.gpu.chat import ChatTemplate, RenderedChat, load_hf_templates, render_conversation
-from prefixd.gpu.tokenizer_gguf import TokenizerError, build_gguf_backend
+from prefixd.text.chat import ChatTemplate, RenderedChat, load_hf_templates, render_conversation
+from prefixd.text.tokenizer_gguf import TokenizerError, build_gguf_backend
 
 __all__ = ["RenderedChat", "StreamDecoder", "Tokenizer", "TokenizerError"]
 
@@ -222,7 +222,7 @@ class Tokenizer:
         )
 
     def _template(self, tools: list | None) -> ChatTemplate:
-        from prefixd.gpu.chat import ChatTemplateError
+        from prefixd.text.chat import ChatTemplateError
 
         name = "tool_use" if tools and "tool_use" in self._named_templates else "default"
         source = self._named_templates.get(name, self.chat_template)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from prefixd.gpu import chat_starts
-from prefixd.gpu.chat import (
+from prefixd.text import chat_starts
+from prefixd.text.chat import (
     MAX_CHAT_CHARS,
     MAX_CHAT_MESSAGES,
     ChatTemplate,
@@ -18,9 +18,9 @@ from prefixd.gpu.chat import (
     RenderCancelled,
     render_conversation,
 )
-from prefixd.gpu.chat_starts import defined_char_starts
+from prefixd.text.chat_starts import defined_char_starts
 from prefixd.gpu.loading.gguf_file import GGUFFile
-from prefixd.gpu.tokenizer import Tokenizer
+from prefixd.text.tokenizer import Tokenizer
 
 QWEN25_LIKE = (
     "{%- if messages[0]['role'] == 'system' %}"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from prefixd.gpu.loading.gguf_file import GGUFFile
-from prefixd.gpu.tokenizer import StreamDecoder, Tokenizer, TokenizerError
+from prefixd.text.tokenizer import StreamDecoder, Tokenizer, TokenizerError
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -23,10 +23,10 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from prefixd.gpu.chat import ChatTemplate, ChatTemplateError, ChatTooLarge, RenderCancelled
+from prefixd.text.chat import ChatTemplate, ChatTemplateError, ChatTooLarge, RenderCancelled
 
 if TYPE_CHECKING:
-    from prefixd.gpu.tokenizer import Tokenizer
+    from prefixd.text.tokenizer import Tokenizer
 
 MAX_PREFIX_RENDERS = 256  # the quadratic definition is computed only up to this many messages
 

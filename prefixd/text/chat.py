@@ -33,7 +33,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from prefixd.ipc.messages import MAX_CHAT_MESSAGES  # the protocol's bound, checked again here
 
 if TYPE_CHECKING:
-    from prefixd.gpu.tokenizer import Tokenizer
+    from prefixd.text.tokenizer import Tokenizer
 
 MAX_CHAT_CHARS = 4 << 20  # characters in all of a conversation's strings together
 MARK_NAME = "prefixd_mark__"  # the callable the instrumented template calls per loop item
@@ -199,7 +199,7 @@ def render_conversation(template: ChatTemplate, messages: list[dict], tokenizer:
     ChatTemplateError when the template rejects it, RenderCancelled when `should_stop()`
     turns true (polled between messages).
     """
-    from prefixd.gpu.chat_starts import StartFinder, token_positions
+    from prefixd.text.chat_starts import StartFinder, token_positions
 
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise ChatTemplateError("messages must be a list of maps")

@@ -9,7 +9,7 @@ import pytest
 
 from prefixd.daemon.requests import RequestBuilder
 from prefixd.gpu.loading.gguf_file import GGUFFile
-from prefixd.gpu.tokenizer import Tokenizer
+from prefixd.text.tokenizer import Tokenizer
 from prefixd.ipc.framing import Limits
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from prefixd.gpu.chat import ChatTemplate, ChatTemplateError, load_hf_templates
+from prefixd.text.chat import ChatTemplate, ChatTemplateError, load_hf_templates
 from prefixd.gpu.loading.gguf_file import GGUFFile
-from prefixd.gpu.tokenizer import Tokenizer
+from prefixd.text.tokenizer import Tokenizer
 
 IM_START = 1
 
@@ -98,7 +98,7 @@ def test_template_that_renders_last_message_differently(tok: Tokenizer) -> None:
     )
     messages = [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
                 {"role": "user", "content": "three"}]
-    from prefixd.gpu.chat import render_conversation
+    from prefixd.text.chat import render_conversation
 
     rendered = render_conversation(ChatTemplate(source), messages, tok, add_generation_prompt=True)
     starts = rendered.message_starts
@@ -115,7 +115,7 @@ def test_raise_exception_and_prefix_refusal(tok: Tokenizer) -> None:
         "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     )
-    from prefixd.gpu.chat import render_conversation
+    from prefixd.text.chat import render_conversation
 
     with pytest.raises(ChatTemplateError, match="first must be user"):
         render_conversation(ChatTemplate(source), [{"role": "system", "content": "x"}], tok)

