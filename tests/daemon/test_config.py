@@ -114,7 +114,7 @@ def test_draft_mode_and_length_from_flags_and_env():
     assert config_from_args(_args(), env={}).draft == "off"
     cfg = config_from_args(_args(draft="ngram"), env={"PREFIXD_DRAFT_MAX": "6"})
     assert (cfg.draft, cfg.draft_max) == ("ngram", 6)
-    with pytest.raises(ConfigError, match="--draft 'mtp'"):
+    with pytest.raises(ConfigError, match="--draft='mtp'"):
         config_from_args(_args(draft="mtp"), env={})
     with pytest.raises(ConfigError, match="--draft-max -1"):
         config_from_args(_args(draft_max=-1), env={})

@@ -396,7 +396,7 @@ def test_a_tiny_temperature_draws_only_the_top_logits(temperature):
     assert not torch.isnan(row).any()
     assert row[4].item() == row[9].item() == 0.0
     assert torch.nonzero(torch.softmax(row, dim=0)).flatten().tolist() == [4, 9]
-    draws = {sampler(SamplingParams(temperature=temperature, seed=s), tok_vocab=60).sample(edge_row())
+    draws = {sampler(SamplingParams(temperature=temperature, seed=s), tok_vocab=60).sample(edge_row(), 0)
              for s in range(40)}
     assert draws == {4, 9}
 
@@ -412,7 +412,7 @@ def test_a_huge_temperature_draws_uniformly_over_the_unpadded_ids(temperature):
     row = apply_penalties_and_filters(edge_row(), SamplingParams(temperature=temperature), no_seen(), 60)
     assert not torch.isnan(row).any() and kept(row) == list(range(60))
     assert row[:60].abs().max().item() < 1e-7  # every kept id all but equal: a uniform draw
-    draws = {sampler(SamplingParams(temperature=temperature, seed=s), tok_vocab=60).sample(edge_row())
+    draws = {sampler(SamplingParams(temperature=temperature, seed=s), tok_vocab=60).sample(edge_row(), 0)
              for s in range(300)}
     assert draws <= set(range(60)) and len(draws) > 40
 
@@ -437,7 +437,7 @@ def test_an_extreme_repetition_penalty_saturates_and_stays_finite(penalty, want)
 def test_extreme_penalties_give_a_finite_draw_at_any_temperature(penalty, top, temperature):
     s = sampler(SamplingParams(temperature=temperature, repetition_penalty=penalty, seed=3),
                 history=[4], tok_vocab=60)
-    assert s.sample(edge_row()) == top  # a tiny penalty favours the seen id 4, a huge one bans it
+    assert s.sample(edge_row(), 0) == top  # a tiny penalty favours the seen id 4, a huge one bans it
 
 
 def test_a_penalty_in_float32s_range_keeps_transformers_bits_where_nothing_overflows():
@@ -451,7 +451,7 @@ def test_a_penalty_in_float32s_range_keeps_transformers_bits_where_nothing_overf
 def test_top_k_of_the_largest_int_keeps_every_id():
     row = edge_row()
     assert torch.equal(top_k_filter(row, 2**31 - 1), row)
-    assert sampler(SamplingParams(temperature=1.0, top_k=2**31 - 1, seed=1)).sample(row) in range(VOCAB)
+    assert sampler(SamplingParams(temperature=1.0, top_k=2**31 - 1, seed=1)).sample(row, 0) in range(VOCAB)
 
 
 def test_min_p_of_one_keeps_only_the_top_ties():
