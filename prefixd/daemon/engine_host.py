@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import hashlib
 import logging
 import threading
 from collections import deque
@@ -21,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import anyio
-import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 log = logging.getLogger("prefixd.engine")
@@ -43,16 +41,6 @@ class StreamTokens:
 
 class EngineFailed(RuntimeError):
     """The engine thread stopped on an error; every open stream ends with finish_reason error."""
-
-
-def logits_sha256(rows: Any) -> tuple[str, ...]:
-    """Hex sha256 of each row's float32 bytes (rows: a (n, vocab) float32 array-like)."""
-    if hasattr(rows, "detach"):  # device tensors come back to host memory first
-        rows = rows.detach().cpu()
-    array = np.ascontiguousarray(np.asarray(rows, dtype=np.float32))
-    if array.ndim == 1:
-        array = array[None, :]
-    return tuple(hashlib.sha256(row.tobytes()).hexdigest() for row in array)
 
 
 def retain_freed_memory() -> bool:
@@ -242,12 +230,11 @@ class EngineHost:
 
 
 def _host_event(event: Any) -> Any:
-    """Engine events as the loop sees them: tokens with digests instead of device rows."""
+    """Engine events as the loop sees them: tokens with the digests the device computed."""
     ids = getattr(event, "ids", None)
     if ids is None:
         return event  # a DoneEvent passes through unchanged
-    rows = getattr(event, "logits", None)
-    return StreamTokens(event.stream_id, tuple(ids), None if rows is None else logits_sha256(rows))
+    return StreamTokens(event.stream_id, tuple(ids), event.logits_sha256)
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

@@ -1,8 +1,10 @@
 """ModelRunner: the torch implementation of `prefixd.scheduler.device.Device`.
 
-One `run_round` is one batched forward: the plan's lanes are concatenated into one row
-batch, every row's K/V goes into its lane's pages, attention reads only through each
-lane's page table, and the lm_head runs only on rows that are sampled or returned.
+`run_round` is the only call the scheduler makes. It runs a `RoundPlan` in its fixed order:
+fences, rollbacks, resets, restores, page copies, sampler set-up, stored-row samples, then
+one batched forward (the plan's lanes concatenated into one row batch; every row's K/V goes
+into its lane's pages, attention reads only through each lane's page table, and the lm_head
+runs only on rows that are sampled, returned or digested), the samples, and the captures.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import torch
 
 from prefixd.gpu.attention import AttentionSpan, plan_attention
 from prefixd.gpu.copy import CopyEngine
+from prefixd.gpu.digest import logits_sha256
 from prefixd.gpu.families import build_family
 from prefixd.gpu.kv_pool import KVPool
 from prefixd.gpu.model import RoundInputs
 from prefixd.gpu.sampling import LaneSampler
 from prefixd.scheduler.device import DeviceInfo
-from prefixd.scheduler.records import (LaneResult, LaneWork, RoundPlan, RoundResult,
-                                       SamplingParams)
+from prefixd.scheduler.records import (CapturedState, LaneResult, LaneWork, PageCopy, RoundPlan,
+                                       RoundResult, SamplerSetup, StoredSample)
 
 
 class ModelRunner:
@@ -49,66 +52,76 @@ class ModelRunner:
         self._samplers: dict[int, LaneSampler] = {}
 
     # Device protocol -------------------------------------------------------------------
-    def start_stream(self, lane: int, sampling: SamplingParams, history: Sequence[int]) -> None:
-        self._check_lane(lane)
-        vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
-        self._samplers[lane] = LaneSampler(sampling, history, vocab_size=self.config.vocab_size,
-                                           tokenizer_vocab=min(vocab, self.config.vocab_size),
-                                           device=self.device)
-
     def run_round(self, plan: RoundPlan) -> RoundResult:
-        if not plan.lanes:
-            return RoundResult(lanes=())
-        self.copies.wait_all()  # a round must not read pages a copy is still writing
+        self._check_plan(plan)
         with torch.inference_mode():
-            inputs = self._inputs(plan)
-            t0 = time.perf_counter()
-            hidden = self.model.forward(inputs, self.kv)
-            wanted, where = self._wanted_rows(plan, inputs)
-            logits = self.model.logits(hidden.index_select(0, wanted)) if where else None
-            forward_s = time.perf_counter() - t0
-            return RoundResult(lanes=tuple(self._lane_result(w, logits, where) for w in plan.lanes),
-                               forward_s=forward_s)
+            self._before_forward(plan)
+            stored = tuple(self._sample_stored(item) for item in plan.stored)
+            lanes, forward_s = self._forward(plan) if plan.lanes else ((), 0.0)
+            if plan.captures:
+                self.copies.wait_all()  # a capture never holds a row an in-flight copy is replacing
+            captured = tuple(CapturedState(c.lane, c.cut, self.model.capture(c.lane)) for c in plan.captures)
+        return RoundResult(lanes=lanes, forward_s=forward_s, stored=stored, captured=captured)
 
-    def sample(self, lane: int, logits: torch.Tensor, row: int = 0) -> int:
-        return self._sampler(lane).sample(logits[row])
-
-    def capture(self, lane: int) -> Any:
-        self._check_lane(lane)
+    def close(self) -> None:
+        """Let every copy land and drop the samplers; the weights go with the runner."""
         self.copies.wait_all()
-        return self.model.capture(lane)
+        self._samplers.clear()
 
-    def restore(self, lane: int, state: Any) -> int:
-        self._check_lane(lane)
-        self.copies.wait_all()
-        return self.model.restore(lane, state)
+    # Plan steps before the forward --------------------------------------------------------
+    def _before_forward(self, plan: RoundPlan) -> None:
+        if plan.fences:
+            self.copies.wait_all()  # CPU and one copy stream: a lane's fence is every copy's
+        for item in plan.rollbacks:
+            self._rollback(item.lane, item.keep_rows)
+        if plan.resets or plan.restores:
+            self.copies.wait_all()  # a rolled-back row must never land after a reset or restore
+        for lane in plan.resets:
+            self.model.reset(lane)
+        for item in plan.restores:
+            self.model.restore(item.lane, item.state)
+        self._copy_pages(plan.page_copies)
+        for item in plan.samplers:
+            self._samplers[item.lane] = self._new_sampler(item)
+        self.copies.wait_all()  # a round must not read pages a copy is still writing
 
-    def reset_lane(self, lane: int) -> None:
-        self._check_lane(lane)
-        self.copies.wait_all()
-        self.model.reset(lane)
-
-    def rollback(self, lane: int, num_rows: int) -> int:
+    def _rollback(self, lane: int, num_rows: int) -> int:
         """Keep the first `num_rows` rows of the lane's last multi-row decode (a rejected draft
         tail). KV rows past them are simply overwritten later; a family with lane state restores
         it from its per-row record. The copy is issued on the copy engine and may still be in
         flight on return: every later round, capture, restore and reset waits for it.
         Returns bytes copied (0 for attention-only families)."""
-        self._check_lane(lane)
         rollback_copy = getattr(self.model, "rollback_copy", None)
         if rollback_copy is None:
             return 0
         src, dst = rollback_copy(lane, num_rows)
         return self.copies.scatter([src], [dst]).nbytes
 
-    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
-        """Copy pages of every attention layer through the copy engine; waits for it."""
-        if len(src) != len(dst):
-            raise ValueError(f"copy_pages: {len(src)} sources for {len(dst)} destinations")
-        if not src:
-            return 0
-        self.copies.copy_pages(self.kv.pools(), src, dst).wait()
-        return len(src) * self.kv.bytes_per_page
+    def _copy_pages(self, copies: Sequence[PageCopy]) -> None:
+        """Copy pages of every attention layer in plan order: a batch goes to the copy engine in one
+        launch until a page it would write is one an earlier copy of the batch reads, or the reverse."""
+        batch: list[PageCopy] = []
+        for copy in copies:
+            touched = {c.src for c in batch} | {c.dst for c in batch}
+            if copy.src in touched or copy.dst in touched:
+                self._launch_copies(batch)
+                batch = []
+            batch.append(copy)
+        self._launch_copies(batch)
+
+    def _launch_copies(self, batch: list[PageCopy]) -> None:
+        if batch:
+            self.copies.copy_pages(self.kv.pools(), [c.src for c in batch], [c.dst for c in batch]).wait()
+
+    def _new_sampler(self, item: SamplerSetup) -> LaneSampler:
+        vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
+        return LaneSampler(item.sampling, item.history, vocab_size=self.config.vocab_size,
+                           tokenizer_vocab=min(vocab, self.config.vocab_size), device=self.device)
+
+    def _sample_stored(self, item: StoredSample) -> LaneResult:
+        row = item.logits[item.row]
+        digests = logits_sha256(row) if item.digest else ()
+        return LaneResult(lane=item.lane, sampled=(self._sampler(item.lane).sample(row),), digests=digests)
 
     def kv_rows(self, layer: int, page_table: Sequence[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V (n, kv_heads, head_dim) of attention layer `layer`, for tests."""
@@ -121,8 +134,34 @@ class ModelRunner:
 
     def _sampler(self, lane: int) -> LaneSampler:
         if lane not in self._samplers:
-            raise RuntimeError(f"lane {lane} samples before start_stream")
+            raise RuntimeError(f"lane {lane} samples before a SamplerSetup (start of its stream)")
         return self._samplers[lane]
+
+    def _forward(self, plan: RoundPlan) -> tuple[tuple[LaneResult, ...], float]:
+        inputs = self._inputs(plan)
+        t0 = time.perf_counter()
+        hidden = self.model.forward(inputs, self.kv)
+        wanted, where = self._wanted_rows(plan, inputs)
+        logits = self.model.logits(hidden.index_select(0, wanted)) if where else None
+        forward_s = time.perf_counter() - t0
+        return tuple(self._lane_result(w, logits, where) for w in plan.lanes), forward_s
+
+    def _check_plan(self, plan: RoundPlan) -> None:
+        """Raise ValueError (running nothing) on a plan the device cannot run as asked."""
+        seen: set[int] = set()
+        for w in plan.lanes:
+            self._check_work(w, seen)
+        for lane in (*plan.fences, *(r.lane for r in plan.rollbacks), *plan.resets,
+                     *(r.lane for r in plan.restores), *(s.lane for s in plan.samplers),
+                     *(s.lane for s in plan.stored), *(c.lane for c in plan.captures)):
+            self._check_lane(lane)
+        for c in plan.page_copies:
+            if not (0 <= c.src < self.info.num_pages and 0 <= c.dst < self.info.num_pages) or c.src == c.dst:
+                raise ValueError(f"page copy {c.src} -> {c.dst} outside [0, {self.info.num_pages}) or onto itself")
+        set_up = {s.lane for s in plan.samplers}
+        for lane in {*(s.lane for s in plan.stored), *(w.lane for w in plan.lanes if w.sample_rows)}:
+            if lane not in set_up and lane not in self._samplers:
+                raise RuntimeError(f"lane {lane} samples before a SamplerSetup (start of its stream)")
 
     def _inputs(self, plan: RoundPlan) -> RoundInputs:
         p = self.info.page_size
@@ -130,9 +169,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         spans = []
-        seen = set()
         for w in plan.lanes:
-            self._check_work(w, seen)
             pos = range(w.start, w.start + len(w.tokens))
             spans.append(AttentionSpan(len(tokens), w.start, len(w.tokens), tuple(w.page_table)))
             tokens += w.tokens
@@ -164,7 +201,7 @@ class ModelRunner:
             raise ValueError(f"lane {w.lane}: page id outside [0, {self.info.num_pages})")
         if any(not 0 <= t < self.config.vocab_size for t in w.tokens):
             raise ValueError(f"lane {w.lane}: token id outside [0, {self.config.vocab_size})")
-        for r in (*w.sample_rows, *w.logits_rows):
+        for r in (*w.sample_rows, *w.logits_rows, *w.digest_rows):
             if not 0 <= r < len(w.tokens):
                 raise ValueError(f"lane {w.lane}: row {r} outside its {len(w.tokens)} rows")
 
@@ -188,7 +225,7 @@ class ModelRunner:
         where: dict[tuple[int, int], int] = {}
         rows: list[int] = []
         for w, span in zip(plan.lanes, inputs.spans):
-            for r in sorted(set(w.sample_rows) | set(w.logits_rows)):
+            for r in sorted({*w.sample_rows, *w.logits_rows, *w.digest_rows}):
                 where[(w.lane, r)] = len(rows)
                 rows.append(span.row + r)
         return torch.tensor(rows, dtype=torch.long, device=self.device), where
@@ -199,4 +236,8 @@ class ModelRunner:
         if w.logits_rows:
             idx = torch.tensor([where[(w.lane, r)] for r in w.logits_rows], device=self.device)
             rows = logits.index_select(0, idx)
-        return LaneResult(lane=w.lane, sampled=sampled, logits=rows)
+        digests = ()
+        if w.digest_rows:
+            digests = logits_sha256(logits.index_select(0, torch.tensor([where[(w.lane, r)] for r in w.digest_rows],
+                                                                        device=self.device)))
+        return LaneResult(lane=w.lane, sampled=sampled, logits=rows, digests=digests)

@@ -2,7 +2,9 @@
 
 One `step()` is one lane round: `_schedule()` (drop cancels, admit, plan) ->
 `device.run_round()` -> `_postprocess()` (append tokens, keep cuts, finish streams).
-Single-threaded: the daemon calls it from one engine thread.
+The round's plan is the only device call: seatings, lane work and captures are decided on
+the host and run by the device in one go. Single-threaded: the daemon calls it from one
+engine thread.
 """
 
 from __future__ import annotations
@@ -12,14 +14,15 @@ import itertools
 import time
 from typing import Callable
 
-from prefixd.scheduler.admission import Admitter
+from prefixd.scheduler.admission import Admitter, Seating
 from prefixd.scheduler.config import SchedulerConfig, store_budget_bytes
 from prefixd.scheduler.device import Device
 from prefixd.scheduler.events import EngineObserver, NullObserver
 from prefixd.scheduler.lanes import Lane, PageTables, check_page_refs
 from prefixd.scheduler.pages import PageAllocator
-from prefixd.scheduler.planner import Schedule, plan_schedule
-from prefixd.scheduler.records import DeviceRows, LaneResult, RoundPlan, RoundResult
+from prefixd.scheduler.planner import plan_schedule
+from prefixd.scheduler.program import PlanBuilder
+from prefixd.scheduler.records import DeviceState, LaneResult, RoundPlan, RoundResult
 from prefixd.scheduler.rounds import PlannedWork, plan_round
 from prefixd.scheduler.store import PrefixStore, Snapshot, make_key
 from prefixd.scheduler.streams import DoneEvent, Stream, StreamRequest, TokenEvent, validate_request
@@ -58,7 +61,7 @@ class Engine:
         self.clock = clock
         self.max_context = config.context_for(info)
         self.allocator = PageAllocator(info.num_pages)
-        self.tables = PageTables(self.allocator, device, info.page_size)
+        self.tables = PageTables(self.allocator, info.page_size)
         self.lanes = [Lane(i) for i in range(config.num_lanes)]
         self.store: PrefixStore | None = None
         if config.cache:
@@ -66,14 +69,13 @@ class Engine:
                 allocator=self.allocator, page_size=info.page_size, kv_bytes_per_page=info.kv_bytes_per_page,
                 budget_bytes=store_budget_bytes(info, config), invariant_rows=info.invariant_rows, clock=clock)
         self._streams: dict[int, Stream] = {}
-        self._schedules: dict[int, Schedule] = {}
         self._seq = itertools.count()
         self._tick = itertools.count(1)
         self._store_touched = True
         self.admitter = Admitter(
-            lanes=self.lanes, tables=self.tables, device=device, store=self.store,
-            schedules=self._schedules, observer=self.observer, clock=clock, grid=config.grid,
+            lanes=self.lanes, tables=self.tables, store=self.store, grid=config.grid,
             headroom_rows=config.decode_headroom_rows, max_context=self.max_context, cache=config.cache,
+            invariant_rows=info.invariant_rows, lookahead=info.lookahead,
         )
 
     # -- public API -------------------------------------------------------------------
@@ -86,14 +88,14 @@ class Engine:
             raise ValueError(f"stream id {req.stream_id} is already in use")
         if req.chunk_starts and req.chunk_starts[0] == 0:
             req = dataclasses.replace(req, chunk_starts=tuple(req.chunk_starts[1:]))  # row 0 always starts one
-        stream = Stream(req=req, submit_s=self.clock(), seq=next(self._seq))
+        schedule = plan_schedule(len(req.tokens), req.chunk_starts, self.config.grid)
+        stream = Stream(req=req, submit_s=self.clock(), seq=next(self._seq), schedule=schedule)
         if self.config.cache and req.cache:
             stream.key, stream.note = make_key(
                 req.tokens, cache_key=req.cache_key, namespace=req.namespace, frame=req.frame,
                 images=[im.identity for im in req.images], lookahead=self.info.lookahead,
             )
         self._streams[req.stream_id] = stream
-        self._schedules[req.stream_id] = plan_schedule(len(req.tokens), req.chunk_starts, self.config.grid)
         self.admitter.waiting.push(stream)
 
     def cancel(self, stream_id: int) -> bool:
@@ -111,13 +113,17 @@ class Engine:
         """Run one lane round; returns the token and done events it produced, in order."""
         t0 = self.clock()
         events: list[Event] = []
-        planned = self._schedule(events)
-        plan = RoundPlan(tuple(p.work for p in planned))
+        builder = PlanBuilder()
+        planned = self._schedule(events, builder)
+        for p in planned:
+            if self._captures_at(p):
+                builder.capture(p.lane.index, p.cut)
+        plan = builder.build(tuple(p.work for p in planned))
         forward_s = 0.0
-        if planned:
+        if not plan.empty:
             result = self.device.run_round(plan)
             forward_s = result.forward_s
-            self._postprocess(planned, result, events)
+            self._postprocess(planned, plan, result, events)
         self._report_store()
         busy = sum(1 for lane in self.lanes if lane.busy)
         self.observer.on_round(self.clock() - t0, forward_s, plan.num_rows, busy, len(self.admitter.waiting))
@@ -183,14 +189,13 @@ class Engine:
 
     # -- schedule ---------------------------------------------------------------------
 
-    def _schedule(self, events: list[Event]) -> list[PlannedWork]:
+    def _schedule(self, events: list[Event], builder: PlanBuilder) -> list[PlannedWork]:
         self._drop_cancelled(events)
         for seating in self.admitter.admit():
             self._store_touched = True
-            if seating.first is not None:
-                self._emit(seating.stream, seating.first, seating.logits, events)
+            self._seat(seating, builder)
         busy = sorted((lane for lane in self.lanes if lane.busy), key=lambda lane: lane.stream.seq)
-        decoding = [lane for lane in busy if not lane.stream.prefilling]
+        decoding = [lane for lane in busy if lane.stream.decoding]
         prefilling = [lane for lane in busy if lane.stream.prefilling]
         _, planned = plan_round(
             decoding,
@@ -198,16 +203,35 @@ class Engine:
             page_size=self.info.page_size,
             row_budget=self.config.round_row_budget,
             room_for_row=self._room_for_row,
-            cuts_of=lambda s: self._schedules[s.stream_id].cuts,
+            cuts_of=lambda s: s.schedule.cuts,
             keep_cuts_of=self._publishes,
         )
-        if not planned and busy:
-            # Every busy lane decodes and none found a page: clear the store, else end the newest.
+        if not planned and decoding:
+            # Every decoding lane needs a page and none is left: clear the store, else end the newest.
             if self.store is not None and self.store.clear():
-                return self._schedule(events)
+                return self._schedule(events, builder)
             self._finish(decoding[-1].stream, "length", events, note=OUT_OF_PAGES_NOTE, keep=False)
-            return self._schedule(events)
+            return self._schedule(events, builder)
         return planned
+
+    def _seat(self, seating: Seating, builder: PlanBuilder) -> None:
+        """Bind a seated stream to its lane; the device side goes into this round's plan."""
+        stream, resume = seating.stream, seating.resume
+        copied = len(seating.page_copies) * self.info.kv_bytes_per_page
+        if seating.restore is not None:
+            copied += seating.restore.nbytes
+        if copied:
+            self.observer.on_snapshot_copy("restore", copied)
+        stream.lane = seating.lane
+        stream.admit_s = self.clock()
+        stream.cache_result = seating.result
+        stream.cached_tokens = resume
+        stream.prefilled_tokens = stream.num_prompt - resume
+        stream.chunks = stream.schedule.chunks(resume)
+        builder.seat(seating)
+        self.observer.on_admit(stream.admit_s - stream.submit_s)
+        if seating.result != "off":
+            self.observer.on_lookup(seating.result, stream.num_prompt, resume)
 
     def _room_for_row(self, lane: Lane) -> bool:
         rows = lane.num_rows + 1
@@ -217,6 +241,12 @@ class Engine:
     def _keeps_cuts(self, stream: Stream) -> bool:
         """Whether `stream` keeps anything at its cuts (a snapshot, or the lane's state at its last cut)."""
         return self.admitter.reuse_allowed(stream) and (self.store is not None or not self.info.invariant_rows)
+
+    def _captures_at(self, p: PlannedWork) -> bool:
+        """Whether the round captures the lane's state after `p`'s chunk (see `_keep_cut`)."""
+        if p.cut is None or not self.info.lane_state_bytes or not self._keeps_cuts(p.stream):
+            return False
+        return self.store is not None or p.cut in p.stream.schedule.cuts[-RESIDENT_CUTS:]
 
     def _publishes(self, stream: Stream) -> bool:
         """Whether `stream` publishes to the store (its chunks ending at cuts return their logits row)."""
@@ -232,8 +262,18 @@ class Engine:
 
     # -- postprocess ------------------------------------------------------------------
 
-    def _postprocess(self, planned: list[PlannedWork], result: RoundResult, events: list[Event]) -> None:
+    def _postprocess(self, planned: list[PlannedWork], plan: RoundPlan, result: RoundResult,
+                     events: list[Event]) -> None:
+        if len(result.stored) != len(plan.stored) or len(result.captured) != len(plan.captures):
+            raise RuntimeError(f"the device answered {len(result.stored)} stored samples and "
+                               f"{len(result.captured)} captures for {len(plan.stored)} and {len(plan.captures)}")
+        for res in result.stored:  # full hits: the first token, sampled from the stored row
+            stream = self.lanes[res.lane].stream
+            if stream is None or len(res.sampled) != 1:
+                raise RuntimeError(f"lane {res.lane}: a stored-row sample {res} for no seated stream")
+            self._emit(stream, res.sampled[0], res.digests if stream.req.want_logits else None, events)
         by_lane = result.by_lane()
+        captured = {c.lane: c.state for c in result.captured}
         for p in planned:
             lane, stream, work = p.lane, p.stream, p.work
             res = by_lane.get(lane.index)
@@ -243,34 +283,37 @@ class Engine:
                 lane.prefilled_upto = end
                 stream.next_chunk += 1
                 if p.cut is not None and self._keeps_cuts(stream):
-                    self._keep_cut(lane, stream, p.cut, res)
+                    self._keep_cut(lane, stream, p.cut, res, captured.get(lane.index))
             else:
                 lane.ids.extend(work.tokens)
                 lane.prefilled_upto = end if self.info.invariant_rows else lane.prefilled_upto
             if work.sample_rows:
                 if res is None or len(res.sampled) != len(work.sample_rows):
                     raise RuntimeError(f"lane {lane.index}: the device sampled {res} for rows {work.sample_rows}")
-                self._emit(stream, res.sampled[0], res.logits if stream.req.want_logits else None, events)
+                digests = res.digests if stream.req.want_logits else None
+                self._emit(stream, res.sampled[0], digests, events)
 
-    def _keep_cut(self, lane: Lane, stream: Stream, cut: int, res: LaneResult | None) -> None:
-        """A prefill chunk ended at a cut: capture the lane's state and publish the rows below it."""
-        last_cuts = self._schedules[stream.stream_id].cuts[-RESIDENT_CUTS:]
+    def _keep_cut(self, lane: Lane, stream: Stream, cut: int, res: LaneResult | None,
+                  state: DeviceState | None) -> None:
+        """A prefill chunk ended at a cut: keep the state the round captured there and publish
+        the rows below it."""
+        last_cuts = stream.schedule.cuts[-RESIDENT_CUTS:]
         if self.store is None and cut not in last_cuts:
             return  # without a store only the last cuts are resumed, in place
-        state = None
         if self.info.lane_state_bytes:
-            state = self.device.capture(lane.index)
+            if state is None:
+                raise RuntimeError(f"lane {lane.index}: no state captured at cut {cut}")
             self.observer.on_snapshot_copy("save", state.nbytes)
         if not self.info.invariant_rows and cut in last_cuts:
             lane.cut_states[cut] = state
         if self.store is not None:
             self._store_touched = True
             logits = res.logits if res is not None else None
-            self.store.publish(stream.key, self._schedules[stream.stream_id], cut, lane.pages,
+            self.store.publish(stream.key, stream.schedule, cut, lane.pages,
                                Snapshot(state=state, logits=logits), prefilled_upto=lane.prefilled_upto,
                                restored=lane.restored)
 
-    def _emit(self, stream: Stream, token: int, logits: DeviceRows | None, events: list[Event]) -> None:
+    def _emit(self, stream: Stream, token: int, digests: tuple[str, ...] | None, events: list[Event]) -> None:
         now = self.clock()
         if stream.first_token_s is None:
             stream.first_token_s = now
@@ -279,7 +322,7 @@ class Engine:
             self.observer.on_token_gap(now - stream.last_token_s)
         stream.last_token_s = now
         stream.generated.append(token)
-        events.append(TokenEvent(stream.stream_id, (token,), logits))
+        events.append(TokenEvent(stream.stream_id, (token,), digests))
         if token in stream.req.stop_ids:
             self._finish(stream, "stop", events)
         elif len(stream.generated) >= stream.req.max_tokens or stream.num_prompt + len(stream.generated) >= self.max_context:
@@ -303,7 +346,6 @@ class Engine:
 
     def _done(self, stream: Stream, reason: str, events: list[Event]) -> None:
         del self._streams[stream.stream_id]
-        del self._schedules[stream.stream_id]
         usage = stream.usage(self.clock())
         events.append(DoneEvent(stream.stream_id, reason, usage, stream.note))
         self.observer.on_done(reason, usage.prompt_tokens, usage.completion_tokens)

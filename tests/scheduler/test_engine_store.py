@@ -58,8 +58,9 @@ def test_a_whole_prompt_hit_samples_its_first_token_without_a_forward():
     out3, done3 = turn(engine, req(3, SYSTEM, want_logits=True))
     assert (done3.usage.cache, done3.usage.cached_tokens, done3.usage.prefilled_tokens) == ("hit", 10, 0)
     assert out3 == out1
-    first_plan = device.plans[num_plans]
-    assert [(w.start, w.prefill, w.tokens) for w in first_plan.lanes] == [(10, False, (out1[0],))]
+    first_plan, second_plan = device.plans[num_plans : num_plans + 2]
+    assert first_plan.lanes == () and [(s.lane, s.row, s.digest) for s in first_plan.stored] == [(0, 0, True)]
+    assert [(w.start, w.prefill, w.tokens) for w in second_plan.lanes] == [(10, False, (out1[0],))]
 
 
 def test_only_the_prompts_end_keeps_a_logits_row():
