@@ -16,23 +16,21 @@ from typing import Callable
 
 from prefixd.scheduler.admission import Admitter, Seating
 from prefixd.scheduler.config import SchedulerConfig, store_budget_bytes
+from prefixd.scheduler.cuts import CutKeeper
 from prefixd.scheduler.device import Device
 from prefixd.scheduler.events import EngineObserver, NullObserver
-from prefixd.scheduler.lanes import Lane, PageTables, check_page_refs
+from prefixd.scheduler.engine_state import check_engine, engine_status
+from prefixd.scheduler.lanes import Lane, PageTables
 from prefixd.scheduler.pages import PageAllocator
 from prefixd.scheduler.planner import plan_schedule
 from prefixd.scheduler.program import PlanBuilder
-from prefixd.scheduler.records import DeviceState, LaneResult, RoundPlan, RoundResult
+from prefixd.scheduler.records import RoundPlan, RoundResult
 from prefixd.scheduler.rounds import PlannedWork, plan_round
-from prefixd.scheduler.store import PrefixStore, Snapshot, make_key
+from prefixd.scheduler.store import PrefixStore, make_key
 from prefixd.scheduler.streams import DoneEvent, Stream, StreamRequest, TokenEvent, validate_request
 
 Event = TokenEvent | DoneEvent
 OUT_OF_PAGES_NOTE = "stopped early: no KV pages left for another row"
-# A resident lane of a non-invariant family keeps its state at the last cuts of its pass: the
-# prompt's end and the chunk start before it (a chat's generation-prompt start, where the next
-# turn's schedule cuts too).
-RESIDENT_CUTS = 2
 
 
 class Engine:
@@ -77,6 +75,8 @@ class Engine:
             headroom_rows=config.decode_headroom_rows, max_context=self.max_context, cache=config.cache,
             invariant_rows=info.invariant_rows, lookahead=info.lookahead,
         )
+        self.cuts = CutKeeper(store=self.store, info=info, observer=self.observer,
+                              reuse_allowed=self.admitter.reuse_allowed)
 
     # -- public API -------------------------------------------------------------------
 
@@ -116,7 +116,7 @@ class Engine:
         builder = PlanBuilder()
         planned = self._schedule(events, builder)
         for p in planned:
-            if self._captures_at(p):
+            if self.cuts.captures_at(p):
                 builder.capture(p.lane.index, p.cut)
         plan = builder.build(tuple(p.work for p in planned))
         forward_s = 0.0
@@ -150,42 +150,11 @@ class Engine:
 
     def status(self) -> dict:
         """Lanes (busy/resident/free), waiting count, pages free/used, store stats."""
-        lanes = []
-        for lane in self.lanes:
-            state = "busy" if lane.busy else "resident" if lane.resident else "free"
-            entry: dict = {"lane": lane.index, "state": state, "rows": lane.num_rows, "pages": len(lane.pages)}
-            if lane.stream is not None:
-                entry["stream_id"] = lane.stream.stream_id
-            lanes.append(entry)
-        out = {
-            "lanes": lanes,
-            "lanes_busy": sum(1 for lane in self.lanes if lane.busy),
-            "lanes_resident": sum(1 for lane in self.lanes if lane.resident),
-            "waiting": len(self.admitter.waiting),
-            "pages_free": self.allocator.num_free,
-            "pages_used": self.allocator.num_used,
-            "page_size": self.info.page_size,
-            "max_context": self.max_context,
-        }
-        if self.store is not None:
-            out["store"] = dataclasses.asdict(self.store.stats())
-        return out
+        return engine_status(self)
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if lanes, streams, the store and page refcounts disagree."""
-        for lane in self.lanes:
-            stream = lane.stream
-            if stream is not None and (stream.lane != lane.index or self._streams.get(stream.stream_id) is not stream):
-                raise RuntimeError(f"lane {lane.index} and its stream disagree")
-        running = sum(1 for lane in self.lanes if lane.busy)
-        if running + len(self.admitter.waiting) != len(self._streams):
-            raise RuntimeError(f"{len(self._streams)} streams, {running} running, {len(self.admitter.waiting)} waiting")
-        store_pages = 0
-        if self.store is not None:
-            self.store.check_integrity()
-            store_pages = self.store.stats().pages
-        waiting_pages = [p for s in self.admitter.waiting if s.hit is not None for p in s.hit.pages]
-        check_page_refs(self.allocator, self.lanes, self.info.page_size, waiting_pages, store_pages)
+        check_engine(self, self._streams)
 
     # -- schedule ---------------------------------------------------------------------
 
@@ -204,7 +173,7 @@ class Engine:
             row_budget=self.config.round_row_budget,
             room_for_row=self._room_for_row,
             cuts_of=lambda s: s.schedule.cuts,
-            keep_cuts_of=self._publishes,
+            keep_cuts_of=self.cuts.publishes,
         )
         if not planned and decoding:
             # Every decoding lane needs a page and none is left: clear the store, else end the newest.
@@ -238,20 +207,6 @@ class Engine:
         need = self.tables.pages_needed(lane, rows)
         return need == 0 or (self.admitter.free_pages(need, spare=()) and self.tables.grow(lane, rows))
 
-    def _keeps_cuts(self, stream: Stream) -> bool:
-        """Whether `stream` keeps anything at its cuts (a snapshot, or the lane's state at its last cut)."""
-        return self.admitter.reuse_allowed(stream) and (self.store is not None or not self.info.invariant_rows)
-
-    def _captures_at(self, p: PlannedWork) -> bool:
-        """Whether the round captures the lane's state after `p`'s chunk (see `_keep_cut`)."""
-        if p.cut is None or not self.info.lane_state_bytes or not self._keeps_cuts(p.stream):
-            return False
-        return self.store is not None or p.cut in p.stream.schedule.cuts[-RESIDENT_CUTS:]
-
-    def _publishes(self, stream: Stream) -> bool:
-        """Whether `stream` publishes to the store (its chunks ending at cuts return their logits row)."""
-        return self.store is not None and self.admitter.reuse_allowed(stream)
-
     def _drop_cancelled(self, events: list[Event]) -> None:
         for stream in [s for s in self._streams.values() if s.cancelled]:
             if stream.lane is None:
@@ -282,8 +237,9 @@ class Engine:
                 lane.ids.extend(stream.key_tokens[work.start : end])
                 lane.prefilled_upto = end
                 stream.next_chunk += 1
-                if p.cut is not None and self._keeps_cuts(stream):
-                    self._keep_cut(lane, stream, p.cut, res, captured.get(lane.index))
+                if p.cut is not None and self.cuts.keeps(stream):
+                    logits = res.logits if res is not None else None
+                    self._store_touched |= self.cuts.keep(lane, stream, p.cut, logits, captured.get(lane.index))
             else:
                 lane.ids.extend(work.tokens)
                 lane.prefilled_upto = end if self.info.invariant_rows else lane.prefilled_upto
@@ -292,26 +248,6 @@ class Engine:
                     raise RuntimeError(f"lane {lane.index}: the device sampled {res} for rows {work.sample_rows}")
                 digests = res.digests if stream.req.want_logits else None
                 self._emit(stream, res.sampled[0], digests, events)
-
-    def _keep_cut(self, lane: Lane, stream: Stream, cut: int, res: LaneResult | None,
-                  state: DeviceState | None) -> None:
-        """A prefill chunk ended at a cut: keep the state the round captured there and publish
-        the rows below it."""
-        last_cuts = stream.schedule.cuts[-RESIDENT_CUTS:]
-        if self.store is None and cut not in last_cuts:
-            return  # without a store only the last cuts are resumed, in place
-        if self.info.lane_state_bytes:
-            if state is None:
-                raise RuntimeError(f"lane {lane.index}: no state captured at cut {cut}")
-            self.observer.on_snapshot_copy("save", state.nbytes)
-        if not self.info.invariant_rows and cut in last_cuts:
-            lane.cut_states[cut] = state
-        if self.store is not None:
-            self._store_touched = True
-            logits = res.logits if res is not None else None
-            self.store.publish(stream.key, stream.schedule, cut, lane.pages,
-                               Snapshot(state=state, logits=logits), prefilled_upto=lane.prefilled_upto,
-                               restored=lane.restored)
 
     def _emit(self, stream: Stream, token: int, digests: tuple[str, ...] | None, events: list[Event]) -> None:
         now = self.clock()
