@@ -98,6 +98,8 @@ class EngineHost:
             self._cond.notify()
         if self._thread is not None:
             await anyio.to_thread.run_sync(self._thread.join)
+            if self.failure is None:  # a failed device is left as it is
+                self.engine.close()  # the thread is gone: nothing steps the engine any more
         for sink in self._sinks.values():
             sink.close()
         self._sinks.clear()

@@ -143,6 +143,10 @@ class Engine:
         self._report_store()
         return events
 
+    def close(self) -> None:
+        """Release the device; call once no step() runs and none will."""
+        self.device.close()
+
     @property
     def idle(self) -> bool:
         """Nothing running or waiting."""

@@ -110,6 +110,7 @@ class LetterDevice:
         self.waiting = False  # True while a round waits for the gate
         self.rounds = 0
         self.fail_rounds = False
+        self.closed = False
 
     def run_round(self, plan: RoundPlan) -> RoundResult:
         self.waiting = True
@@ -139,7 +140,7 @@ class LetterDevice:
         return RoundResult(tuple(results), stored=stored, captured=captured)
 
     def close(self) -> None:
-        return None
+        self.closed = True
 
     def _sample_stored(self, item: StoredSample) -> LaneResult:
         row = item.logits[item.row]
