@@ -91,3 +91,21 @@ def test_a_hit_restores_copies_the_borrowed_tail_and_prefills_in_one_round():
     cold_engine, _ = make_engine(num_lanes=1, grid=4, budget=16, cache=False, store=False, invariant_rows=False,
                                  page_size=8)
     assert tokens == turn(cold_engine, req(3, prompt))[0]
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_a_resident_continuation_restores_only_a_non_invariant_lanes_cut_state(invariant):
+    engine, device = make(invariant_rows=invariant)
+    first, _ = turn(engine, req(1, SYSTEM, max_tokens=2, chunk_starts=(8,)))
+    num_plans = len(device.plans)
+    prompt = SYSTEM + first + [7, 7]
+    tokens, done = turn(engine, req(2, prompt, chunk_starts=(8, 12)))
+    seated = device.plans[num_plans]
+    assert done.usage.cache == "resident" and seated.resets == () and seated.page_copies == ()
+    if invariant:
+        assert done.usage.cached_tokens == 11 and seated.restores == ()  # the prompt and the fed reply token
+    else:  # back to the state at the prompt's last cut before its end (the chunk start at 8)
+        state8 = chunk_state(SYSTEM[:4], SYSTEM[4:8])
+        assert done.usage.cached_tokens == 8 and seated.restores == (Restore(0, FakeState(state8, 256)),)
+    cold_engine, _ = make_engine(num_lanes=1, grid=4, budget=16, cache=False, store=False, invariant_rows=invariant)
+    assert tokens == turn(cold_engine, req(2, prompt, chunk_starts=(8, 12)))[0]
