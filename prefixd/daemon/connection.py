@@ -3,29 +3,38 @@
     reader ──▶ dispatch ──▶ replies ─────────────────┐
                  └─ generate ─▶ forward task per stream ─┴─▶ bounded out queue ─▶ writer ─▶ socket
 
-Every reply goes through one bounded queue; when it is full the client is not reading, and
-the connection is closed (its streams are cancelled). Bad requests get `{code, message}`
-and the connection goes on; a frame that breaks framing closes only this connection.
+Every reply goes through one bounded queue. When it is full, whoever sends waits: the
+reader stops reading the client's frames until the writer has made room (backpressure),
+and only a client that takes no bytes for `send_timeout_s` is disconnected (its streams are
+cancelled). Bad requests get `{code, message}` and the connection goes on; a frame that
+breaks framing closes only this connection. A frame's memfd payloads are read only after
+the checks that need none of them, and off the event loop.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from array import array
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.engine_host import EngineFailed, EngineHost, StreamTokens
 from prefixd.daemon.requests import RequestBuilder
 from prefixd.daemon.stops import StopMatcher
 from prefixd.ipc.errors import ErrorCode, ProtocolError
+from prefixd.ipc.fields import request_id_of
+from prefixd.ipc.framing import Frame, close_fds
+from prefixd.ipc.memfd import check_refs, resolve_payloads
+from prefixd.ipc.messages import check_before_payloads
 
 log = logging.getLogger("prefixd.connection")
 
-DEFAULT_OUT_FRAMES = 512  # queued outgoing frames before a client counts as not reading
-DEFAULT_MAX_STREAMS = 256  # generates one connection may have in flight
+_LOOP_DETOKENIZE_IDS = 1024  # longer detokenizes run off the event loop
 _FLUSH_S = 1.0  # how long a closing connection may take to send its last frames
 _CLOSED = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError)
 
@@ -41,16 +50,21 @@ class Services:
     shutting_down: Callable[[], bool]
     next_stream_id: Callable[[], int]
 
+    def max_context(self) -> int | None:
+        """The longest prompt the model takes, as the hello reply's model map says."""
+        value = self.builder.model_info.get("max_context")
+        return value if type(value) is int else None
+
 
 class Connection:
     """Serves one framed stream until the client leaves, breaks framing, or stops reading."""
 
-    def __init__(self, framed: Any, services: Services, *, out_frames: int = DEFAULT_OUT_FRAMES,
-                 max_streams: int = DEFAULT_MAX_STREAMS) -> None:
+    def __init__(self, framed: Any, services: Services, bounds: ConnectionBounds | None = None) -> None:
+        bounds = bounds or ConnectionBounds()
         self.framed = framed
-        self.max_streams = max_streams
+        self.max_streams = bounds.max_streams
         self.services = services
-        self._out_send, self._out_receive = anyio.create_memory_object_stream[dict](out_frames)
+        self._out_send, self._out_receive = anyio.create_memory_object_stream[dict](bounds.out_frames)
         self._streams: dict[int, int] = {}  # request id -> engine stream id
         self._writer_done = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
@@ -85,18 +99,38 @@ class Connection:
     async def _reader(self) -> None:
         while True:
             try:
-                msg = await self.framed.receive()
+                frame = await self.framed.receive_frame()
             except ProtocolError as e:
-                self._send(e.to_wire())
+                await self._send(e.to_wire())
                 if e.fatal:
                     return
                 continue
             except _CLOSED:
                 return
+            try:
+                msg = await self._open(frame)
+            except ProtocolError as e:
+                await self._send(e.to_wire())
+                continue
             await self._handle(msg)
 
+    async def _open(self, frame: Frame) -> dict[str, Any]:
+        """The frame's map with its memfd payloads read, once every check that needs none
+        of them has passed; closes the frame's descriptors."""
+        if not frame.num_refs:
+            close_fds(frame.fds)
+            return frame.msg
+        try:
+            check_before_payloads(frame.msg, self.services.max_context())
+            check_refs(frame, self.framed.limits)
+        except ProtocolError as e:
+            close_fds(frame.fds)
+            raise e.with_id(request_id_of(frame.msg)) from None
+        read = functools.partial(resolve_payloads, frame, self.framed.limits, arrays=True)
+        return await anyio.to_thread.run_sync(read)
+
     async def _handle(self, msg: dict[str, Any]) -> None:
-        request_id = msg.get("id") if isinstance(msg.get("id"), int) else None
+        request_id = request_id_of(msg)  # an error never repeats an id that is not a valid one
         try:
             kind = msg.get("type")
             handler = self._handlers().get(kind) if isinstance(kind, str) else None
@@ -104,9 +138,9 @@ class Connection:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}")
             await handler(msg)
         except ProtocolError as e:
-            self._send(e.with_id(request_id).to_wire())
+            await self._send(e.with_id(request_id).to_wire())
         except EngineFailed as e:
-            self._send(ProtocolError(ErrorCode.INTERNAL, str(e), request_id).to_wire())
+            await self._send(ProtocolError(ErrorCode.INTERNAL, str(e), request_id).to_wire())
 
     def _handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
         return {
@@ -119,19 +153,23 @@ class Connection:
         }
 
     async def _on_hello(self, msg: dict[str, Any]) -> None:
-        self._send(self.services.builder.hello(msg, self.services.hello_reply()))
+        await self._send(self.services.builder.hello(msg, self.services.hello_reply()))
 
     async def _on_status(self, msg: dict[str, Any]) -> None:
         request_id = self.services.builder.status(msg)
         status = await self.services.host.call(lambda engine: engine.status())
-        self._send({**status, **self.services.status_extra(), "type": "status", "id": request_id})
+        await self._send({**status, **self.services.status_extra(), "type": "status", "id": request_id})
 
     async def _on_tokenize(self, msg: dict[str, Any]) -> None:
         reply = await anyio.to_thread.run_sync(self.services.builder.tokenize, msg)
-        self._send(reply)
+        await self._send(reply)
 
     async def _on_detokenize(self, msg: dict[str, Any]) -> None:
-        self._send(self.services.builder.detokenize(msg))
+        ids = msg.get("ids")
+        if isinstance(ids, (list, array)) and len(ids) > _LOOP_DETOKENIZE_IDS:
+            await self._send(await anyio.to_thread.run_sync(self.services.builder.detokenize, msg))
+        else:  # the common short case costs less than a thread hop
+            await self._send(self.services.builder.detokenize(msg))
 
     async def _on_cancel(self, msg: dict[str, Any]) -> None:
         request_id, target = self.services.builder.cancel(msg)
@@ -139,7 +177,7 @@ class Connection:
         if stream_id is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no generate with id {target} is in flight")
         self.services.host.cancel_nowait(stream_id)
-        self._send({"type": "ok", "id": request_id})
+        await self._send({"type": "ok", "id": request_id})
 
     async def _on_generate(self, msg: dict[str, Any]) -> None:
         request_id = msg.get("id")
@@ -178,7 +216,7 @@ class Connection:
                     # A stop id ends the stream; its text (an end-of-turn marker) is not the reply's.
                     shown = [i for i in event.ids if i not in built.request.stop_ids]
                     text, hit = stops.push(decoder.push(shown))
-                    self._send(_token_event(built.request_id, event.ids, text, event.logits_sha256))
+                    await self._send(_token_event(built.request_id, event.ids, text, event.logits_sha256))
                     sent_ids += len(event.ids)
                     if hit:
                         self.services.host.cancel_nowait(event.stream_id)
@@ -186,25 +224,20 @@ class Connection:
                     done = event
         self._streams.pop(built.request_id, None)
         if done is None:
-            self._send(ProtocolError(ErrorCode.INTERNAL, "the engine stopped before this stream finished",
+            await self._send(ProtocolError(ErrorCode.INTERNAL, "the engine stopped before this stream finished",
                                      built.request_id).to_wire())
             return
         if not stops.stopped:
             tail = stops.push(decoder.flush())[0] + stops.flush()
             if tail:
-                self._send(_token_event(built.request_id, (), tail, None))
-        self._send(_done_event(built.request_id, done, stopped=stops.stopped, sent_ids=sent_ids))
+                await self._send(_token_event(built.request_id, (), tail, None))
+        await self._send(_done_event(built.request_id, done, stopped=stops.stopped, sent_ids=sent_ids))
 
-    def _send(self, frame: dict[str, Any]) -> None:
+    async def _send(self, frame: dict[str, Any]) -> None:
+        """Queue `frame` for the writer, waiting while the queue is full (the reader then
+        reads nothing more from this client until the writer makes room)."""
         try:
-            self._out_send.send_nowait(frame)
-        except anyio.WouldBlock:
-            # The client does not read: close this connection, which cancels its streams.
-            if not self.slow:
-                log.info("closing a connection whose client does not read")
-            self.slow = True
-            assert self._tg is not None
-            self._tg.cancel_scope.cancel()
+            await self._out_send.send(frame)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             log.debug("dropping a frame for a closed connection")
 
@@ -213,8 +246,11 @@ class Connection:
             async for frame in self._out_receive:
                 try:
                     await self.framed.send(frame)
-                except (*_CLOSED, TimeoutError):
+                except (*_CLOSED, TimeoutError) as e:
                     # Gone, or not reading within the send timeout: end the whole connection.
+                    if isinstance(e, TimeoutError):
+                        self.slow = True
+                        log.info("closing a connection whose client does not read")
                     assert self._tg is not None
                     self._tg.cancel_scope.cancel()
                     return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import grp
 import os
 import socket
@@ -110,9 +111,32 @@ def peer_cred(sock: socket.socket) -> PeerCred:
     return PeerCred(pid, uid, gid)
 
 
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
+_MAX_PEER_GROUPS = 256  # what fits the 1024-byte getsockopt buffer Python allows
+
+
+def peer_groups(sock: socket.socket) -> frozenset[int] | None:
+    """The peer's supplementary groups as the kernel recorded them at connect (SO_PEERGROUPS).
+
+    None where the kernel lacks the option, or the peer is in more than `_MAX_PEER_GROUPS`
+    groups; the caller then falls back to the group database."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, _MAX_PEER_GROUPS * 4)
+    except OSError as e:
+        if e.errno in (errno.ENOPROTOOPT, errno.EINVAL, errno.ERANGE):
+            return None
+        raise
+    return frozenset(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
+
+
 @dataclass(frozen=True, slots=True)
 class PeerPolicy:
-    """Who may talk to the daemon: its own uid, plus members of `allowed_gid` when set."""
+    """Who may talk to the daemon: its own uid, plus members of `allowed_gid` when set.
+
+    Membership is the peer's own credentials: its gid (SO_PEERCRED) and its supplementary
+    groups (SO_PEERGROUPS). Only where the kernel cannot tell the groups does the policy
+    fall back to the group database's members of `allowed_gid` (`allowed_members`).
+    """
 
     uid: int
     allowed_gid: int | None = None
@@ -128,13 +152,17 @@ class PeerPolicy:
             raise SocketPathError(f"--allow-group {allow_group!r}: no such group") from None
         return cls(os.geteuid(), group.gr_gid, frozenset(group.gr_mem))
 
-    def allows(self, cred: PeerCred) -> bool:
+    def allows(self, cred: PeerCred, sock: socket.socket | None = None) -> bool:
+        """Whether the peer `cred` (connected on `sock`, whose groups are read) may talk."""
         if cred.uid == self.uid:
             return True
         if self.allowed_gid is None:
             return False
         if cred.gid == self.allowed_gid:
             return True
+        groups = peer_groups(sock) if sock is not None else None
+        if groups is not None:
+            return self.allowed_gid in groups
         return _user_name(cred.uid) in self.allowed_members
 
 

@@ -21,20 +21,22 @@ import anyio
 import anyio.abc
 
 import prefixd
+from prefixd.daemon.admission import AcceptErrors, refuse_connection, return_freed_memory
+from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.config import DaemonConfig
-from prefixd.daemon.connection import DEFAULT_MAX_STREAMS, DEFAULT_OUT_FRAMES, Connection, Services
+from prefixd.daemon.connection import Connection, Services
 from prefixd.daemon.engine_host import EngineHost
 from prefixd.daemon.listener import PeerPolicy, bind_listening_socket, peer_cred
 from prefixd.daemon.requests import RequestBuilder
 from prefixd.daemon.runtime import Runtime, load_runtime
 from prefixd.daemon.systemd import Notifier, take_activation_socket
 from prefixd.ipc.framing import Limits
-from prefixd.ipc.transport import FramedStream
+from prefixd.ipc.transport import BufferBudget, FramedStream
 from prefixd.metrics import Metrics, MetricsExporter, MetricsObserver, parse_metrics_addr
 
 log = logging.getLogger("prefixd.server")
-_CANCEL_FLUSH_S = 5.0
-SEND_TIMEOUT_S = 30.0  # a client that takes no bytes for this long is disconnected  # after the grace period: time for cancelled streams to send their done
+_TRIM_AFTER_BYTES = 1 << 20  # a connection that buffered this much hands freed heap back on close
+_CANCEL_FLUSH_S = 5.0  # after the grace period: time for cancelled streams to send their done
 
 RuntimeFactory = Callable[[DaemonConfig, Any], Runtime]
 
@@ -75,11 +77,11 @@ class Server:
 
     def __init__(self, cfg: DaemonConfig, *, runtime_factory: RuntimeFactory = _default_factory,
                  env: dict[str, str] | None = None, out: Any = None,
-                 out_frames: int = DEFAULT_OUT_FRAMES, max_streams: int = DEFAULT_MAX_STREAMS) -> None:
+                 bounds: ConnectionBounds | None = None) -> None:
         self.cfg = cfg
         self._factory = runtime_factory
-        self._out_frames = out_frames
-        self._max_streams = max_streams
+        self.bounds = bounds or ConnectionBounds()
+        self.buffers = BufferBudget(self.bounds.max_buffered_bytes)
         self._env = os.environ if env is None else env
         self._out = sys.stderr if out is None else out
         self.notifier = Notifier(self._env)
@@ -190,25 +192,48 @@ class Server:
             await anyio.sleep(interval_s)
 
     async def _accept_loop(self, conns: anyio.abc.TaskGroup) -> None:
+        """Accept until the listener closes. A failed accept (EMFILE, ENFILE, ENOBUFS,
+        ENOMEM or any other OSError) is logged, rate-limited, and retried after a pause: it
+        never ends the loop."""
         assert self._listener is not None
         policy = PeerPolicy.for_this_process(self.cfg.allow_group)
+        errors = AcceptErrors(log)
         while True:
             try:
                 stream = await self._listener.accept()
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            except anyio.ClosedResourceError:
                 return
-            raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
-            cred = peer_cred(raw)
-            if not policy.allows(cred):
-                log.warning("refused a peer: pid %d uid %d gid %d", cred.pid, cred.uid, cred.gid)
-                await stream.aclose()
+            except (anyio.BrokenResourceError, OSError) as e:  # anyio wraps accept's OSError
+                if self._listener is None:
+                    return  # closed while accepting
+                errors.record(e.__cause__ if isinstance(e.__cause__, OSError) else e)
+                await anyio.sleep(self.bounds.accept_backoff_s)
                 continue
-            conns.start_soon(self._serve_connection, stream)
+            errors.recovered()
+            conns.start_soon(self._admit, stream, policy)
+
+    async def _admit(self, stream: anyio.abc.SocketStream, policy: PeerPolicy) -> None:
+        raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+        try:
+            cred = peer_cred(raw)
+            allowed = policy.allows(cred, raw)
+        except OSError as e:  # the peer left before we looked
+            log.debug("dropped a connection whose peer left: %s", e)
+            allowed, cred = False, None
+        if not allowed:
+            if cred is not None:
+                log.warning("refused a peer: pid %d uid %d gid %d", cred.pid, cred.uid, cred.gid)
+            await stream.aclose()
+            return
+        if len(self._connections) >= self.bounds.max_connections:
+            await refuse_connection(stream, self.bounds.max_connections)
+            return
+        await self._serve_connection(stream)
 
     async def _serve_connection(self, stream: anyio.abc.SocketStream) -> None:
-        framed = FramedStream(stream, self.limits, send_timeout_s=SEND_TIMEOUT_S)
-        connection = Connection(framed, self._services(), out_frames=self._out_frames,
-                                max_streams=self._max_streams)
+        framed = FramedStream(stream, self.limits, send_timeout_s=self.bounds.send_timeout_s,
+                              frame_deadline_s=self.bounds.frame_deadline_s, budget=self.buffers)
+        connection = Connection(framed, self._services(), self.bounds)
         self._connections.add(connection)
         try:
             await connection.serve()
@@ -216,6 +241,8 @@ class Server:
             log.exception("connection failed; closed it")
         finally:
             self._connections.discard(connection)
+            if framed.peak_buffered_bytes >= _TRIM_AFTER_BYTES:
+                return_freed_memory()
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -292,6 +319,7 @@ class Server:
             "server": f"prefixd {prefixd.__version__}",
             "model": dict(self._runtime.model_info),
             "connections": len(self._connections),
+            "buffered_bytes": self.buffers.used_bytes,
             "uptime_s": time.monotonic() - self._started_s,
             "socket": str(self.socket_path) if self.socket_path else None,
             "shutting_down": self.should_exit,

@@ -21,11 +21,17 @@ class ErrorCode(str, Enum):
     DUPLICATE_ID = "duplicate_id"  # a request id already in flight on this connection
     TOO_MANY_STREAMS = "too_many_streams"  # the connection or daemon holds too many streams
     SHUTTING_DOWN = "shutting_down"  # the daemon is stopping and takes no new work
+    TOO_MANY_CONNECTIONS = "too_many_connections"  # the daemon holds its maximum of connections
+    FRAME_TIMEOUT = "frame_timeout"  # a frame was not completed within the frame deadline
+    BUSY = "busy"  # the daemon's buffers for incomplete frames stayed full until the deadline
     INTERNAL = "internal"  # a bug on the server side; the message says what broke
 
 
 # Errors after which the byte stream can no longer be split into frames.
-_FATAL_CODES = frozenset({ErrorCode.BAD_FRAME, ErrorCode.FRAME_TOO_LARGE})
+_FATAL_CODES = frozenset({
+    ErrorCode.BAD_FRAME, ErrorCode.FRAME_TOO_LARGE, ErrorCode.TOO_MANY_CONNECTIONS, ErrorCode.FRAME_TIMEOUT,
+    ErrorCode.BUSY,
+})
 
 
 class ProtocolError(Exception):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, TypeVar
 
+from array import array
+
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 
 T = TypeVar("T")
@@ -100,6 +102,7 @@ class FieldReader:
         return value
 
     def list(self, name: str, default: Any = _MISSING) -> Any:
+        """An array of any values (an int32 memfd array is not one: only `ints` takes those)."""
         value = self._take(name, default)
         if value is not default and type(value) is not list:
             raise self.error(name, f"must be an array, got {_kind(value)}")
@@ -108,13 +111,27 @@ class FieldReader:
     def ints(
         self, name: str, default: Any = _MISSING, hi: int = MAX_ID, code: ErrorCode = ErrorCode.BAD_REQUEST
     ) -> Any:
-        """A tuple of non-negative ints <= hi; an out-of-range value raises with `code`."""
-        value = self.list(name, default)
+        """A tuple of non-negative ints <= hi; an out-of-range value raises with `code`.
+
+        A memfd int32 array (array.array) is range-checked as an array before any tuple is built."""
+        value = self._take(name, default)
         if value is default:
             return value
+        if type(value) is array:
+            return self._int_array(name, value, hi, code)
+        if type(value) is not list:
+            raise self.error(name, f"must be an array, got {_kind(value)}")
         if not all(type(v) is int for v in value):
             bad = next(v for v in value if type(v) is not int)
             raise self.error(name, f"must hold integers, got {_kind(bad)}")
+        if value and (min(value) < 0 or max(value) > hi):
+            bad = next(v for v in value if not 0 <= v <= hi)
+            raise self.error(name, f"{bad} outside [0, {hi}]", code)
+        return tuple(value)
+
+    def _int_array(self, name: str, value: array, hi: int, code: ErrorCode) -> tuple[int, ...]:
+        if value.typecode not in "bBhHiIlLqQ":
+            raise self.error(name, f"must hold integers, got {value.typecode!r} values")
         if value and (min(value) < 0 or max(value) > hi):
             bad = next(v for v in value if not 0 <= v <= hi)
             raise self.error(name, f"{bad} outside [0, {hi}]", code)
@@ -154,7 +171,8 @@ class FieldReader:
 
 
 def _kind(value: Any) -> str:
-    names = {dict: "map", list: "array", str: "string", bytes: "binary", memoryview: "binary"}
+    names = {dict: "map", list: "array", str: "string", bytes: "binary", memoryview: "binary",
+             array: "int32 memfd array"}
     return names.get(type(value), "nil" if value is None else type(value).__name__)
 
 

@@ -44,7 +44,8 @@ class Limits:
     max_map_len: int = 256  # keys of one map
     max_depth: int = 8  # nesting of maps and arrays; the frame's map is depth 1
     max_fds_per_frame: int = 8  # memfd segments that may ride with one frame
-    max_memfd_bytes: int = 256 << 20  # one memfd segment
+    max_memfd_bytes: int = 64 << 20  # one memfd segment: a 4096-row image of hidden 4096, float32
+    max_payload_bytes: int = 128 << 20  # all memfd segments of one frame together
     memfd_threshold_bytes: int = 64 << 10  # a sender moves binary fields above this to memfds
 
     def to_wire(self) -> dict[str, int]:
@@ -171,6 +172,13 @@ def decode_body(body: bytes | memoryview, limits: Limits) -> tuple[dict[str, Any
     return msg, _check_tree(msg, limits.max_depth)
 
 
+def too_many_fds(num_fds: int, limits: Limits) -> ProtocolError:
+    """The framing error for a frame that brought more descriptors than allowed."""
+    return ProtocolError(
+        ErrorCode.BAD_FRAME, f"{num_fds} descriptors for one frame exceed {limits.max_fds_per_frame}"
+    )
+
+
 def close_fds(fds: Iterable[int]) -> None:
     """Close descriptors this process received and owns."""
     for fd in fds:
@@ -196,6 +204,14 @@ class FrameDecoder:
     def buffered_bytes(self) -> int:
         """Bytes of a frame in progress; nonzero at end of stream means a truncated frame."""
         return len(self._buf)
+
+    @property
+    def frame_bytes_needed(self) -> int:
+        """Bytes the frame in progress will hold once complete (prefix included), as far as
+        its prefix tells; 0 between frames."""
+        if len(self._buf) < HEADER_BYTES:
+            return len(self._buf)
+        return HEADER_BYTES + int.from_bytes(self._buf[:HEADER_BYTES], "big")
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         """Feed bytes without descriptors; return the maps of the frames they complete."""
@@ -250,10 +266,9 @@ class FrameDecoder:
             groups[-1] += new_fds
         else:
             close_fds(new_fds)  # descriptors with no bytes belong to no frame
-        if len(self._pending_fds) > self.limits.max_fds_per_frame:
-            self._error = ProtocolError(
-                ErrorCode.BAD_PAYLOAD, "too many descriptors for one frame", fatal=True
-            )
+        most = max((len(group) for group in [*groups, self._pending_fds]), default=0)
+        if most > self.limits.max_fds_per_frame:
+            self._error = too_many_fds(most, self.limits)
             for group in groups:
                 close_fds(group)
             self.close()

@@ -14,9 +14,10 @@ import mmap
 import os
 import sys
 from array import array
-from typing import Any
+from typing import Any, Iterator
 
 from prefixd.ipc.errors import ErrorCode, ProtocolError
+from prefixd.ipc.fields import request_id_of
 from prefixd.ipc.framing import SCALAR_TYPES, Dtype, Frame, Limits, MemfdRef, close_fds
 
 SEALS_REQUIRED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
@@ -100,58 +101,18 @@ def _bad(message: str) -> ProtocolError:
     return ProtocolError(ErrorCode.BAD_PAYLOAD, message)
 
 
-def read_segment(fd: int, ref: MemfdRef, limits: Limits) -> Any:
-    """The checked content of one received segment: list[int] for INT32, else bytes.
-
-    The segment is mapped read-only and copied out, so nothing keeps `fd` or a mapping
-    alive afterwards (a live mmap holds its own duplicate of the descriptor). Does not
-    close `fd`."""
+def _check_ref(ref: MemfdRef, limits: Limits) -> None:
+    """What a ref declares, checked without touching its descriptor."""
     if ref.num_bytes > limits.max_memfd_bytes:
         raise _bad(f"memfd of {ref.num_bytes} bytes exceeds {limits.max_memfd_bytes}")
     if ref.num_bytes % ref.dtype.itemsize:
         raise _bad(f"memfd of {ref.num_bytes} bytes is not a whole number of {ref.dtype.name}")
-    try:
-        size = os.fstat(fd).st_size
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError as exc:
-        raise _bad(f"descriptor is not a sealed memfd: {exc.strerror}") from None
-    if size != ref.num_bytes:
-        raise _bad(f"memfd holds {size} bytes, declared {ref.num_bytes}")
-    if seals & SEALS_REQUIRED != SEALS_REQUIRED:
-        raise _bad("memfd is not sealed against shrink, grow and write")
-    if size == 0:
-        return [] if ref.dtype is Dtype.INT32 else b""
-    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mapped:
-        if ref.dtype is not Dtype.INT32:
-            return bytes(mapped)
-        values = array("i")
-        values.frombytes(mapped)
-    if sys.byteorder == "big":
-        values.byteswap()
-    return values.tolist()
+    if ref.dtype is Dtype.INT32 and ref.num_bytes // 4 > limits.max_array_len:
+        raise _bad(f"memfd array of {ref.num_bytes // 4} ids exceeds max_array_len {limits.max_array_len}")
 
 
-def resolve_payloads(frame: Frame, limits: Limits) -> dict[str, Any]:
-    """The frame's map with every MemfdRef replaced by its checked content.
-
-    Closes every descriptor of the frame, whether or not it is referenced, also on error.
-    """
-    request_id = frame.msg.get("id")
-    request_id = request_id if type(request_id) is int else None
-    try:
-        if frame.num_refs == 0:
-            return frame.msg
-        if len(frame.fds) > limits.max_fds_per_frame:
-            raise _bad(f"{len(frame.fds)} descriptors exceed {limits.max_fds_per_frame}")
-        _replace_refs(frame.msg, frame.fds, limits)
-        return frame.msg
-    except ProtocolError as exc:
-        raise exc.with_id(request_id) from None
-    finally:
-        close_fds(frame.fds)
-
-
-def _replace_refs(root: dict[str, Any], fds: tuple[int, ...], limits: Limits) -> None:
+def iter_refs(root: dict[str, Any]) -> Iterator[tuple[Any, Any, MemfdRef]]:
+    """(container, key, ref) for every MemfdRef in the tree, without reading any segment."""
     stack: list[Any] = [root]
     while stack:
         node = stack.pop()
@@ -164,6 +125,83 @@ def _replace_refs(root: dict[str, Any], fds: tuple[int, ...], limits: Limits) ->
             if kind is dict or kind is list:
                 stack.append(child)
             elif kind is MemfdRef:
-                if child.fd >= len(fds):
-                    raise _bad(f"memfd ref to descriptor {child.fd}, frame has {len(fds)}")
-                node[key] = read_segment(fds[child.fd], child, limits)
+                yield node, key, child
+
+
+def check_refs(frame: Frame, limits: Limits) -> None:
+    """Refuse a frame's refs on what they declare alone (index, size, element count, the
+    frame's total), before any segment is read. Raises ProtocolError(bad_payload)."""
+    if frame.num_refs == 0:
+        return
+    total = 0
+    for _, _, ref in iter_refs(frame.msg):
+        if ref.fd >= len(frame.fds):
+            raise _bad(f"memfd ref to descriptor {ref.fd}, frame has {len(frame.fds)}")
+        _check_ref(ref, limits)
+        total += ref.num_bytes
+    if total > limits.max_payload_bytes:
+        raise _bad(f"memfd segments of {total} bytes in one frame exceed {limits.max_payload_bytes}")
+
+
+def read_segment(fd: int, ref: MemfdRef, limits: Limits, *, arrays: bool = False) -> Any:
+    """The checked content of one received segment: for INT32 a list[int], or with
+    `arrays` an array.array("i") (no Python int object per id); else bytes.
+
+    The segment is mapped read-only and copied out, so nothing keeps `fd` or a mapping
+    alive afterwards (a live mmap holds its own duplicate of the descriptor). Does not
+    close `fd`."""
+    _check_ref(ref, limits)
+    try:
+        size = os.fstat(fd).st_size
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise _bad(f"descriptor is not a sealed memfd: {exc.strerror}") from None
+    if size != ref.num_bytes:
+        raise _bad(f"memfd holds {size} bytes, declared {ref.num_bytes}")
+    if seals & SEALS_REQUIRED != SEALS_REQUIRED:
+        raise _bad("memfd is not sealed against shrink, grow and write")
+    if ref.dtype is Dtype.INT32 and arrays:
+        return _read_int32(fd, size)
+    if size == 0:
+        return [] if ref.dtype is Dtype.INT32 else b""
+    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mapped:
+        if ref.dtype is not Dtype.INT32:
+            return bytes(mapped)
+        values = array("i")
+        values.frombytes(mapped)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()
+
+
+def _read_int32(fd: int, num_bytes: int) -> array:
+    out = array("i", bytes(num_bytes))
+    view = memoryview(out).cast("B")
+    done = 0
+    while done < num_bytes:
+        n = os.preadv(fd, [view[done:]], done)
+        if n == 0:
+            raise _bad(f"memfd ended after {done} of {num_bytes} bytes")
+        done += n
+    view.release()
+    if sys.byteorder == "big":
+        out.byteswap()
+    return out
+
+
+def resolve_payloads(frame: Frame, limits: Limits, *, arrays: bool = False) -> dict[str, Any]:
+    """The frame's map with every MemfdRef replaced by its checked content (INT32 segments
+    as array.array with `arrays`, see read_segment).
+
+    Closes every descriptor of the frame, whether or not it is referenced, also on error.
+    """
+    try:
+        check_refs(frame, limits)
+        if frame.num_refs:
+            for node, key, ref in list(iter_refs(frame.msg)):
+                node[key] = read_segment(frame.fds[ref.fd], ref, limits, arrays=arrays)
+        return frame.msg
+    except ProtocolError as exc:
+        raise exc.with_id(request_id_of(frame.msg)) from None
+    finally:
+        close_fds(frame.fds)

@@ -28,6 +28,7 @@ from prefixd.ipc.events import (  # noqa: F401  (re-exported)
     parse_event,
 )
 from prefixd.ipc.fields import MAX_TOKEN_ID, FieldReader, request_id_of
+from prefixd.ipc.framing import MemfdRef
 from prefixd.ipc.parts import MAX_IMAGE_HASH_BYTES, Image, Sampling, drop_none, read_chat_message  # noqa: F401
 
 PROTOCOL_VERSION = 1
@@ -245,3 +246,40 @@ def parse_request(data: dict[str, Any]) -> Request:
     msg = cls.read(r)
     r.finish()
     return msg
+
+
+_IMAGE_FIELDS = frozenset({"at", "tokens", "gh", "gw", "hash", "rows"})
+
+
+def check_before_payloads(data: dict[str, Any], max_prompt_tokens: int | None) -> None:
+    """Refuse a request on what it holds without its memfd payloads, before any is read.
+
+    Checks the type, unknown fields (top level and images[]), and a `tokens` segment whose
+    size alone says the prompt is longer than `max_prompt_tokens` (context_overflow).
+    Raises ProtocolError with the request's id when that id is valid.
+    """
+    request_id = request_id_of(data)
+    kind = data.get("type")
+    cls = REQUEST_TYPES.get(kind) if type(kind) is str else None
+    if cls is None:
+        parse_request(data)  # raises the error a request of no known type gets
+        return
+    known = {"type"} | {f for f in cls.__dataclass_fields__ if f != "TYPE"}
+    _refuse_unknown(data, known, "", request_id)
+    images = data.get("images")
+    if cls is Generate and type(images) is list:
+        for i, image in enumerate(images):
+            if type(image) is dict:
+                _refuse_unknown(image, _IMAGE_FIELDS, f"images[{i}].", request_id)
+    tokens = data.get("tokens")
+    if cls is Generate and isinstance(tokens, MemfdRef) and max_prompt_tokens is not None:
+        num_tokens = tokens.num_bytes // tokens.dtype.itemsize
+        if num_tokens > max_prompt_tokens:
+            raise ProtocolError(ErrorCode.CONTEXT_OVERFLOW,
+                                f"tokens: {num_tokens} tokens exceed the context of {max_prompt_tokens}", request_id)
+
+
+def _refuse_unknown(data: dict[str, Any], known: set[str] | frozenset[str], where: str, request_id: int | None) -> None:
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}{unknown[0]}: unknown field", request_id)

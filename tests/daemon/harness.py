@@ -5,11 +5,13 @@ from __future__ import annotations
 import io
 import os
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import AsyncIterator
 
 import anyio
 
+from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.config import DaemonConfig
 from prefixd.daemon.server import Server
 from tests.daemon.fakes import LetterDevice, fake_runtime_factory
@@ -22,13 +24,16 @@ def open_fds() -> set[int]:
 @asynccontextmanager
 async def running_server(tmp_path: Path, device: LetterDevice | None = None, **overrides) -> AsyncIterator[Server]:
     device = device or LetterDevice()
-    out_frames = overrides.pop("out_frames", 512)
+    bounds = overrides.pop("bounds", ConnectionBounds())
+    if "out_frames" in overrides:
+        bounds = replace(bounds, out_frames=overrides.pop("out_frames"))
+    if "max_streams" in overrides:
+        bounds = replace(bounds, max_streams=overrides.pop("max_streams"))
     env = overrides.pop("env", {})
-    max_streams = overrides.pop("max_streams", 256)
     cfg = DaemonConfig(socket_path=tmp_path / "run" / "prefixd.sock", metrics_addr="127.0.0.1:0",
                        grace_s=overrides.pop("grace_s", 5.0), **overrides)
     server = Server(cfg, runtime_factory=fake_runtime_factory(device), env=env, out=io.StringIO(),
-                    out_frames=out_frames, max_streams=max_streams)
+                    bounds=bounds)
     server.device = device  # type: ignore[attr-defined]
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.run)

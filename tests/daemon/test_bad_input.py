@@ -203,3 +203,144 @@ async def test_too_many_streams_on_one_connection_is_refused(tmp_path):
                 assert reply["type"] == "token"
             assert (reply["id"], reply["code"]) == (2, "too_many_streams")
         await wait_idle(server)
+
+
+# -- issue 8: ids, descriptors, backpressure, memfd payloads ---------------------------------
+
+
+@pytest.mark.parametrize("bad_id", [-5, True, 1 << 63, 2.0, "7"])
+async def test_an_error_reply_never_repeats_an_invalid_id(tmp_path, bad_id):
+    async with running_server(tmp_path) as server:
+        async with await FramedStream.connect(server.socket_path) as framed:
+            await framed.send({"type": "launch", "id": bad_id})
+            reply = await framed.receive()
+            assert (reply["type"], reply["id"], reply["code"]) == ("error", None, "unknown_type")
+            await framed.send({"type": "cancel", "id": bad_id, "target": 1})
+            reply = await framed.receive()
+            assert (reply["id"], reply["code"]) == (None, "bad_request")
+
+
+async def test_more_descriptors_than_allowed_close_that_connection_and_leak_none(tmp_path):
+    async with running_server(tmp_path) as server:
+        before = open_fds()
+        fds = [_memfd(b"abcd", seal=True) for _ in range(server.limits.max_fds_per_frame + 1)]
+        try:
+            frames = await _raw_session(server.socket_path, encode_frame({"type": "status", "id": 1}), fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert frames[0] == {"type": "error", "id": None, "code": "bad_frame",
+                             "message": "9 descriptors for one frame exceed 8"}
+        assert frames[-1] == {"closed": True}
+        await _still_serves(server)
+        await wait_idle(server)
+        assert open_fds() == before
+
+
+async def test_600_frames_in_one_write_are_all_answered_to_a_reading_client(tmp_path):
+    async with running_server(tmp_path, out_frames=16) as server:
+        data = b"".join(
+            encode_frame({"type": "detokenize", "id": i, "ids": [3 + 97]} if i % 2 else
+                         {"type": "cancel", "id": i, "target": 100000 + i})
+            for i in range(600)
+        )
+        async with await FramedStream.connect(server.socket_path) as framed:
+            await framed.stream.send(data)
+            replies = [await framed.receive() for _ in range(600)]
+            assert [r["id"] for r in replies] == list(range(600))
+            assert [r["type"] for r in replies] == ["error", "text"] * 300
+            assert replies[1]["text"] == "a"
+            assert replies[0]["code"] == "not_found"
+        await wait_idle(server)
+
+
+def _sparse_memfd(num_bytes: int, *, seal: bool = True) -> int:
+    """A sealed memfd of `num_bytes` zero bytes that costs no memory until someone reads it."""
+    import fcntl
+
+    fd = os.memfd_create("sparse", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    os.ftruncate(fd, num_bytes)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+    return fd
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+async def _send_refs(server, fields: dict, fds: list[int]) -> list[dict]:
+    msg = {"type": "generate", "id": 4, **{k: v.to_ext() for k, v in fields.items()}}
+    body = msgpack.packb(msg, use_bin_type=True)
+    try:
+        return await _raw_session(server.socket_path, struct.pack(">I", len(body)) + body, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.mark.parametrize(
+    ("extra", "code", "needle"),
+    [
+        ({"junk_a": 1, "junk_b": 2}, "bad_request", "junk_a: unknown field"),  # the issue's case
+        ({}, "context_overflow", "16777216 tokens exceed the context of 256"),
+    ],
+)
+async def test_three_64_mib_segments_are_refused_before_any_is_read(tmp_path, extra, code, needle):
+    size = 64 << 20
+    async with running_server(tmp_path) as server:
+        before = open_fds()
+        fields = {"tokens": MemfdRef(0, size, Dtype.INT32)}
+        fields.update({name: MemfdRef(i, size, Dtype.BYTES) for name, i in extra.items()})
+        fds = [_sparse_memfd(size) for _ in range(1 + len(extra))]
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak RSS (VmHWM) to the current RSS
+        rss_kib = _rss_kib("VmRSS")
+        frames = await _send_refs(server, fields, fds)
+        peak_growth_kib = _rss_kib("VmHWM") - rss_kib
+        assert (frames[0]["id"], frames[0]["code"]) == (4, code)
+        assert needle in frames[0]["message"]
+        assert peak_growth_kib < 32 << 10  # nothing near one 64 MiB segment was ever held
+        await _still_serves(server)
+        await wait_idle(server)
+        assert open_fds() == before
+
+
+async def test_an_unknown_field_is_refused_before_its_segment_is_checked(tmp_path):
+    async with running_server(tmp_path) as server:
+        fd = _sparse_memfd(16, seal=False)  # unsealed: reading it would be bad_payload
+        frames = await _send_refs(server, {"zz": MemfdRef(0, 16, Dtype.BYTES)}, [fd])
+        assert frames[0] == {"type": "error", "id": 4, "code": "bad_request", "message": "zz: unknown field"}
+
+
+async def test_memfd_token_ids_generate_what_inline_ids_generate(tmp_path):
+    ids = [3 + b for b in b"hello"]
+    async with running_server(tmp_path) as server:
+        fd = _memfd(struct.pack(f"<{len(ids)}i", *ids), seal=True)
+        frames = await _send_refs(server, {"tokens": MemfdRef(0, 4 * len(ids), Dtype.INT32)}, [fd])
+        via_memfd = "".join(f.get("text", "") for f in frames if f.get("type") == "token")
+        assert frames[-1]["type"] == "done"
+        async with await AsyncClient.connect(server.socket_path) as client:
+            inline = await client.generate(tokens=ids, max_tokens=frames[-1]["usage"]["completion_tokens"],
+                                           cache=False).collect()
+        assert via_memfd == inline.text
+        assert via_memfd.startswith("efghij")
+        await wait_idle(server)
+
+
+@pytest.mark.parametrize(
+    ("field", "ids", "code", "message"),
+    [
+        ("tokens", [5, 300, 6], "invalid_token", "token id 300 is outside the vocabulary [0, 259)"),
+        ("tokens", [5, -2], "invalid_token", "tokens: -2 outside [0, 2147483647]"),
+        ("messages", [5], "bad_request", "messages: must be an array, got int32 memfd array"),
+    ],
+)
+async def test_memfd_int32_arrays_are_range_and_type_checked(tmp_path, field, ids, code, message):
+    async with running_server(tmp_path) as server:
+        fd = _memfd(struct.pack(f"<{len(ids)}i", *ids), seal=True)
+        fields = {field: MemfdRef(0, 4 * len(ids), Dtype.INT32)}
+        frames = await _send_refs(server, fields, [fd])
+        assert (frames[0]["id"], frames[0]["code"]) == (4, code)
+        assert message in frames[0]["message"]

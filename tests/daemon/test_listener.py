@@ -15,6 +15,7 @@ from prefixd.daemon.listener import (
     SocketPathError,
     bind_listening_socket,
     peer_cred,
+    peer_groups,
 )
 
 
@@ -97,11 +98,50 @@ def test_peer_policy_same_uid_only_by_default():
     assert not policy.allows(PeerCred(1, 1001, 1000))
 
 
-def test_peer_policy_allow_group_admits_primary_gid_and_listed_members():
+def test_peer_policy_without_a_socket_falls_back_to_primary_gid_and_listed_members():
     policy = PeerPolicy(uid=1000, allowed_gid=50, allowed_members=frozenset({"root"}))
     assert policy.allows(PeerCred(1, 1234, 50))
     assert policy.allows(PeerCred(1, 0, 0))  # uid 0 is "root", listed as a member
     assert not policy.allows(PeerCred(1, 1234, 51))
+
+
+def test_peer_groups_are_the_peers_own_supplementary_groups():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        assert peer_groups(a) == frozenset(os.getgroups())
+
+
+_CHILD = """
+import os, socket, sys
+os.setgroups([int(g) for g in sys.argv[2].split(",")])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+s.recv(1)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="setting a peer's groups needs root")
+@pytest.mark.parametrize(("groups", "allowed"), [("4242,77", True), ("77", False)])
+def test_allow_group_decides_on_the_peers_groups_not_the_group_database(tmp_path, groups, allowed):
+    import pwd
+    import subprocess
+    import sys
+
+    path = tmp_path / "s.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen(1)
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path), groups])
+        conn, _ = listener.accept()
+        with conn:
+            cred = PeerCred(1, 65534, 31337)  # neither the daemon's uid nor the group's gid
+            # the group database lists this uid's name as a member: it must not matter
+            name = pwd.getpwuid(65534).pw_name
+            policy = PeerPolicy(uid=os.geteuid() + 1, allowed_gid=4242, allowed_members=frozenset({name}))
+            assert peer_groups(conn) == frozenset(int(g) for g in groups.split(","))
+            assert policy.allows(cred, conn) is allowed
+            conn.send(b"x")
+        assert child.wait(timeout=30) == 0
 
 
 def test_unknown_allow_group_is_a_clear_error():

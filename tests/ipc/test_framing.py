@@ -32,7 +32,7 @@ def test_default_limits_are_the_documented_ones() -> None:
     assert Limits().to_wire() == {
         "max_frame_bytes": 8 << 20, "max_str_bytes": 1 << 20, "max_bin_bytes": 4 << 20,
         "max_array_len": 1 << 20, "max_map_len": 256, "max_depth": 8, "max_fds_per_frame": 8,
-        "max_memfd_bytes": 256 << 20, "memfd_threshold_bytes": 64 << 10,
+        "max_memfd_bytes": 64 << 20, "max_payload_bytes": 128 << 20, "memfd_threshold_bytes": 64 << 10,
     }
 
 

@@ -187,14 +187,34 @@ async def test_refs_without_descriptors_and_unreferenced_descriptors(pair: tuple
     assert open_fds() == baseline
 
 
-async def test_more_descriptors_than_allowed_are_all_closed(pair: tuple[FramedStream, socket.socket]) -> None:
+async def test_more_descriptors_than_allowed_are_a_framing_error_and_all_closed(
+    pair: tuple[FramedStream, socket.socket],
+) -> None:
     framed, theirs = pair
     baseline = open_fds()
     fds = [memfd_of(b"abc", SEALED) for _ in range(20)]
     send_with_fds(theirs, {"id": 6}, fds)
     for fd in fds:
         os.close(fd)
-    assert await framed.receive() == {"id": 6}
+    error = await receive_error(framed)
+    assert (error.code, error.fatal, error.message) == (
+        ErrorCode.BAD_FRAME, True, "20 descriptors for one frame exceed 8")
+    assert open_fds() == baseline
+
+
+async def test_descriptors_over_the_limit_across_two_sends_of_one_frame(
+    pair: tuple[FramedStream, socket.socket],
+) -> None:
+    framed, theirs = pair
+    baseline = open_fds()
+    data = encode_frame({"id": 6})
+    fds = [memfd_of(b"abc", SEALED) for _ in range(10)]
+    theirs.sendmsg([data[:2]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds[:5]))])
+    theirs.sendmsg([data[2:]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds[5:]))])
+    for fd in fds:
+        os.close(fd)
+    error = await receive_error(framed)
+    assert (error.code, error.fatal) == (ErrorCode.BAD_FRAME, True)
     assert open_fds() == baseline
 
 

@@ -1,0 +1,28 @@
+"""Bounds on what clients may hold in the daemon: connections, buffers, queues, deadlines.
+
+One frozen record, built once; docs/protocol.md ("Connection bounds") lists the same numbers.
+Tests inject small values; the daemon runs with the defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionBounds:
+    """Per-daemon and per-connection bounds of the socket front."""
+
+    max_connections: int = 256  # open client connections; one more gets too_many_connections
+    max_streams: int = 256  # generates one connection may have in flight
+    out_frames: int = 512  # queued outgoing frames; a full queue pauses reading that connection
+    send_timeout_s: float = 30.0  # a client that takes no bytes for this long is disconnected
+    frame_deadline_s: float = 30.0  # an incomplete frame must complete within this, from its first byte
+    max_buffered_bytes: int = 64 << 20  # incomplete frames, all connections together
+    accept_backoff_s: float = 0.1  # pause after a failed accept (EMFILE...) before trying again
+
+    def __post_init__(self) -> None:
+        if min(self.max_connections, self.max_streams, self.out_frames, self.max_buffered_bytes) < 1:
+            raise ValueError(f"connection bounds must be positive: {self}")
+        if min(self.send_timeout_s, self.frame_deadline_s, self.accept_backoff_s) <= 0:
+            raise ValueError(f"connection timeouts must be positive: {self}")
