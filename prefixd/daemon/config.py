@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
 DEFAULT_CPU_LANES = 8
@@ -138,3 +140,23 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
             raise
         raise ConfigError(f"bad number in flags or PREFIXD_* environment: {e}") from None
     return _check(cfg)
+
+
+def cache_budget_warning(info: Any, sched: Any) -> str | None:
+    """The start-up warning for an explicit cache budget that leaves the prefix store less
+    than one page (scheduler.config.store_budget_bytes reserves weights, lane state and
+    workspace out of the budget first), or None. `info`: the DeviceInfo; `sched`: the
+    SchedulerConfig the engine runs with."""
+    from prefixd.scheduler.config import store_budget_bytes
+
+    budget = sched.cache_budget_bytes
+    if budget is None or not sched.cache:
+        return None
+    allowance = store_budget_bytes(info, sched)
+    if allowance >= info.kv_bytes_per_page:
+        return None
+    unbounded = 1 << 62
+    reserved = unbounded - store_budget_bytes(info, dataclasses.replace(sched, cache_budget_bytes=unbounded))
+    return (f"--cache-budget {budget} bytes leaves the prefix cache {allowance} bytes (less than one "
+            f"{info.kv_bytes_per_page}-byte page): weights, lane state and workspace take {reserved} bytes of the "
+            f"budget first; give at least {reserved + info.kv_bytes_per_page} bytes, or auto, to cache prefixes")

@@ -24,6 +24,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.engine_host import EngineFailed, EngineHost, StreamTokens
+from prefixd.daemon.peer_probe import peer_probe
 from prefixd.daemon.requests import RequestBuilder
 from prefixd.daemon.stops import StopMatcher
 from prefixd.ipc.errors import ErrorCode, ProtocolError
@@ -161,7 +162,7 @@ class Connection:
         await self._send({**status, **self.services.status_extra(), "type": "status", "id": request_id})
 
     async def _on_tokenize(self, msg: dict[str, Any]) -> None:
-        reply = await anyio.to_thread.run_sync(self.services.builder.tokenize, msg)
+        reply = await anyio.to_thread.run_sync(self.services.builder.tokenize, msg, peer_probe(self.framed))
         await self._send(reply)
 
     async def _on_detokenize(self, msg: dict[str, Any]) -> None:
@@ -189,7 +190,7 @@ class Connection:
         if self.services.shutting_down():
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down and takes no new work")
         stream_id = self.services.next_stream_id()
-        built = await anyio.to_thread.run_sync(self.services.builder.generate, msg, stream_id)
+        built = await anyio.to_thread.run_sync(self.services.builder.generate, msg, stream_id, peer_probe(self.framed))
         try:
             receive = await self.services.host.submit(built.request)
         except Exception as e:

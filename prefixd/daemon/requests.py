@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from prefixd.daemon.stops import StopSet
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.framing import Limits
 from prefixd.ipc.messages import (
@@ -29,7 +30,7 @@ class BuiltGenerate:
 
     request_id: int
     request: StreamRequest
-    stop: tuple[str, ...]
+    stop: StopSet  # prepared here, in the worker thread, not on the event loop
 
 
 class RequestBuilder:
@@ -72,10 +73,11 @@ class RequestBuilder:
         cancel: Cancel = self._parse(msg, Cancel)
         return cancel.id, cancel.target
 
-    def tokenize(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def tokenize(self, msg: dict[str, Any], client_gone: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """The tokens reply; a chat render stops early once `client_gone()` is true."""
         req: Tokenize = self._parse(msg, Tokenize)
         if req.messages is not None:
-            rendered = self._render(req.messages, req.id)
+            rendered = self._render(req.messages, req.id, client_gone)
             return {"type": "tokens", "id": req.id, "ids": list(rendered.ids),
                     "message_starts": list(rendered.message_starts)}
         add_special = self.tokenizer.add_bos if req.add_special is None else req.add_special
@@ -86,11 +88,13 @@ class RequestBuilder:
         self._check_ids(req.ids, "ids", req.id)
         return {"type": "text", "id": req.id, "text": self.tokenizer.decode(req.ids)}
 
-    def generate(self, msg: dict[str, Any], stream_id: int) -> BuiltGenerate:
+    def generate(self, msg: dict[str, Any], stream_id: int,
+                 client_gone: Callable[[], bool] | None = None) -> BuiltGenerate:
+        """The validated generate; a chat render stops early once `client_gone()` is true."""
         req: Generate = self._parse(msg, Generate)
         starts: tuple[int, ...] = ()
         if req.messages is not None:
-            rendered = self._render(req.messages, req.id)
+            rendered = self._render(req.messages, req.id, client_gone)
             tokens = tuple(rendered.ids)
             starts = tuple(s for s in rendered.message_starts if 0 < s < len(tokens))
         elif req.prompt is not None:
@@ -114,13 +118,21 @@ class RequestBuilder:
             images=tuple(self._image(image, req.id) for image in req.images),
             want_logits=req.logits,
         )
-        return BuiltGenerate(req.id, request, req.stop)
+        return BuiltGenerate(req.id, request, StopSet(req.stop))
 
-    def _render(self, messages: tuple[dict[str, Any], ...], request_id: int) -> Any:
+    def _render(self, messages: tuple[dict[str, Any], ...], request_id: int,
+                client_gone: Callable[[], bool] | None) -> Any:
+        from prefixd.gpu.chat import ChatTooLarge, RenderCancelled
+
+        kwargs = {} if client_gone is None else {"should_stop": client_gone}
         try:
-            return self.tokenizer.render_chat([dict(m) for m in messages])
+            return self.tokenizer.render_chat([dict(m) for m in messages], **kwargs)
         except ProtocolError:
             raise
+        except ChatTooLarge as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"messages: {e}", request_id) from None
+        except RenderCancelled as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"messages: {e}", request_id) from None
         except Exception as e:  # a template error is the client's messages' fault
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"messages: the chat template failed: {e}", request_id) from None
 

@@ -23,7 +23,7 @@ import anyio.abc
 import prefixd
 from prefixd.daemon.admission import AcceptErrors, refuse_connection, return_freed_memory
 from prefixd.daemon.bounds import ConnectionBounds
-from prefixd.daemon.config import DaemonConfig
+from prefixd.daemon.config import DaemonConfig, cache_budget_warning
 from prefixd.daemon.connection import Connection, Services
 from prefixd.daemon.engine_host import EngineHost
 from prefixd.daemon.listener import PeerPolicy, bind_listening_socket, peer_cred
@@ -129,6 +129,10 @@ class Server:
         self._out.write(f"prefixd: loading model {self.cfg.model} on {self.cfg.device} ({self.cfg.dtype})\n")
         observer = MetricsObserver(self.metrics)
         self._runtime = await run_on_own_thread(self._factory, self.cfg, observer)
+        warning = cache_budget_warning(self._runtime.engine.info, self._runtime.engine.config)
+        if warning is not None:
+            log.warning("%s", warning)
+            self._out.write(f"prefixd: warning: {warning}\n")
         self._host = EngineHost(self._runtime.engine)
         await self._host.start()
         addr = parse_metrics_addr(self.cfg.metrics_addr)

@@ -1,6 +1,45 @@
-"""Stop strings matched in streamed text, holding back only what could still become a stop."""
+"""Stop strings matched in streamed text, holding back only what could still become a stop.
+
+The work per piece does not grow with the number of stop strings in Python: a match is one
+search of a regex alternation compiled once (by StopSet, in the request builder's worker
+thread, off the event loop), and the held-back tail is found by bisecting the sorted stops,
+at most (longest stop - 1) times. The protocol bounds how many stops a request may send and
+how long each may be (ipc/messages.py), so both are small.
+"""
 
 from __future__ import annotations
+
+import bisect
+import re
+
+
+class StopSet:
+    """A request's stop strings, prepared once: the compiled search and the sorted list."""
+
+    def __init__(self, stops: list[str] | tuple[str, ...]) -> None:
+        self.stops = tuple(dict.fromkeys(s for s in stops if s))
+        self._sorted = sorted(self.stops)
+        self.max_len = max((len(s) for s in self.stops), default=0)
+        self._search = re.compile("|".join(re.escape(s) for s in self.stops)).search if self.stops else None
+
+    def __bool__(self) -> bool:
+        return bool(self.stops)
+
+    def first_match(self, text: str) -> int:
+        """Where the earliest stop in `text` begins, or -1."""
+        if self._search is None:
+            return -1
+        found = self._search(text)
+        return -1 if found is None else found.start()
+
+    def held_len(self, text: str) -> int:
+        """Length of the longest end of `text` that is a proper beginning of some stop."""
+        for start in range(max(0, len(text) - self.max_len + 1), len(text)):
+            tail = text[start:]
+            i = bisect.bisect_left(self._sorted, tail)
+            if i < len(self._sorted) and self._sorted[i].startswith(tail):
+                return len(tail)
+        return 0
 
 
 class StopMatcher:
@@ -11,8 +50,8 @@ class StopMatcher:
     nothing after it is ever returned.
     """
 
-    def __init__(self, stops: list[str] | tuple[str, ...]) -> None:
-        self._stops = tuple(s for s in stops if s)
+    def __init__(self, stops: StopSet | list[str] | tuple[str, ...]) -> None:
+        self._stops = stops if isinstance(stops, StopSet) else StopSet(stops)
         self._held = ""
         self.stopped = False
 
@@ -23,12 +62,12 @@ class StopMatcher:
         if not self._stops:
             return text, False
         buf = self._held + text
-        first = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
+        first = self._stops.first_match(buf)
         if first >= 0:
             self._held = ""
             self.stopped = True
             return buf[:first], True
-        keep = self._longest_stop_prefix_suffix(buf)
+        keep = self._stops.held_len(buf)
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[: len(buf) - keep], False
 
@@ -36,12 +75,3 @@ class StopMatcher:
         """The held-back text, once the stream ended without a stop."""
         held, self._held = self._held, ""
         return "" if self.stopped else held
-
-    def _longest_stop_prefix_suffix(self, buf: str) -> int:
-        best = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(buf)), best, -1):
-                if buf.endswith(stop[:k]):
-                    best = k
-                    break
-        return best

@@ -5,40 +5,50 @@ Templates come from GGUF `tokenizer.chat_template`, an HF dir's `chat_template.j
 They run in `jinja2.sandbox.ImmutableSandboxedEnvironment` with the helpers templates in the
 wild expect: `raise_exception`, a `tojson` filter that does not HTML-escape, `strftime_now`.
 
-Message starts (where each message begins, in tokens of the full render):
+Message starts are defined by prefix renders (chat_starts.py computes them in linear time):
+message i starts where render(messages[:i]) and the full render first differ, in
+characters (for the usual template, the prefix render's length), mapped to the token that
+starts there or straddles it; the generation prompt's start is computed the same way from
+render(messages, add_generation_prompt=False). A prefix the template refuses repeats the
+previous start.
 
-1. render the whole conversation -> text, tokenize -> ids;
-2. for message i, render messages[:i] (no generation prompt); its start is the length of
-   the common prefix of that render and the full text, in characters. For templates that
-   render a prefix exactly as the full conversation begins (the usual case) this is the
-   prefix render's length; for templates that render the tail differently (e.g. the last
-   message), it is where the two renders first differ, which still lies on text that the
-   next turn renders identically. The generation prompt's start is computed the same way
-   from render(messages, add_generation_prompt=False);
-3. map each character offset to a token position through the ids' byte offsets: the token
-   that starts exactly there when the tokenization splits cleanly at it (then the position
-   equals the token length of the text before it), else the token that straddles it.
-   A prefix the template refuses to render repeats the previous start.
+Work is bounded before it starts (MAX_CHAT_MESSAGES, MAX_CHAT_CHARS) and a caller's
+`should_stop` is polled between messages, so a render whose client left ends early.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import jinja2
+from jinja2 import nodes
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from prefixd.ipc.messages import MAX_CHAT_MESSAGES  # the protocol's bound, checked again here
 
 if TYPE_CHECKING:
     from prefixd.gpu.tokenizer import Tokenizer
 
+MAX_CHAT_CHARS = 4 << 20  # characters in all of a conversation's strings together
+MARK_NAME = "prefixd_mark__"  # the callable the instrumented template calls per loop item
+
 
 class ChatTemplateError(ValueError):
     """The template is missing or broken, or it rejects the conversation (client input)."""
+
+
+class ChatTooLarge(ChatTemplateError):
+    """The conversation is over MAX_CHAT_MESSAGES or MAX_CHAT_CHARS (checked before rendering)."""
+
+
+class RenderCancelled(Exception):
+    """`should_stop` said the caller no longer wants this render (its client left)."""
 
 
 @dataclass(frozen=True)
@@ -77,22 +87,60 @@ class ChatTemplate:
             self._template = env.from_string(source)
         except jinja2.TemplateSyntaxError as exc:
             raise ChatTemplateError(f"chat template syntax error (line {exc.lineno}): {exc.message}") from exc
+        self._marked = _instrumented(env, source)
         self.source = source
         self._specials = dict(specials or {})
 
+    @property
+    def can_mark(self) -> bool:
+        """Whether the template has a loop to mark messages in (see `render(mark=...)`)."""
+        return self._marked is not None
+
     def render(self, messages: list[dict], *, add_generation_prompt: bool, tools: list | None = None,
-               **kwargs: Any) -> str:
-        """The template's text for `messages`; ChatTemplateError if the template rejects them."""
+               mark: Callable[[Any], str] | None = None, **kwargs: Any) -> str:
+        """The template's text for `messages`; ChatTemplateError if the template rejects them.
+
+        With `mark`, the instrumented twin runs: every `for x in ...` loop body first emits
+        mark(x) (a message's marker, or "" for anything else; it may raise to stop the render).
+        """
         context = {**self._specials, **kwargs, "messages": messages, "tools": tools,
                    "add_generation_prompt": add_generation_prompt}
+        template = self._template
+        if mark is not None:
+            if self._marked is None:
+                raise ValueError("render(mark=...) on a template without a loop (check can_mark)")
+            template, context[MARK_NAME] = self._marked, mark
         try:
-            return self._template.render(**context)
+            return template.render(**context)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             raise ChatTemplateError(f"chat template failed on these messages: {exc!r}") from exc
+
+
+def _instrumented(env: jinja2.Environment, source: str) -> jinja2.Template | None:
+    """The template with `{{ prefixd_mark__(x) }}` first in the body of every `for x in` loop,
+    or None when it has no such loop. Output is unchanged while the mark returns ""."""
+    try:
+        ast = env.parse(source)
+    except jinja2.TemplateError:
+        return None
+    found = False
+    for loop in ast.find_all(nodes.For):
+        if isinstance(loop.target, nodes.Name):
+            call = nodes.Call(nodes.Name(MARK_NAME, "load"), [nodes.Name(loop.target.name, "load")], [], None, None)
+            output = nodes.Output([call])
+            output.set_lineno(loop.lineno)
+            loop.body.insert(0, output)
+            found = True
+    if not found:
+        return None
+    try:
+        return env.from_string(ast)
+    except (jinja2.TemplateError, SyntaxError, TypeError, ValueError):
+        return None  # starts then come from prefix renders alone (see chat_starts.py)
 
 
 def load_hf_templates(root: Path, tok_cfg: Mapping[str, Any]) -> tuple[str | None, dict[str, str]]:
@@ -120,60 +168,49 @@ def load_hf_templates(root: Path, tok_cfg: Mapping[str, Any]) -> tuple[str | Non
     return default, named
 
 
-def _common_prefix_len(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # invariant: a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
-def _char_starts(template: ChatTemplate, messages: list[dict], text: str, *, add_generation_prompt: bool,
-                 tools: list | None, kwargs: Mapping[str, Any]) -> list[int]:
-    cuts = list(range(len(messages))) + ([len(messages)] if add_generation_prompt else [])
-    starts: list[int] = []
-    for i in cuts:
-        try:
-            prefix = template.render(messages[:i], add_generation_prompt=False, tools=tools, **kwargs)
-            starts.append(_common_prefix_len(prefix, text))
-        except ChatTemplateError:
-            starts.append(starts[-1] if starts else 0)
-    return starts
-
-
-def _token_positions(tokenizer: Tokenizer, text: str, ids: list[int], char_starts: list[int]) -> list[int]:
-    """Map character offsets to token positions (floor to the token covering the offset)."""
-    bounds = tokenizer.offsets_bytes(ids)
-    if bounds[-1] == len(text.encode("utf-8")):
-        targets = [len(text[:c].encode("utf-8")) for c in char_starts]
-    else:
-        # Tokens whose bytes do not spell the text (sentencepiece spaces): use char offsets.
-        bounds = tokenizer.token_char_starts(text) + [len(text)]
-        targets = list(char_starts)
-    positions: list[int] = []
-    k = 0
-    for target in targets:
-        while k + 1 < len(bounds) and bounds[k + 1] <= target:
-            k += 1
-        positions.append(min(k, len(ids)))
-    return positions
+def check_chat_size(messages: list[dict]) -> None:
+    """ChatTooLarge when `messages` exceed MAX_CHAT_MESSAGES or MAX_CHAT_CHARS (cheap: one walk)."""
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise ChatTooLarge(f"{len(messages)} messages; a conversation may hold at most {MAX_CHAT_MESSAGES}")
+    total = 0
+    pending: list[Any] = list(messages)
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, Mapping):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+        if total > MAX_CHAT_CHARS:
+            raise ChatTooLarge(f"the messages hold over {MAX_CHAT_CHARS} characters; "
+                               f"a conversation may hold at most {MAX_CHAT_CHARS}")
 
 
 def render_conversation(template: ChatTemplate, messages: list[dict], tokenizer: Tokenizer, *,
                         add_generation_prompt: bool = True, tools: list | None = None,
-                        **kwargs: Any) -> RenderedChat:
-    """Render, tokenize and locate message starts (see the module docstring for the method)."""
+                        should_stop: Callable[[], bool] | None = None, **kwargs: Any) -> RenderedChat:
+    """Render, tokenize and locate message starts (see the module docstring for the definition).
+
+    Raises ChatTooLarge before any rendering when the conversation is over the limits,
+    ChatTemplateError when the template rejects it, RenderCancelled when `should_stop()`
+    turns true (polled between messages).
+    """
+    from prefixd.gpu.chat_starts import StartFinder, token_positions
+
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise ChatTemplateError("messages must be a list of maps")
+    check_chat_size(messages)
+    finder = StartFinder(template, messages, tools=tools, kwargs=kwargs, should_stop=should_stop,
+                         nonce=secrets.token_hex(8))
+    # The text (and so the ids) comes from the template as written, not its instrumented twin.
     text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+    finder.poll()
+    chars = finder.char_starts(text, add_generation_prompt=add_generation_prompt)
+    finder.poll()
     ids = tokenizer.encode(text)
-    chars = _char_starts(template, messages, text, add_generation_prompt=add_generation_prompt, tools=tools,
-                         kwargs=kwargs)
-    starts = _token_positions(tokenizer, text, ids, chars)
+    starts = token_positions(tokenizer, text, ids, chars)
     return RenderedChat(ids=tuple(ids), message_starts=tuple(starts), text=text)

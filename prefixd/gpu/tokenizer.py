@@ -10,7 +10,7 @@ from __future__ import annotations
 import codecs
 import json
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -196,17 +196,20 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: list | None = None,
+        should_stop: Callable[[], bool] | None = None,
         **template_kwargs: Any,
     ) -> RenderedChat:
         """Render `messages` with the model's chat template and tokenize the text.
 
         Returns the ids, the token position where each message starts (plus the generation
         prompt's start when add_generation_prompt), and the text. Raises ChatTemplateError when
-        the model has no template or the template rejects the conversation.
+        the model has no template or the template rejects the conversation (ChatTooLarge, before
+        rendering, past the size limits), RenderCancelled once `should_stop()` is true.
         """
         template = self._template(tools)
         return render_conversation(
-            template, messages, self, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+            template, messages, self, add_generation_prompt=add_generation_prompt, tools=tools,
+            should_stop=should_stop, **template_kwargs
         )
 
     def _template(self, tools: list | None) -> ChatTemplate:

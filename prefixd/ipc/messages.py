@@ -33,6 +33,9 @@ from prefixd.ipc.parts import MAX_IMAGE_HASH_BYTES, Image, Sampling, drop_none, 
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_TOKENS = 256
+MAX_STOP_STRINGS = 128  # stop strings in one generate
+MAX_CHAT_MESSAGES = 8192  # chat messages in one generate or tokenize, checked before each is read
+MAX_STOP_CHARS = 256  # characters in one stop string
 
 
 class _Request:
@@ -94,11 +97,9 @@ class Generate(_Request):
         given = [name for name in ("prompt", "tokens", "messages") if r.has(name)]
         if len(given) != 1:
             raise r.error("prompt", f"exactly one of prompt, tokens, messages is required, got {len(given)}")
-        messages = r.list("messages", None)
-        if messages is not None:
-            if not messages:
-                raise r.error("messages", "must not be empty")
-            messages = r.each("messages", messages, read_chat_message)
+        messages = _chat_messages(r)
+        if messages is not None and not messages:
+            raise r.error("messages", "must not be empty")
         msg = cls(
             id=r.int("id"),
             prompt=r.str("prompt", None),
@@ -138,11 +139,25 @@ class Generate(_Request):
         })
 
 
+def _chat_messages(r: FieldReader) -> tuple[dict[str, Any], ...] | None:
+    messages = r.list("messages", None)
+    if messages is None:
+        return None
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise r.error("messages", f"{len(messages)} messages; a conversation may hold at most {MAX_CHAT_MESSAGES}")
+    return r.each("messages", messages, read_chat_message)
+
+
 def _check_generate(msg: Generate, r: FieldReader) -> None:
     if msg.tokens is not None and not msg.tokens:
         raise r.error("tokens", "must not be empty")
+    if len(msg.stop) > MAX_STOP_STRINGS:
+        raise r.error("stop", f"{len(msg.stop)} stop strings; at most {MAX_STOP_STRINGS}")
     if any(not s for s in msg.stop):
         raise r.error("stop", "stop strings must not be empty")
+    longest = max((len(s) for s in msg.stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise r.error("stop", f"a stop string of {longest} characters; at most {MAX_STOP_CHARS} each")
     starts = msg.chunk_starts or ()
     if any(b <= a for a, b in zip(starts, starts[1:])):
         raise r.error("chunk_starts", "must be strictly increasing")
@@ -196,9 +211,7 @@ class Tokenize(_Request):
     def read(cls, r: FieldReader) -> Tokenize:
         if r.has("text") == r.has("messages"):
             raise r.error("text", "exactly one of text, messages is required")
-        messages = r.list("messages", None)
-        if messages is not None:
-            messages = r.each("messages", messages, read_chat_message)
+        messages = _chat_messages(r)
         return cls(r.int("id"), r.str("text", None), messages, r.bool("add_special", None))
 
     def to_wire(self) -> dict[str, Any]:

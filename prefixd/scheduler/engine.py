@@ -27,7 +27,8 @@ from prefixd.scheduler.program import PlanBuilder
 from prefixd.scheduler.records import RoundPlan, RoundResult
 from prefixd.scheduler.rounds import PlannedWork, plan_round
 from prefixd.scheduler.store import PrefixStore, make_key
-from prefixd.scheduler.streams import DoneEvent, Stream, StreamRequest, TokenEvent, validate_request
+from prefixd.scheduler.streams import (DoneEvent, Stream, StreamRequest, TokenEvent, context_full_note,
+                                       validate_request)
 
 Event = TokenEvent | DoneEvent
 OUT_OF_PAGES_NOTE = "stopped early: no KV pages left for another row"
@@ -265,8 +266,10 @@ class Engine:
         events.append(TokenEvent(stream.stream_id, (token,), digests))
         if token in stream.req.stop_ids:
             self._finish(stream, "stop", events)
-        elif len(stream.generated) >= stream.req.max_tokens or stream.num_prompt + len(stream.generated) >= self.max_context:
+        elif len(stream.generated) >= stream.req.max_tokens:
             self._finish(stream, "length", events)
+        elif stream.num_prompt + len(stream.generated) >= self.max_context:
+            self._finish(stream, "length", events, note=context_full_note(stream, self.max_context))
 
     def _finish(self, stream: Stream, reason: str, events: list[Event], note: str | None = None, keep: bool = True) -> None:
         """End a running stream; its lane stays resident when it may keep, else is freed."""

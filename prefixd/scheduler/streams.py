@@ -103,6 +103,12 @@ def validate_request(req: StreamRequest, *, vocab_size: int, max_context: int, p
         end = ident.at + ident.tokens
 
 
+def context_full_note(stream: Stream, max_context: int) -> str:
+    """The done note of a stream the context ended before its max_tokens (clamped, not refused)."""
+    return (f"stopped at the context: {stream.num_prompt} prompt + {len(stream.generated)} generated tokens "
+            f"fill max_context {max_context} before max_tokens {stream.req.max_tokens}")
+
+
 @dataclass(eq=False)
 class Stream:
     """A stream's live state inside the engine (mutable; engine-private)."""

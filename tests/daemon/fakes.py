@@ -53,7 +53,8 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: Any = None) -> Rendered:
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: Any = None,
+                    should_stop: Any = None) -> Rendered:
         text, starts = "", []
         for m in messages:
             starts.append(len(text.encode()))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from hypothesis import given, strategies as st
 
-from prefixd.daemon.stops import StopMatcher
+import pytest
+
+from prefixd.daemon.stops import StopMatcher, StopSet
 
 
 def test_stop_inside_one_piece_truncates_before_it():
@@ -56,3 +58,57 @@ def test_pieces_concatenate_to_the_text_before_the_first_stop(text, cuts):
     out.append(m.flush())
     i = text.find(stop)
     assert "".join(out) == (text if i < 0 else text[:i])
+
+
+def naive_held(text: str, stops: list[str]) -> int:
+    """The longest end of `text` that is a proper beginning of some stop (the definition)."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+@given(st.lists(st.text(alphabet="ab<>", min_size=1, max_size=5), min_size=1, max_size=6),
+       st.text(alphabet="ab<>x", max_size=60), st.lists(st.integers(0, 7), max_size=30))
+def test_matcher_equals_the_naive_definition_piece_by_piece(stops, text, cuts):
+    """Sent text is the text before the earliest stop; after each piece, exactly the part that
+    could still begin a stop is held back; the match is reported on the piece that completes it."""
+    m = StopMatcher(stops)
+    sent, pos = "", 0
+    firsts = [text.find(s) for s in stops]
+    first = min((i for i in firsts if i >= 0), default=-1)
+    for c in cuts + [len(text)]:
+        piece = text[pos:pos + c]
+        pos += c
+        out, hit = m.push(piece)
+        sent += out
+        seen = text[:pos]
+        seen_first = min((i for i in (seen.find(s) for s in stops) if i >= 0), default=-1)
+        assert hit == (seen_first >= 0)
+        if hit:
+            assert sent == text[:first]
+            break
+        assert sent == seen[:len(seen) - naive_held(seen, stops)]
+    else:
+        sent += m.flush()
+        assert sent == text
+        assert first < 0
+
+
+def test_stop_set_prepared_once_drops_duplicates_and_empties():
+    stops = StopSet(["ab", "", "ab", "c"])
+    assert stops.stops == ("ab", "c")
+    assert StopMatcher(stops).push("xxcab") == ("xx", True)
+
+
+def test_stop_count_and_length_limits_are_bad_requests():
+    from prefixd.ipc.errors import ProtocolError
+    from prefixd.ipc.messages import MAX_STOP_CHARS, MAX_STOP_STRINGS, parse_request
+
+    base = {"type": "generate", "id": 3, "prompt": "x"}
+    parse_request({**base, "stop": ["s"] * MAX_STOP_STRINGS})
+    with pytest.raises(ProtocolError) as err:
+        parse_request({**base, "stop": ["s"] * (MAX_STOP_STRINGS + 1)})
+    assert (err.value.code, err.value.message) == (
+        "bad_request", f"stop: {MAX_STOP_STRINGS + 1} stop strings; at most {MAX_STOP_STRINGS}")
+    parse_request({**base, "stop": ["s" * MAX_STOP_CHARS]})
+    with pytest.raises(ProtocolError) as err:
+        parse_request({**base, "stop": ["a", "s" * (MAX_STOP_CHARS + 1)]})
+    assert err.value.message == f"stop: a stop string of {MAX_STOP_CHARS + 1} characters; at most {MAX_STOP_CHARS} each"

@@ -168,6 +168,8 @@ def test_generation_stops_with_length_at_max_context():
     events = run_until_idle(engine)
     assert tokens_by_stream(events)[1] == reference_tokens(range(12), 4)
     assert done_by_stream(events)[1].finish_reason == "length"
+    assert done_by_stream(events)[1].note == (
+        "stopped at the context: 12 prompt + 4 generated tokens fill max_context 16 before max_tokens 100")
     assert max(w.start + len(w.tokens) for p in device.plans for w in p.lanes) == 15
 
 

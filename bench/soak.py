@@ -1,0 +1,223 @@
+"""Soak: honest clients beside hostile ones against a real daemon, for a stated time.
+
+    python bench/soak.py --seconds 120      # the measurement (run it on an idle machine)
+    python bench/soak.py --seconds 20       # a short check that it works
+
+Starts `prefixd serve` on the default model (Unix socket only, metrics off), then:
+1. reference: each of a fixed list of seeded generates (token prompts, seeded sampling,
+   logits digests) once, alone; baseline: the honest clients alone for --baseline-seconds,
+   each sending the list in turn; every output must equal the reference;
+2. soak: the same honest clients for --seconds beside hostile ones: malformed frames, huge
+   memfd payloads, trickling slow clients, floods of cheap frames, NaN images, sampling
+   edges, huge chat renders (some abandoned mid-render), clients that leave mid-stream;
+3. settle: wait until no lane is busy, then read RSS, fds and pages again.
+
+It prints one table: requests served, errors by code, honest p50/p99 TTFT with and without
+hostile clients and their ratio, whether honest outputs are bit-equal to the reference,
+honest failures, RSS before/peak/after, fds and pages before and after. Every loop is
+bounded by the deadline and a count; every wait by a timeout. It stops by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import anyio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import markdown_table, print_machine  # noqa: E402
+from bench.soak_hostile import HOSTILE_ACTIONS, Tally  # noqa: E402
+from bench.soak_proc import Daemon  # noqa: E402
+from prefixd.ipc.client import AsyncClient  # noqa: E402
+from prefixd.ipc.errors import ClientError  # noqa: E402
+from prefixd.ipc.messages import TokenEvent  # noqa: E402
+
+REQUEST_TIMEOUT_S = 120.0  # one honest request; a liveness bound, reported as a failure
+MAX_LOOPS = 100_000  # iterations of any client loop, besides the deadline
+SETTLE_TIMEOUT_S = 60.0
+
+
+@dataclass
+class HonestRun:
+    """What the honest clients saw in one phase."""
+
+    ttft_s: list[float] = field(default_factory=list)
+    served: int = 0
+    failures: int = 0
+    mismatches: int = 0
+    failure_kinds: Counter = field(default_factory=Counter)
+
+
+def honest_requests(vocab: int, count: int, seed: int) -> list[dict[str, Any]]:
+    """Seeded generates: token prompts of 24-96 ids, seeded sampling, logits digests, no stops."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(count):
+        tokens = [rng.randrange(16, vocab) for _ in range(rng.randint(24, 96))]
+        sampling = {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + k}
+        out.append({"tokens": tokens, "max_tokens": 12, "sampling": sampling, "logits": True,
+                    "stop_ids": []})
+    return out
+
+
+async def honest_client(path: str, requests: list[dict[str, Any]], offset: int, deadline: float,
+                        run: HonestRun, reference: dict[int, tuple]) -> None:
+    """Send `requests` in turn (from `offset`) until the deadline; record TTFT and outputs."""
+    async with await AsyncClient.connect(path) as client:
+        for i in range(MAX_LOOPS):
+            if time.monotonic() >= deadline:
+                return
+            key = (offset + i) % len(requests)
+            try:
+                with anyio.fail_after(REQUEST_TIMEOUT_S):
+                    output, ttft = await _one_generate(client, requests[key])
+            except (ClientError, TimeoutError, OSError) as e:
+                run.failures += 1
+                run.failure_kinds[getattr(e, "code", type(e).__name__)] += 1
+                continue
+            run.served += 1
+            run.ttft_s.append(ttft)
+            if output != reference[key]:
+                run.mismatches += 1
+
+
+async def _one_generate(client: AsyncClient, request: dict[str, Any]) -> tuple[tuple, float]:
+    start = time.perf_counter()
+    first: float | None = None
+    ids: list[int] = []
+    digests: list[str] = []
+    async with client.generate(**request) as stream:
+        async for event in stream:
+            if isinstance(event, TokenEvent):
+                first = first if first is not None else time.perf_counter()
+                ids.extend(event.ids)
+                digests.extend(event.logits_sha256 or ())
+    assert stream.done is not None, "iteration ends after done"
+    if stream.done.finish_reason not in ("length", "stop"):
+        raise ClientError(stream.done.finish_reason, stream.done.note or "honest generate did not finish")
+    return (tuple(ids), tuple(digests), stream.done.finish_reason), (first or time.perf_counter()) - start
+
+
+async def run_phase(daemon: Daemon, requests: list[dict[str, Any]], seconds: float, num_honest: int,
+                    reference: dict[int, tuple], hostile: int, tally: Tally) -> HonestRun:
+    """Honest clients (and `hostile` copies of each hostile action) until `seconds` pass."""
+    run = HonestRun()
+    deadline = time.monotonic() + seconds
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(daemon.sample_rss, deadline)
+        for c in range(num_honest):
+            tg.start_soon(honest_client, daemon.socket, requests, c * 3, deadline, run, reference)
+        for _ in range(hostile):
+            for action in HOSTILE_ACTIONS:
+                tg.start_soon(_hostile_loop, action, daemon, deadline, tally)
+    return run
+
+
+async def _hostile_loop(action: Any, daemon: Daemon, deadline: float, tally: Tally) -> None:
+    for _ in range(MAX_LOOPS):
+        if time.monotonic() >= deadline:
+            return
+        with anyio.move_on_after(max(0.1, min(30.0, deadline - time.monotonic() + 5))):
+            try:
+                await action(daemon, tally)
+            except (OSError, ClientError, anyio.BrokenResourceError, anyio.EndOfStream,
+                    anyio.ClosedResourceError) as e:
+                tally.note(getattr(e, "code", type(e).__name__))
+        await anyio.sleep(0.01)
+
+
+async def fill_reference(daemon: Daemon, requests: list[dict[str, Any]]) -> dict[int, tuple]:
+    """Each honest request once, alone, untimed: the outputs every later run must equal (and
+    the warm-up: the first forward passes are slow)."""
+    reference: dict[int, tuple] = {}
+    async with await AsyncClient.connect(daemon.socket) as client:
+        for key, request in enumerate(requests):
+            with anyio.fail_after(REQUEST_TIMEOUT_S):
+                reference[key] = (await _one_generate(client, request))[0]
+    return reference
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def report(base: HonestRun, soak: HonestRun, tally: Tally, before: dict, after: dict, peak_rss: int,
+           seconds: float) -> str:
+    def ms(v: float) -> str:
+        return f"{v * 1000:.1f} ms"
+
+    p50b, p99b = percentile(base.ttft_s, 0.5), percentile(base.ttft_s, 0.99)
+    p50s, p99s = percentile(soak.ttft_s, 0.5), percentile(soak.ttft_s, 0.99)
+    mib = 1 << 20
+    rows = [
+        ("soak time", f"{seconds:g} s"),
+        ("honest requests served (baseline / soak)", f"{base.served} / {soak.served}"),
+        ("hostile requests sent", str(tally.sent)),
+        ("errors by code (hostile)", ", ".join(f"{k} {v}" for k, v in sorted(tally.codes.items())) or "none"),
+        ("honest TTFT p50 (baseline / soak)", f"{ms(p50b)} / {ms(p50s)}"),
+        ("honest TTFT p99 (baseline / soak)", f"{ms(p99b)} / {ms(p99s)}"),
+        ("honest p99 ratio soak / baseline", f"{p99s / p99b:.2f}x" if p99b > 0 else "n/a"),
+        ("honest outputs bit-equal to the reference", "yes" if soak.mismatches == 0 and soak.served else "no"),
+        ("honest mismatches (baseline / soak)", f"{base.mismatches} / {soak.mismatches}"),
+        ("honest failures (baseline / soak)", f"{base.failures} / {soak.failures}"),
+        ("honest failures by kind (soak)", ", ".join(f"{k} {v}" for k, v in sorted(soak.failure_kinds.items())) or "none"),
+        ("RSS before / peak / after", f"{before['rss'] / mib:.0f} / {peak_rss / mib:.0f} / {after['rss'] / mib:.0f} MiB"),
+        ("RSS after / before", f"{after['rss'] / before['rss']:.3f}"),
+        ("fds before / after", f"{before['fds']} / {after['fds']}"),
+        ("pages used before / after", f"{before['pages_used']} / {after['pages_used']}"),
+        ("lanes busy / waiting after", f"{after['lanes_busy']} / {after['waiting']}"),
+    ]
+    return markdown_table(["measure", "value"], rows)
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    with Daemon.spawn(args.model, args.flags) as daemon:
+        hello = await daemon.hello()
+        vocab = int(hello.model["vocab_size"])
+        daemon.hidden = int(hello.model.get("hidden_size", 0))
+        requests = honest_requests(vocab, args.requests, args.seed)
+        tally = Tally()
+        reference = await fill_reference(daemon, requests)
+        base = await run_phase(daemon, requests, args.baseline_seconds, args.honest, reference, 0, tally)
+        before = await daemon.measure(SETTLE_TIMEOUT_S)
+        daemon.peak_rss = before["rss"]
+        soak = await run_phase(daemon, requests, args.seconds, args.honest, reference, args.hostile, tally)
+        after = await daemon.measure(SETTLE_TIMEOUT_S)
+        print(report(base, soak, tally, before, after, daemon.peak_rss, args.seconds))
+        if args.verbose:
+            print(f"\ndaemon log tail:\n{daemon.log_tail(6000)}")
+    return 0 if soak.failures == 0 and soak.mismatches == 0 and base.mismatches == 0 else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=120.0, help="soak time with hostile clients")
+    parser.add_argument("--baseline-seconds", type=float, default=None, help="honest-only time (default: seconds/2)")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--honest", type=int, default=3, help="honest clients")
+    parser.add_argument("--hostile", type=int, default=1, help="copies of each hostile client")
+    parser.add_argument("--requests", type=int, default=8, help="distinct honest requests")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="extra `prefixd serve` flags")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    if args.baseline_seconds is None:
+        args.baseline_seconds = max(5.0, args.seconds / 2)
+    print_machine({"soak": f"{args.seconds:g} s, {args.honest} honest, {args.hostile}x{len(HOSTILE_ACTIONS)} hostile"})
+    return anyio.run(main_async, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

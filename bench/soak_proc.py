@@ -1,0 +1,103 @@
+"""The daemon process a soak runs against: spawn, readiness, RSS, fds and pages."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import anyio
+
+from prefixd.ipc.client import AsyncClient
+from prefixd.ipc.messages import HelloReply
+
+ROOT = Path(__file__).resolve().parent.parent
+READY_TIMEOUT_S = 600.0
+RSS_EVERY_S = 0.2
+
+
+@dataclass
+class Daemon:
+    """A running `prefixd serve` (Unix socket only, metrics off)."""
+
+    proc: subprocess.Popen
+    socket: str
+    log: Path
+    hidden: int = 0
+    peak_rss: int = 0
+
+    @classmethod
+    @contextmanager
+    def spawn(cls, model: str, flags: Sequence[str]) -> Iterator[Daemon]:
+        with tempfile.TemporaryDirectory(prefix="prefixd-soak-") as tmp:
+            sock, log = os.path.join(tmp, "prefixd.sock"), Path(tmp) / "daemon.log"
+            cmd = [sys.executable, "-m", "prefixd.daemon.cli", "serve", "--model", model, "--socket", sock,
+                   "--metrics-addr", "", *flags]
+            env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+            with open(log, "w") as out:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            daemon = cls(proc, sock, log)
+            try:
+                daemon._wait_ready()
+                yield daemon
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if "prefixd: listening on" in self.log.read_text():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prefixd exited with {self.proc.returncode}:\n{self.log_tail()}")
+            time.sleep(0.1)
+        raise RuntimeError(f"prefixd did not listen within {READY_TIMEOUT_S:.0f} s")
+
+    def log_tail(self, chars: int = 2000) -> str:
+        return self.log.read_text()[-chars:]
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def num_fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    async def sample_rss(self, deadline: float) -> None:
+        """Track the peak RSS until `deadline`."""
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            self.peak_rss = max(self.peak_rss, self.rss_bytes())
+            await anyio.sleep(RSS_EVERY_S)
+
+    async def hello(self) -> HelloReply:
+        async with await AsyncClient.connect(self.socket) as client:
+            return await client.hello(client="soak")
+
+    async def measure(self, settle_timeout_s: float) -> dict[str, int]:
+        """RSS, fds and pages once no lane is busy and nothing waits (or the timeout passes)."""
+        deadline = time.monotonic() + settle_timeout_s
+        async with await AsyncClient.connect(self.socket) as client:
+            while True:
+                status = await client.status()
+                if (status["lanes_busy"] == 0 and status["waiting"] == 0) or time.monotonic() > deadline:
+                    break
+                await anyio.sleep(0.1)
+        await anyio.sleep(0.5)  # let closed connections' buffers go
+        self.peak_rss = max(self.peak_rss, self.rss_bytes())
+        return {"rss": self.rss_bytes(), "fds": self.num_fds(), "pages_used": status["pages_used"],
+                "lanes_busy": status["lanes_busy"], "waiting": status["waiting"]}
