@@ -52,6 +52,8 @@ def spawn_daemon(flags: Sequence[str], *, model: str = "default", metrics: bool 
         sock, log = os.path.join(tmp, "prefixd.sock"), Path(tmp) / "daemon.log"
         cmd = [sys.executable, "-m", "prefixd.daemon.cli", "serve", "--model", model, "--socket", sock,
                "--metrics-addr", "127.0.0.1:0" if metrics else "", *flags]
+        if "--disk-cache" not in flags:  # a fresh disk tier per run: never warm from an earlier one
+            cmd += ["--disk-cache", os.path.join(tmp, "disk")]
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

@@ -2,6 +2,7 @@
 
     python bench/store.py            # 4 conversations x 10 turns to ~7.5K tokens (tens of minutes)
     python bench/store.py --quick    # 2 conversations x 3 turns, ~2K tokens (a couple of minutes)
+    python bench/store.py --restart  # the disk tier across a restart (bench/store_restart.py)
 
 Three daemons replay the same trace (bench/trace.py), one request at a time, conversations
 interleaved, greedy replies of `--max-tokens` appended as history: the store off
@@ -28,6 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import machine_description, markdown_table, median  # noqa: E402
 from bench.daemon import DaemonHandle, spawn_daemon  # noqa: E402
+from bench.store_restart import add_flags as add_restart_flags  # noqa: E402
+from bench.store_restart import run_restart  # noqa: E402
+from bench.store_restart import write as write_restart  # noqa: E402
 from bench.trace import (FULL_TRACE, PAGE, QUICK_TRACE, Trace, TurnRecord, build_trace,  # noqa: E402
                          distinct_prompt_tokens, lcp, lru_cached, unbounded_cached)
 
@@ -236,6 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lanes", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32, help="reply tokens per turn (greedy)")
     parser.add_argument("--grid", type=int, default=256)
+    add_restart_flags(parser)
     args = parser.parse_args(argv)
     shape = QUICK_TRACE if args.quick else FULL_TRACE
     checkpoint = load_checkpoint(args.model, device=torch.device("cpu"), dtype=torch.bfloat16)
@@ -247,6 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_context = 4096 if args.quick else 8192
     common = ["--lanes", str(args.lanes), "--max-context", str(max_context), "--grid", str(args.grid)]
     fit_flag = int(1.2 * shape.num_conversations * per_conv * kv_bytes_per_token) + 2**30
+    if args.restart:
+        write_restart(run_restart(args, trace, common, kv_bytes_per_token), OUT)
+        return 0
     runs = {"off": run_daemon("off", [*common, "--no-cache"], trace, args)}
     floor = FloorMeter(checkpoint, shape.num_conversations, max_context, args.grid)
     runs["fit"] = run_daemon("fit", [*common, "--cache-budget", str(fit_flag)], trace, args, floor)

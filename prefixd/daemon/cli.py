@@ -34,6 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-context", type=int, default=None, help="context cap (default: the model's; 4096 on CPU)")
     serve.add_argument("--grace", type=float, default=None, metavar="SECONDS",
                        help="on SIGTERM, time in-flight streams get to finish (default 10)")
+    serve.add_argument("--disk-cache", default=None, metavar="DIR",
+                       help="disk tier below the prefix cache (default: $STATE_DIRECTORY under systemd, else "
+                            '$XDG_CACHE_HOME/prefixd, else ~/.cache/prefixd; "" turns it off)')
+    serve.add_argument("--disk-budget", default=None, metavar="BYTES",
+                       help="bytes the disk tier may hold (default 8GiB; 0 turns it off)")
+    serve.add_argument("--idle-exit", default=None, type=float, metavar="SECONDS",
+                       help="flush the disk tier and exit after this long with no client and no request "
+                            "(default: never; for socket-activated units)")
     serve.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
 
     chat = sub.add_parser("chat", help="interactive chat (/reset, /exit)")

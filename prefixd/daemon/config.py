@@ -20,6 +20,7 @@ DEFAULT_CPU_MAX_CONTEXT = 4096
 # `--cache-budget auto`: this share of the memory left after weights, lanes and workspace.
 AUTO_CACHE_FRACTION = 0.5
 AUTO_CACHE_MAX_BYTES_CPU = 4 << 30  # host RAM is shared with everything else on the machine
+DEFAULT_DISK_BUDGET_BYTES = 8 << 30
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -48,6 +49,9 @@ class DaemonConfig:
     grid: int = DEFAULT_GRID
     max_context: int | None = None  # None: the model's, capped on CPU
     log_level: str = "info"
+    disk_cache_dir: Path | None = None  # None: no disk tier (config_from_args fills the default)
+    disk_budget_bytes: int = DEFAULT_DISK_BUDGET_BYTES
+    idle_exit_s: float | None = None  # None: never exit for idleness
 
     @property
     def num_lanes(self) -> int:
@@ -81,6 +85,24 @@ def parse_size(text: str) -> int | None:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def _disk_budget(text: str) -> int | None:
+    try:
+        return parse_size(text)
+    except ConfigError:
+        raise ConfigError(f"--disk-budget {text!r}: expected BYTES (e.g. 8GiB, 512M)") from None
+
+
+def default_disk_cache_dir(env: dict[str, str]) -> Path:
+    """$STATE_DIRECTORY (systemd's StateDirectory=, the first if several), else
+    $XDG_CACHE_HOME/prefixd, else ~/.cache/prefixd."""
+    state = env.get("STATE_DIRECTORY", "").split(":")[0]
+    if state:
+        return Path(state)
+    xdg = env.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if xdg else Path(env.get("HOME") or Path.home()) / ".cache"
+    return base / "prefixd"
+
+
 def _check(cfg: DaemonConfig) -> DaemonConfig:
     if cfg.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", cfg.device):
         raise ConfigError(f"--device {cfg.device!r}: expected cpu or cuda[:N]")
@@ -94,6 +116,10 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"--grace {cfg.grace_s}: must be >= 0")
     if cfg.max_context is not None and cfg.max_context < 2:
         raise ConfigError(f"--max-context {cfg.max_context}: must be >= 2")
+    if cfg.disk_budget_bytes < 0:
+        raise ConfigError(f"--disk-budget {cfg.disk_budget_bytes}: must be >= 0")
+    if cfg.idle_exit_s is not None and cfg.idle_exit_s <= 0:
+        raise ConfigError(f"--idle-exit {cfg.idle_exit_s:g}: must be > 0 seconds")
     if cfg.metrics_addr:
         from prefixd.metrics.exporter import MetricsAddrError, parse_metrics_addr
 
@@ -118,6 +144,9 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
     socket_text = pick("socket", "PREFIXD_SOCKET", None)
     budget = pick("cache_budget", "PREFIXD_CACHE_BUDGET", "auto")
     max_context = pick("max_context", "PREFIXD_MAX_CONTEXT", None)
+    disk_dir = pick("disk_cache", "PREFIXD_DISK_CACHE", None)
+    disk_budget = _disk_budget(str(pick("disk_budget", "PREFIXD_DISK_BUDGET", DEFAULT_DISK_BUDGET_BYTES)))
+    idle_exit = pick("idle_exit", "PREFIXD_IDLE_EXIT", None)
     try:
         cfg = DaemonConfig(
             model=str(pick("model", "PREFIXD_MODEL", "default")),
@@ -134,6 +163,9 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
             grid=int(pick("grid", "PREFIXD_GRID", DEFAULT_GRID)),
             max_context=None if max_context is None else int(max_context),
             log_level=str(pick("log_level", "PREFIXD_LOG_LEVEL", "info")),
+            disk_cache_dir=default_disk_cache_dir(env) if disk_dir is None else (Path(str(disk_dir)) if disk_dir else None),
+            disk_budget_bytes=DEFAULT_DISK_BUDGET_BYTES if disk_budget is None else disk_budget,
+            idle_exit_s=None if idle_exit in (None, "") else float(idle_exit),
         )
     except ValueError as e:
         if isinstance(e, ConfigError):

@@ -6,6 +6,7 @@ The daemon only wires: loading and compute live in `prefixd.gpu`, scheduling in
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any, Callable
 
 from prefixd.daemon.config import AUTO_CACHE_FRACTION, AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig
 
+log = logging.getLogger("prefixd.runtime")
 _DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
 
@@ -24,6 +26,7 @@ class Runtime:
     tokenizer: Any  # prefixd.gpu.tokenizer.Tokenizer
     model_info: dict[str, Any]
     decoder_factory: Callable[[], Any] | None = None  # None: prefixd.gpu.tokenizer.StreamDecoder
+    disk: Any = None  # prefixd.disk.tier.DiskTier, or None when the disk tier is off
 
 
 def plan_num_pages(cfg: DaemonConfig, *, kv_bytes_per_page: int, max_context: int,
@@ -88,7 +91,8 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
                          num_pages=num_pages, page_size=cfg.page_size)
     sched = SchedulerConfig(num_lanes=cfg.num_lanes, grid=cfg.grid, max_context=max_context,
                             cache=cfg.cache, cache_budget_bytes=cfg.cache_budget_bytes)
-    engine = Engine(runner, sched, observer=observer)
+    disk = build_disk_tier(cfg, checkpoint.path, runner, device.type, observer) if cfg.cache else None
+    engine = Engine(runner, sched, observer=observer, disk=disk)
     info = runner.info
     model_info = {
         "name": Path(str(checkpoint.path)).name,
@@ -104,4 +108,26 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         "num_pages": info.num_pages,
         "weights_bytes": info.weights_bytes,
     }
-    return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info)
+    return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info, disk=disk)
+
+
+def build_disk_tier(cfg: DaemonConfig, model_path: Any, runner: Any, device_kind: str, observer: Any) -> Any:
+    """The disk tier in `cfg.disk_cache_dir`, or None when it is off or cannot be opened (a
+    warning: the daemon serves from RAM)."""
+    if cfg.disk_cache_dir is None or cfg.disk_budget_bytes <= 0:
+        return None
+    from prefixd.disk.identity import model_content_hash
+    from prefixd.disk.tier import DiskTier
+    from prefixd.scheduler.store.disk_index import TierIdentity
+
+    info = runner.info
+    try:
+        identity = TierIdentity(
+            model_hash=model_content_hash(Path(str(model_path)), cfg.disk_cache_dir), dtype=cfg.dtype,
+            device_kind=device_kind, mode=runner.mode, page_size=info.page_size,
+            kv_bytes_per_page=info.kv_bytes_per_page, lane_state_bytes=info.lane_state_bytes,
+            logits_row_bytes=info.logits_row_bytes, lookahead=info.lookahead, invariant_rows=info.invariant_rows)
+        return DiskTier(cfg.disk_cache_dir, identity, budget_bytes=cfg.disk_budget_bytes, observer=observer)
+    except OSError as e:
+        log.warning("disk cache off: cannot use %s: %s; serving from RAM", cfg.disk_cache_dir, e)
+        return None

@@ -6,6 +6,7 @@ re-raised; cleanup is shielded.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -37,6 +38,7 @@ from prefixd.metrics import Metrics, MetricsExporter, MetricsObserver, parse_met
 log = logging.getLogger("prefixd.server")
 _TRIM_AFTER_BYTES = 1 << 20  # a connection that buffered this much hands freed heap back on close
 _CANCEL_FLUSH_S = 5.0  # after the grace period: time for cancelled streams to send their done
+DISK_FLUSH_S = 120.0  # at shutdown, time the disk tier's writer gets to finish its queue
 
 RuntimeFactory = Callable[[DaemonConfig, Any], Runtime]
 
@@ -145,6 +147,8 @@ class Server:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch_signals, tg.cancel_scope)
             tg.start_soon(self._watch_engine)
+            if self.cfg.idle_exit_s is not None:
+                tg.start_soon(self._watch_idle, self.cfg.idle_exit_s)
             async with anyio.create_task_group() as conns:
                 conns.start_soon(self._accept_loop, conns)
                 self._announce()
@@ -159,6 +163,10 @@ class Server:
         await self._stop_accepting()
         if self._host is not None:
             await self._host.stop()
+        if getattr(self._runtime, "disk", None) is not None:
+            disk, self._runtime = self._runtime.disk, dataclasses.replace(self._runtime, disk=None)
+            await anyio.to_thread.run_sync(disk.close, DISK_FLUSH_S)  # every queued entry file is written
+            self._out.write(f"prefixd: disk cache flushed ({disk.stats().entries} entries)\n")
         if self._exporter is not None:
             self._exporter.close()
             self._exporter = None
@@ -189,6 +197,20 @@ class Server:
         await self._host.failed.wait()
         self._out.write(f"prefixd: engine failed: {self._host.failure!r}\n")
         self.request_exit(1)
+
+    async def _watch_idle(self, idle_s: float) -> None:
+        """Exit (gracefully: the disk tier is flushed) after `idle_s` with no client connected
+        and no request open; a socket-activated unit is started again by the next client."""
+        assert self._host is not None
+        last_busy = time.monotonic()
+        while not self.should_exit:
+            await anyio.sleep(min(1.0, idle_s / 4))
+            if self._connections or self._host.num_open_streams:
+                last_busy = time.monotonic()
+            elif time.monotonic() - last_busy >= idle_s:
+                self._out.write(f"prefixd: idle for {idle_s:g}s: exiting\n")
+                self.request_exit(0)
+                return
 
     async def _watchdog(self, interval_s: float) -> None:
         while True:

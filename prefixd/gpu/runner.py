@@ -23,8 +23,9 @@ from prefixd.gpu.kv_pool import KVPool
 from prefixd.gpu.model import RoundInputs
 from prefixd.gpu.sampling import LaneSampler
 from prefixd.scheduler.device import DeviceInfo
-from prefixd.scheduler.records import (CapturedState, LaneResult, LaneWork, PageCopy, RoundPlan,
-                                       RoundResult, SamplerSetup, StoredSample)
+from prefixd.gpu.families.qwen3_5_state import HybridState
+from prefixd.scheduler.records import (CapturedState, DiskLoad, LaneResult, LaneWork, PageCopy, PagePayload,
+                                       RoundPlan, RoundResult, SamplerSetup, StoredSample)
 
 
 class ModelRunner:
@@ -34,6 +35,7 @@ class ModelRunner:
                  num_pages: int, page_size: int = 16, mode: str = "invariant") -> None:
         self.device = torch.device(device)
         self.dtype = dtype
+        self.mode = mode
         self.tokenizer = checkpoint.tokenizer
         self.config = config = checkpoint.config
         self.model = build_family(checkpoint, self.device, dtype, mode)
@@ -122,6 +124,39 @@ class ModelRunner:
         row = item.logits[item.row]
         digests = logits_sha256(row) if item.digest else ()
         return LaneResult(lane=item.lane, sampled=(self._sampler(item.lane).sample(row),), digests=digests)
+
+    # The disk tier's own calls (scheduler.device.DiskPages), outside the round ------------
+    def export_pages(self, pages: Sequence[int], state: Any, logits: torch.Tensor | None) -> PagePayload:
+        """Host copies for the disk tier: the pages page-major (n, 2, layers, P, kv_heads, head_dim), the lane state's bytes and the float32 logits rows. Runs on the engine
+        thread; the writer thread only reads the returned buffers."""
+        self.copies.wait_all()
+        idx = torch.tensor(list(pages), dtype=torch.long, device=self.device)
+        # page-major (n, 2, L, P, H, D), one gather: a file's leading pages are a byte prefix
+        kv = self.kv.storage.permute(2, 0, 1, 3, 4, 5).index_select(0, idx)
+        return PagePayload(kv=_host_bytes(kv), state=None if state is None else _host_bytes(state.data),
+                           logits=None if logits is None else _host_bytes(logits))
+
+    def load_pages(self, load: DiskLoad) -> tuple[Any, torch.Tensor | None]:
+        """Write the load's page bytes into their pages (one copy from the read buffer into the
+        pool); the state and logits row come back as device tensors made from the bytes."""
+        self.copies.wait_all()
+        shape = self.kv.storage.shape  # (2, L, num_pages, P, H, D)
+        for pl in load.pages:
+            if not pl.pages:
+                continue
+            src = torch.frombuffer(pl.kv, dtype=torch.uint8).view(self.dtype)
+            src = src.view(len(pl.pages), shape[0], shape[1], *shape[3:]).to(self.device)  # (n, 2, L, P, H, D)
+            idx = torch.tensor(list(pl.pages), dtype=torch.long, device=self.device)
+            self.kv.storage.index_copy_(2, idx, src.permute(1, 2, 0, 3, 4, 5))
+        state = None
+        if load.state is not None:
+            # clones: the snapshot must not keep the whole read buffer (its pages) alive
+            state = HybridState(torch.frombuffer(load.state, dtype=torch.uint8).to(self.device).clone())
+        logits = None
+        if load.logits is not None:
+            rows = torch.frombuffer(load.logits, dtype=torch.float32).view(-1, self.config.vocab_size)
+            logits = rows.to(self.device).clone()
+        return state, logits
 
     def kv_rows(self, layer: int, page_table: Sequence[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V (n, kv_heads, head_dim) of attention layer `layer`, for tests."""
@@ -241,3 +276,9 @@ class ModelRunner:
             digests = logits_sha256(logits.index_select(0, torch.tensor([where[(w.lane, r)] for r in w.digest_rows],
                                                                         device=self.device)))
         return LaneResult(lane=w.lane, sampled=sampled, logits=rows, digests=digests)
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes in host memory, as a flat byte view (no copy on CPU beyond contiguity)."""
+    t = t.detach().contiguous()
+    return memoryview(t.view(torch.uint8).reshape(-1).cpu().numpy())

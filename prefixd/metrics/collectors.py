@@ -61,6 +61,17 @@ class Metrics:
             "prefixd_round_duration_seconds", "Wall time of one lane round.",
             buckets=_ROUND_BUCKETS_S, registry=r,
         )
+        self.disk_bytes = Gauge("prefixd_disk_cache_bytes", "Bytes of entry files the disk tier holds.", registry=r)
+        self.disk_hits_tokens = Counter(
+            "prefixd_disk_cache_hits_tokens", "Prompt tokens served from the disk tier.", registry=r
+        )
+        self.disk_written_bytes = Counter(
+            "prefixd_disk_cache_written_bytes", "Bytes of entry files written to disk.", registry=r
+        )
+        self.disk_corrupt = Counter(
+            "prefixd_disk_cache_corrupt",
+            "Disk tier files never served (torn, truncated, corrupt or foreign), removed.", registry=r,
+        )
         self._prime_labels()
 
     def _prime_labels(self) -> None:

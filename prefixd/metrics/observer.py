@@ -5,6 +5,8 @@ Called from the engine thread; prometheus-client collectors are thread-safe.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefixd.metrics.collectors import Metrics
 
 
@@ -13,6 +15,7 @@ class MetricsObserver:
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
+        self._disk_seen = (0, 0, 0)  # hit tokens, written bytes, corrupt files already counted
 
     def on_round(self, duration_s: float, forward_s: float, num_rows: int, lanes_busy: int, waiting: int) -> None:
         m = self.metrics
@@ -51,3 +54,13 @@ class MetricsObserver:
         m = self.metrics
         m.cache_bytes.set(bytes_held)
         m.cache_budget_bytes.set(budget_bytes)
+
+    def on_disk(self, stats: Any) -> None:
+        """The disk tier's running totals (`prefixd.disk.tier.DiskStats`): counters take the change."""
+        m = self.metrics
+        m.disk_bytes.set(stats.bytes)
+        now = (stats.hit_tokens, stats.written_bytes, stats.corrupt)
+        for counter, new, old in zip((m.disk_hits_tokens, m.disk_written_bytes, m.disk_corrupt), now, self._disk_seen):
+            if new > old:
+                counter.inc(new - old)
+        self._disk_seen = now

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from prefixd.scheduler.lanes import (Lane, PageTables, ResidentMatch, best_resident, free_seat, pages_for,
                                      resident_resume, resident_victims, starts_below)
@@ -73,6 +73,7 @@ class Admitter:
         cache: bool,
         invariant_rows: bool,
         lookahead: int,
+        disk: Any = None,
     ) -> None:
         self.lanes = lanes
         self.tables = tables
@@ -84,6 +85,7 @@ class Admitter:
         self.invariant_rows = invariant_rows
         self.lookahead = lookahead
         self.page_size = tables.page_size
+        self.disk = disk  # a DiskTier (prefixd.disk.tier) or None: asked when RAM misses
         self.waiting = WaitQueue()
 
     def reuse_allowed(self, stream: Stream) -> bool:
@@ -157,6 +159,8 @@ class Admitter:
         on, so making room for the stream cannot evict what it resumes from."""
         stream.looked_up = True
         hit = self.store.lookup(stream.key, stream.schedule)
+        if self.disk is not None and self.disk.fetch(stream.key, stream.schedule, hit.rows if hit is not None else 0):
+            hit = self.store.lookup(stream.key, stream.schedule, count=False)  # the disk entry, now in RAM
         if hit is not None:
             self.tables.allocator.incref(hit.pages)
             self.store.pin(hit)

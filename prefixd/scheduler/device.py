@@ -9,9 +9,9 @@ holds the KV pool they index.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
-from prefixd.scheduler.records import RoundPlan, RoundResult
+from prefixd.scheduler.records import DeviceRows, DeviceState, DiskLoad, PagePayload, RoundPlan, RoundResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,3 +46,18 @@ class Device(Protocol):
 
     def close(self) -> None:
         """Release device resources; no round runs after it."""
+
+
+class DiskPages(Protocol):
+    """The disk tier's page export and load (`prefixd.disk.tier`), called by the tier itself
+    outside the round: a write-through reads kept pages, a disk hit writes pages before any
+    round reads them. Not yet plan items."""
+
+    def export_pages(self, pages: Sequence[int], state: DeviceState | None,
+                     logits: DeviceRows | None) -> PagePayload:
+        """Host copies of `pages` (every attention layer, K and V, in page order), of `state`
+        and of `logits`, for the disk tier's writer thread (which runs no device code)."""
+
+    def load_pages(self, load: DiskLoad) -> tuple[DeviceState | None, DeviceRows | None]:
+        """Write each load's bytes into its pages; returns the state and logits row made from
+        the load's bytes (None where it has none)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from prefixd.scheduler.admission import Admitter, Seating
 from prefixd.scheduler.config import SchedulerConfig, store_budget_bytes
@@ -39,7 +39,8 @@ class Engine:
 
     `store_factory(allocator=, page_size=, kv_bytes_per_page=, budget_bytes=, invariant_rows=,
     clock=)` builds the prefix store when `config.cache` (default `PrefixStore`); returning None
-    leaves only resident lanes.
+    leaves only resident lanes. `disk` (a `prefixd.disk.tier.DiskTier`, used only with a
+    store) is written through on every keep and asked when a lookup misses RAM.
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class Engine:
         observer: EngineObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         store_factory: Callable[..., PrefixStore | None] | None = None,
+        disk: Any = None,
     ) -> None:
         info = device.info
         config.check_device(info)
@@ -67,6 +69,9 @@ class Engine:
             self.store = (store_factory or PrefixStore)(
                 allocator=self.allocator, page_size=info.page_size, kv_bytes_per_page=info.kv_bytes_per_page,
                 budget_bytes=store_budget_bytes(info, config), invariant_rows=info.invariant_rows, clock=clock)
+        self.disk = disk if self.store is not None else None
+        if self.disk is not None:
+            self.disk.attach(store=self.store, allocator=self.allocator, device=device)
         self._streams: dict[int, Stream] = {}
         self._seq = itertools.count()
         self._tick = itertools.count(1)
@@ -75,6 +80,7 @@ class Engine:
             lanes=self.lanes, tables=self.tables, store=self.store, grid=config.grid,
             headroom_rows=config.decode_headroom_rows, max_context=self.max_context, cache=config.cache,
             invariant_rows=info.invariant_rows, lookahead=info.lookahead,
+            disk=self.disk,
         )
         self.cuts = CutKeeper(store=self.store, info=info, observer=self.observer,
                               reuse_allowed=self.admitter.reuse_allowed)
@@ -114,6 +120,8 @@ class Engine:
         """Run one lane round; returns the token and done events it produced, in order."""
         t0 = self.clock()
         events: list[Event] = []
+        if self.disk is not None:
+            self.disk.poll()
         builder = PlanBuilder()
         planned = self._schedule(events, builder)
         for p in planned:

@@ -34,6 +34,9 @@ def engine_status(engine: Engine) -> dict:
     }
     if engine.store is not None:
         out["store"] = dataclasses.asdict(engine.store.stats())
+    if engine.disk is not None:
+        engine.disk.poll()
+        out["disk"] = dataclasses.asdict(engine.disk.stats())
     return out
 
 

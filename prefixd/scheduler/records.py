@@ -201,3 +201,32 @@ class RoundResult:
 
     def by_lane(self) -> dict[int, LaneResult]:
         return {r.lane: r for r in self.lanes}
+
+
+@dataclass(frozen=True, slots=True)
+class PagePayload:
+    """Host copies for the disk tier: KV pages page-major (each page's bytes together, so a
+    file's leading pages are a prefix of its bytes), a lane state and
+    a logits row, each a bytes-like buffer (state / logits None when there are none)."""
+
+    kv: Any
+    state: Any | None = None
+    logits: Any | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PageLoad:
+    """Load `kv` (len(pages) pages' bytes, page-major as `PagePayload.kv`) into `pages`."""
+
+    pages: tuple[int, ...]
+    kv: Any
+
+
+@dataclass(frozen=True, slots=True)
+class DiskLoad:
+    """What one disk hit puts on the device: page loads, and the snapshot's state and logits
+    row as bytes (None when the entry has none)."""
+
+    pages: tuple[PageLoad, ...]
+    state: Any | None = None
+    logits: Any | None = None

@@ -15,8 +15,8 @@ def _args(**kw) -> argparse.Namespace:
 
 
 def test_defaults_without_flags_or_env():
-    cfg = config_from_args(_args(), env={})
-    assert cfg == DaemonConfig()
+    cfg = config_from_args(_args(), env={"HOME": "/home/u"})
+    assert cfg == DaemonConfig(disk_cache_dir=Path("/home/u/.cache/prefixd"))
     assert cfg.num_lanes == 8
     assert cfg.metrics_addr == "127.0.0.1:9464"
     assert cfg.resolved_max_context(8192) == 4096
@@ -31,6 +31,28 @@ def test_flags_win_over_env_and_env_fills_the_rest():
     assert cfg.cache is False
     assert cfg.cache_budget_bytes == 1 << 30
     assert cfg.metrics_addr == ""
+
+
+@pytest.mark.parametrize("env, flag, expected", [
+    ({"STATE_DIRECTORY": "/var/lib/prefixd:/var/lib/other", "XDG_CACHE_HOME": "/x"}, None, "/var/lib/prefixd"),
+    ({"XDG_CACHE_HOME": "/x", "HOME": "/home/u"}, None, "/x/prefixd"),
+    ({"HOME": "/home/u"}, None, "/home/u/.cache/prefixd"),
+    ({"STATE_DIRECTORY": "/var/lib/prefixd"}, "/d", "/d"),
+    ({"STATE_DIRECTORY": "/var/lib/prefixd"}, "", None),
+])
+def test_the_disk_cache_directory_by_default_and_by_flag(env, flag, expected):
+    cfg = config_from_args(_args(disk_cache=flag), env=env)
+    assert cfg.disk_cache_dir == (None if expected is None else Path(expected))
+
+
+def test_disk_budget_and_idle_exit_flags():
+    cfg = config_from_args(_args(disk_budget="2GiB", idle_exit=30.0), env={"HOME": "/h"})
+    assert (cfg.disk_budget_bytes, cfg.idle_exit_s) == (2 << 30, 30.0)
+    assert config_from_args(_args(), env={"HOME": "/h"}).disk_budget_bytes == 8 << 30
+    with pytest.raises(ConfigError, match="--disk-budget"):
+        config_from_args(_args(disk_budget="lots"), env={})
+    with pytest.raises(ConfigError, match="--idle-exit"):
+        config_from_args(_args(idle_exit=0.0), env={})
 
 
 def test_parse_size_units():

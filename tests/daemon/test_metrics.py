@@ -26,6 +26,10 @@ NAMES = [
     "prefixd_prompt_tokens_total",
     "prefixd_generation_tokens_total",
     "prefixd_round_duration_seconds",
+    "prefixd_disk_cache_bytes",
+    "prefixd_disk_cache_hits_tokens_total",
+    "prefixd_disk_cache_written_bytes_total",
+    "prefixd_disk_cache_corrupt_total",
 ]
 
 
@@ -80,6 +84,20 @@ def test_observer_feeds_counters_gauges_and_histograms_with_exact_values():
     assert s[("prefixd_requests_total", (("finish_reason", "stop"),))] == 1
     assert s[("prefixd_prompt_tokens_total", ())] == 120
     assert s[("prefixd_generation_tokens_total", ())] == 7
+
+
+def test_disk_tier_totals_become_counter_increments_and_a_gauge():
+    from prefixd.disk.tier import DiskStats
+
+    metrics = Metrics()
+    observer = MetricsObserver(metrics)
+    observer.on_disk(DiskStats(5000, 10**9, 2, 4000, 1, 0, 30, None))
+    observer.on_disk(DiskStats(7000, 10**9, 3, 6500, 1, 0, 45, None))
+    samples = _samples(metrics)
+    assert samples[("prefixd_disk_cache_bytes", ())] == 7000
+    assert samples[("prefixd_disk_cache_written_bytes_total", ())] == 6500
+    assert samples[("prefixd_disk_cache_hits_tokens_total", ())] == 45
+    assert samples[("prefixd_disk_cache_corrupt_total", ())] == 1
 
 
 def test_two_metrics_objects_do_not_share_a_registry():

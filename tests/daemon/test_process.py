@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +20,9 @@ from prefixd.ipc.sync_client import SyncClient
 from tests.helpers.tiny_models import make_tiny_hf_dir
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+# XDG_CACHE_HOME: the daemons' disk tier (on by default) goes to a directory of this run's own
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+       "XDG_CACHE_HOME": tempfile.mkdtemp(prefix="prefixd-test-cache-")}
 PREFIXD = [sys.executable, "-m", "prefixd.daemon.cli"]
 LIVENESS_S = 180  # bounds on waiting for a process, never asserted
 
@@ -150,6 +153,7 @@ def test_cli_without_a_daemon_says_how_to_start_one(tmp_path):
 def test_socket_activation_passes_the_listening_socket(tiny_dir, tmp_path):
     sock = tmp_path / "act.sock"
     cmd = ["systemd-socket-activate", "-l", str(sock), "-E", f"PYTHONPATH={ROOT}",
+           "-E", f"XDG_CACHE_HOME={ENV['XDG_CACHE_HOME']}",  # the tool passes only what -E names
            *_serve_args(tiny_dir, tmp_path / "unused" / "x.sock")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -52,6 +52,8 @@ class DaemonProcess:
         sock = workdir / "run" / "prefixd.sock"
         log = workdir / "daemon.log"
         args = [*PREFIXD, "serve", "--model", str(model), "--socket", str(sock), "--metrics-addr", "", *flags]
+        if "--disk-cache" not in flags:  # each daemon its own disk tier, never warm from another test's
+            args += ["--disk-cache", str(workdir / "disk")]
         if TEST_DEVICE != "cpu" and "--device" not in flags:
             args += ["--device", TEST_DEVICE]
         with log.open("wb") as out:

@@ -9,18 +9,22 @@ Non-invariant mode imitates a recurrent family: the state after a prefill chunk 
 whole chunk, a decode row hashes its one token with another tag, so rows are reproduced only
 when computed with the same chunking.
 
-`run_round` is the only call: it runs a plan's items in `RoundPlan`'s documented order, and
-any other method the scheduler reaches for raises (`SideCallError`).
+`run_round` is the only call the engine makes: it runs a plan's items in `RoundPlan`'s
+documented order, and any other method reached for raises (`SideCallError`), except the disk
+tier's own `export_pages` / `load_pages` (`scheduler.device.DiskPages`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
+from array import array
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from prefixd.scheduler.device import DeviceInfo
-from prefixd.scheduler.records import CapturedState, LaneResult, RoundPlan, RoundResult, StoredSample
+from prefixd.scheduler.records import (CapturedState, DiskLoad, LaneResult, PagePayload, RoundPlan, RoundResult,
+                                       StoredSample)
 
 
 class SideCallError(AssertionError):
@@ -100,6 +104,8 @@ class FakeDevice:
         self.pool: list[list[int | None]] = [[None] * p for _ in range(self.info.num_pages)]
         self.state: list[int] = [0] * self.info.num_lanes
         self.samplers: dict[int, _Sampler] = {}
+        self.exported: list[tuple[int, ...]] = []  # pages of each export_pages, in order
+        self.loaded: list[tuple[int, ...]] = []  # pages of each load_pages, in order
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
@@ -161,6 +167,36 @@ class FakeDevice:
     def _captures(self, plan: RoundPlan) -> tuple[CapturedState, ...]:
         return tuple(CapturedState(c.lane, c.cut, FakeState(self.state[c.lane], self.info.lane_state_bytes))
                      for c in plan.captures)
+
+    # -- the disk tier's own calls (scheduler.device.DiskPages) --------------------------
+
+    def export_pages(self, pages: Sequence[int], state: FakeState | None, logits: FakeRows | None) -> PagePayload:
+        """Each page as its rows' token ids (int64, -1 unwritten), padded to kv_bytes_per_page."""
+        bpp = self.info.kv_bytes_per_page
+        kv = b"".join(array("q", [-1 if t is None else t for t in self.pool[p]]).tobytes().ljust(bpp, b"\0")
+                      for p in pages)
+        st = struct.pack("<Q", state.value).ljust(state.nbytes, b"\0") if state is not None else None
+        lg = b"".join(struct.pack("<Q", v).ljust(logits.row_bytes, b"\0") for v in logits.values) if logits else None
+        self.exported.append(tuple(pages))
+        return PagePayload(kv, st, lg)
+
+    def load_pages(self, load: DiskLoad) -> tuple[FakeState | None, FakeRows | None]:
+        bpp, p = self.info.kv_bytes_per_page, self.info.page_size
+        for pl in load.pages:
+            data = bytes(pl.kv)
+            if len(data) != len(pl.pages) * bpp:
+                raise AssertionError(f"{len(data)} bytes for {len(pl.pages)} pages")
+            for i, page in enumerate(pl.pages):
+                rows = array("q", data[i * bpp: i * bpp + 8 * p])
+                self.pool[page] = [None if t < 0 else t for t in rows]
+        self.loaded.append(tuple(pg for pl in load.pages for pg in pl.pages))
+        state = FakeState(struct.unpack_from("<Q", load.state)[0], len(load.state)) if load.state is not None else None
+        rb = self.info.logits_row_bytes
+        logits = None
+        if load.logits is not None:
+            raw = bytes(load.logits)
+            logits = FakeRows(tuple(struct.unpack_from("<Q", raw, i)[0] for i in range(0, len(raw), rb)), rb)
+        return state, logits
 
     # -- the fake model ---------------------------------------------------------------
 

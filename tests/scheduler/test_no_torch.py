@@ -24,3 +24,12 @@ def test_scheduler_imports_no_torch_or_cupy():
     count, heavy = out.stdout.strip().split(" ", 1)
     assert int(count) >= 8  # engine, lanes, admission, rounds, streams, events, config, planner, store...
     assert heavy == "[]"
+
+
+def test_the_disk_tier_imports_no_torch_or_cupy():
+    """Its writer thread must run no torch op; importing it must not even load torch."""
+    probe = PROBE.replace("prefixd.scheduler as pkg", "prefixd.disk as pkg")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    count, heavy = out.stdout.strip().split(" ", 1)
+    assert int(count) >= 4  # format, identity, tier, writer
+    assert heavy == "[]"

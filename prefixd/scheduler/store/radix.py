@@ -53,17 +53,21 @@ class PrefixStore:
         self._evictions = {r: 0 for r in REASONS}
         self._hits = self._misses = self._query_tokens = self._hit_tokens = 0
         self._skipped = self._refused = 0
+        # Called with (key, schedule, cut, pages, snapshot) after a publish keeps a snapshot
+        # (SAVED or REPLACED): the disk tier writes it through. Must not change the store.
+        self.on_keep: Callable[[ReuseKey, Schedule, int, Sequence[int], Snapshot], object] | None = None
 
     # ---- lookup -------------------------------------------------------------------------
 
-    def lookup(self, key: ReuseKey, schedule: Schedule) -> Hit | None:
+    def lookup(self, key: ReuseKey, schedule: Schedule, *, count: bool = True) -> Hit | None:
         """The deepest usable resume point of `key`, or None (a miss).
 
         invariant_rows: any identity-equal row (full pages, or a snapshot's cut); otherwise
         only a snapshot at a cut of `schedule` whose schedule hash agrees. A hit at row n
         needs the snapshot's logits row; without it a row-invariant hit stops at n - 1.
         Counts a hit or a miss, marks entries the key moved past, touches the hit's entry.
-        Takes no page reference: the caller increfs `hit.pages`.
+        Takes no page reference: the caller increfs `hit.pages`. `count=False`: a second look
+        for the same request (after the disk tier filled the store) counts nothing again.
         """
         n = len(key.tokens)
         if schedule.n != n:
@@ -77,6 +81,8 @@ class PrefixStore:
                 best = e
         hit = self._hit_from(path, best, n)
         self._tree.observe(cur, moved_below=n)
+        if not count:
+            return hit
         self._query_tokens += n
         if hit is None:
             self._misses += 1
@@ -161,6 +167,8 @@ class PrefixStore:
             result = self._fit(entry, key, restored)
         if result != SKIPPED:
             self._tree.observe(cur, moved_below=cut)
+        if result in (SAVED, REPLACED) and self.on_keep is not None:
+            self.on_keep(key, schedule, cut, pages, snapshot)
         return result
 
     def _fit(self, entry: Entry, key: ReuseKey, restored: Hit | None) -> str:

@@ -1,0 +1,318 @@
+"""`DiskTier`: the prefix store's second tier, written through and read on a RAM miss.
+
+Every entry the RAM store keeps is offered here (`offer`, the store's keep hook): the engine
+thread copies the pages its parent file lacks to host memory and queues the file; the writer
+thread writes it. A lookup that misses RAM, or hits shallower than disk could, asks
+`fetch`: the entry's chain is read and checked, loaded into fresh pages and published into
+the RAM store, and the request then hits there like any other.
+
+Files that are torn, truncated, corrupt or foreign are never served: skipped, logged,
+counted (`corrupt`) and removed. Torch-free; the device does the copies.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from prefixd.disk.format import SUFFIX, TEMP_SUFFIX, BadFile, FileMeta, encode_head, file_bytes, read_body, read_head
+from prefixd.disk.writer import FAILED, OFF, WRITTEN, DiskWriter, WriteJob, parts_of
+from prefixd.scheduler.planner import Schedule
+from prefixd.scheduler.records import DiskLoad, PageLoad
+from prefixd.scheduler.store import PRESENT, REPLACED, SAVED, ReuseKey, Snapshot
+from prefixd.scheduler.store.disk_index import DiskEntry, DiskIndex, KeyDigests, TierIdentity, cut_hashes
+
+log = logging.getLogger("prefixd.disk")
+LOCK_FILE = "lock"
+
+
+@dataclass(frozen=True, slots=True)
+class DiskStats:
+    bytes: int  # files indexed (written or queued)
+    budget_bytes: int
+    entries: int
+    written_bytes: int
+    corrupt: int  # files never served: torn, truncated, corrupt, foreign
+    skipped: int  # entries not written: the queue was full, or bigger than the budget
+    hit_tokens: int
+    off: str | None  # why the tier stopped, or None
+
+
+class DiskObserver:
+    """Receives the tier's counts (metrics implement it); every call is cheap."""
+
+    def on_disk(self, stats: DiskStats) -> None:
+        return None
+
+
+class DiskTier:
+    def __init__(self, directory: Path, identity: TierIdentity, *, budget_bytes: int,
+                 writer: DiskWriter | None = None, observer: Any = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.directory = Path(directory)
+        self.identity = identity
+        self._ident = identity.digest()
+        self.budget_bytes = budget_bytes
+        self.index = DiskIndex(identity.page_size, identity.invariant_rows)
+        self.observer = observer if observer is not None else DiskObserver()
+        self.clock = clock
+        self.off: str | None = None
+        self.written_bytes = self.corrupt = self.skipped = self.hit_tokens = 0
+        self.store: Any = None
+        self.allocator: Any = None
+        self.device: Any = None
+        self._lock_fd: int | None = None
+        self._open()
+        self.writer = writer if writer is not None else DiskWriter(self.directory)
+        self._report()
+
+    def attach(self, *, store: Any, allocator: Any, device: Any) -> None:
+        """Wire to the engine's RAM store, page allocator and device; the store's keeps come here."""
+        self.store, self.allocator, self.device = store, allocator, device
+        store.on_keep = self.offer
+
+    # -- start-up ---------------------------------------------------------------------
+    def _open(self) -> None:
+        """Rebuild the index from the files: stray temp files and bad files are removed."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_directory()
+        metas: dict[bytes, tuple[FileMeta, float]] = {}
+        for item in os.scandir(self.directory):
+            if item.name.endswith(TEMP_SUFFIX):
+                self._bad(Path(item.path), "an unfinished write")
+            elif item.name.endswith(SUFFIX):
+                got = self._scan(Path(item.path))
+                if got is not None:
+                    metas[got[0].digest] = got
+        added: set[bytes] = set()
+        for digest in sorted(metas, key=lambda d: metas[d][1]):
+            self._add_scanned(digest, metas, added)
+
+    def _lock_directory(self) -> None:
+        """One daemon per directory: another would take this one's temp files for torn writes.
+        Raises OSError (the caller turns the tier off) when another process holds it."""
+        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            raise OSError(e.errno, f"another process uses {self.directory}") from None
+        self._lock_fd = fd  # held until close() or the process ends
+
+    def _scan(self, path: Path) -> tuple[FileMeta, float] | None:
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                meta, _ = read_head(f, self._ident, st.st_size)
+            if path.name != meta.digest.hex() + SUFFIX:
+                raise BadFile("named for another entry")
+            self._check_sizes(meta)
+            return meta, st.st_mtime
+        except BadFile as e:
+            self._bad(path, str(e))
+        except OSError as e:
+            self._bad(path, f"unreadable: {e}")
+        return None
+
+    def _check_sizes(self, meta: FileMeta) -> None:
+        ident = self.identity
+        if meta.kv_bytes != (meta.num_pages - meta.first_page) * ident.kv_bytes_per_page \
+                or meta.state_bytes not in (0, ident.lane_state_bytes) \
+                or meta.logits_bytes not in (0, ident.logits_row_bytes) \
+                or meta.num_pages != -(-meta.cut // ident.page_size):
+            raise BadFile("part sizes disagree with the layout")
+
+    def _add_scanned(self, digest: bytes, metas: dict, added: set[bytes]) -> None:
+        """Index `digest` after its ancestors; a file whose chain breaks is removed."""
+        chain = []
+        while digest is not None and digest not in added:  # walk up to an indexed ancestor or a root
+            meta, mtime = metas.pop(digest, (None, 0.0))
+            if meta is None:
+                for orphan, _, _ in chain:
+                    self._remove_file(orphan.digest, f"its parent {digest.hex()[:12]} is gone")
+                return
+            chain.append((meta, mtime, digest))
+            digest = meta.parent
+        for meta, mtime, d in reversed(chain):
+            size = (self.directory / f"{d.hex()}{SUFFIX}").stat().st_size
+            self.index.add(DiskEntry(d, meta.parent, meta.cut, meta.first_page, meta.num_pages, size,
+                                     meta.logits_bytes > 0, self.index.next_seq(), mtime, durable=True))
+            added.add(d)
+
+    # -- write-through ----------------------------------------------------------------
+    def offer(self, key: ReuseKey, schedule: Schedule, cut: int, pages: Sequence[int], snapshot: Snapshot) -> str:
+        """Queue the entry the RAM store just kept; returns "queued", "present", "skipped" or "off"."""
+        if self.off is not None:
+            return "off"
+        self.poll()
+        digest = KeyDigests(key).at(cut, cut_hashes(key, schedule, self.identity.invariant_rows)(cut))
+        known = self.index.entries.get(digest)
+        if known is not None:
+            known.last_used = self.clock()
+            return "present"
+        parent = self.index.find(key, schedule, below=cut, durable_only=False)
+        P = self.identity.page_size
+        first, num = (parent.cut // P if parent is not None else 0), -(-cut // P)
+        state = snapshot.state if snapshot.state is not None and snapshot.state.nbytes else None
+        meta = FileMeta(digest, parent.digest if parent else None, cut, first, num,
+                        (num - first) * self.identity.kv_bytes_per_page,
+                        state.nbytes if state is not None else 0,
+                        snapshot.logits.nbytes if snapshot.logits is not None else 0)
+        head = encode_head(self._ident, meta)
+        nbytes = file_bytes(head, meta)
+        if nbytes > self.budget_bytes or not self.writer.has_room(meta.body_bytes):
+            self.skipped += 1
+            self._report()
+            return "skipped"
+        payload = self.device.export_pages(pages[first:num], state, snapshot.logits)
+        job = WriteJob(digest, meta.parent, head, parts_of((payload.kv, payload.state, payload.logits)), nbytes)
+        if not self.writer.submit_write(job):
+            self.skipped += 1
+            self._report()
+            return "skipped"
+        entry = DiskEntry(digest, meta.parent, cut, first, num, nbytes, meta.logits_bytes > 0,
+                          self.index.next_seq(), self.clock())
+        self.index.add(entry)
+        self._fit(frozenset(e.digest for e in self.index.chain(entry)))
+        self._report()
+        return "queued"
+
+    def _fit(self, protect: frozenset[bytes]) -> None:
+        for victim in self.index.victims(self.budget_bytes, protect):
+            self.index.remove(victim)
+            self.writer.submit_delete(victim.digest)
+
+    def poll(self) -> None:
+        """Take the writer's results: entries become servable, failed ones leave the index."""
+        results = self.writer.drain()
+        for r in results:
+            entry = self.index.entries.get(r.digest) if r.digest is not None else None
+            if r.kind == WRITTEN:
+                self.written_bytes += r.nbytes
+                if entry is not None:
+                    entry.durable = True
+            elif r.kind == FAILED and entry is not None:
+                for e in self.index.subtree(entry):
+                    self.index.remove(e)
+            elif r.kind == OFF:
+                self.off = r.message
+        if results:
+            self._report()
+
+    # -- read -------------------------------------------------------------------------
+    def fetch(self, key: ReuseKey, schedule: Schedule, have_rows: int) -> bool:
+        """Put the deepest disk entry of `key` deeper than `have_rows` into the RAM store.
+        True when the store now holds it (a lookup will hit it); False changes nothing the
+        request can see (a bad file found on the way is removed and counted)."""
+        if self.off is not None or not self.index.entries:
+            return False
+        self.poll()
+        entry = self.index.find(key, schedule, observe=True)
+        if entry is None or entry.cut <= have_rows:
+            return False
+        bodies = self._read_chain(entry)
+        if bodies is None:
+            return False
+        pages = self._take_pages(entry.num_pages)
+        if pages is None:
+            return False
+        snapshot = self._load(entry, bodies, pages)
+        result = self.store.publish(key, schedule, entry.cut, pages, snapshot, prefilled_upto=entry.cut)
+        self.allocator.decref(pages)  # the store holds what it kept
+        if result not in (SAVED, PRESENT, REPLACED):
+            return False
+        entry.hits += 1
+        entry.last_used = self.clock()
+        self.hit_tokens += entry.cut
+        self._touch(entry)
+        self._report()
+        return True
+
+    def _read_chain(self, entry: DiskEntry) -> list[tuple[DiskEntry, bytearray, FileMeta]] | None:
+        out = []
+        for e in self.index.chain(entry):
+            path = self.directory / f"{e.name}{SUFFIX}"
+            try:
+                with open(path, "rb") as f:
+                    meta, offset = read_head(f, self._ident, os.fstat(f.fileno()).st_size)
+                    if meta.digest != e.digest:
+                        raise BadFile("named for another entry")
+                    out.append((e, read_body(f, meta, offset), meta))
+            except (BadFile, OSError) as err:
+                self._drop_bad(e, str(err))
+                return None
+        return out
+
+    def _take_pages(self, num: int) -> list[int] | None:
+        if not self.allocator.can_allocate(num):
+            self.store.make_room(num)
+        return self.allocator.allocate(num)
+
+    def _load(self, entry: DiskEntry, bodies: list, pages: list[int]) -> Snapshot:
+        bpp = self.identity.kv_bytes_per_page
+        loads = []
+        for i, (e, body, meta) in enumerate(bodies):
+            end = bodies[i + 1][0].first_page if i + 1 < len(bodies) else e.num_pages
+            view = memoryview(body)
+            loads.append(PageLoad(tuple(pages[e.first_page:end]), view[: (end - e.first_page) * bpp]))
+        _, body, meta = bodies[-1]
+        view = memoryview(body)
+        state = view[meta.kv_bytes: meta.kv_bytes + meta.state_bytes] if meta.state_bytes else None
+        logits = view[meta.kv_bytes + meta.state_bytes:] if meta.logits_bytes else None
+        state_obj, logits_obj = self.device.load_pages(DiskLoad(tuple(loads), state, logits))
+        return Snapshot(state=state_obj, logits=logits_obj)
+
+    def _touch(self, entry: DiskEntry) -> None:
+        try:  # the last use survives a restart as the file's mtime
+            os.utime(self.directory / f"{entry.name}{SUFFIX}")
+        except OSError:
+            pass  # a file we cannot touch still serves; its order after a restart is older
+
+    # -- bad files --------------------------------------------------------------------
+    def _bad(self, path: Path, why: str) -> None:
+        self.corrupt += 1
+        log.warning("disk cache: removed %s: %s", path.name, why)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("disk cache: cannot remove %s: %s", path.name, e)
+
+    def _remove_file(self, digest: bytes, why: str) -> None:
+        log.warning("disk cache: removed %s: %s", digest.hex()[:12], why)
+        (self.directory / f"{digest.hex()}{SUFFIX}").unlink(missing_ok=True)
+
+    def _drop_bad(self, entry: DiskEntry, why: str) -> None:
+        """A file failed its check on read: it and the entries chaining on it leave."""
+        self.corrupt += 1
+        log.warning("disk cache: %s not served: %s", entry.name[:12], why)
+        for e in self.index.subtree(entry):
+            self.index.remove(e)
+            self.writer.submit_delete(e.digest)
+        self._report()
+
+    # -- reporting and shutdown -------------------------------------------------------
+    def stats(self) -> DiskStats:
+        return DiskStats(self.index.bytes, self.budget_bytes, len(self.index), self.written_bytes,
+                         self.corrupt, self.skipped, self.hit_tokens, self.off)
+
+    def _report(self) -> None:
+        self.observer.on_disk(self.stats())
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait for every queued write (and take their results); False on timeout."""
+        done = self.writer.flush(timeout_s)
+        self.poll()
+        return done
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Finish the queued writes, end the writer, and let another process use the directory."""
+        self.writer.close(timeout_s)
+        self.poll()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
