@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="flush the disk tier and exit after this long with no client and no request "
                             "(default: never; for socket-activated units)")
     serve.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--http", default=None, metavar="HOST:PORT",
+                       help="also serve the OpenAI-compatible HTTP API here (off by default; see docs/http.md)")
+    serve.add_argument("--http-token-file", default=None, metavar="FILE",
+                       help="bearer token HTTP clients must send; required to listen beyond loopback")
 
     chat = sub.add_parser("chat", help="interactive chat (/reset, /exit)")
     _add_socket(chat)
@@ -66,8 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--greedy", action="store_true", help="greedy decoding, no penalty (overrides the defaults below)")
+    p.add_argument("--temperature", type=float, default=None, help="default 0.7")
+    p.add_argument("--top-p", type=float, default=None, help="default 0.9")
+    p.add_argument("--top-k", type=int, default=None, help="default 40")
+    p.add_argument("--min-p", type=float, default=None, help="default 0 (off)")
+    p.add_argument("--repeat-penalty", type=float, default=None, help="default 1.1")
+    p.add_argument("--seed", type=int, default=None, help="default: drawn, and printed so a reply can be reproduced")
+    p.add_argument("--tools", metavar="FILE.json", default=None, help="a JSON list of OpenAI function tools")
+    p.add_argument("--schema", metavar="FILE.json", default=None, help="a JSON schema the reply must match")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="each token's logprob and K alternatives (shown with --json)")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--no-cache", action="store_true", help="do not use or fill the prefix cache")
     p.add_argument("--namespace", default="", help="cache namespace (nothing is shared across namespaces)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -30,16 +31,70 @@ def _connect(args: argparse.Namespace) -> SyncClient:
         raise NoDaemon(f"no daemon at {path}: start it with `prefixd serve` ({e.strerror or e})") from None
 
 
-def _fields(args: argparse.Namespace) -> dict[str, Any]:
-    sampling: dict[str, Any] = {"temperature": args.temperature}
-    if args.seed is not None:
-        sampling["seed"] = args.seed
-    fields: dict[str, Any] = {"max_tokens": args.max_tokens, "sampling": sampling, "cache": not args.no_cache}
+# A small model decoding greedily with no penalty falls into loops; these sampling defaults
+# (close to Ollama's and llama-server's) do not. --greedy is one flag away.
+CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.0, "repetition_penalty": 1.1}
+
+
+def _sampling(args: argparse.Namespace, model_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Flags, else the model's own settings (hello's model.sampling_defaults), else CHAT_DEFAULTS."""
+    if args.greedy:
+        return {"temperature": 0.0}
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+             "repetition_penalty": args.repeat_penalty}
+    defaults = {**CHAT_DEFAULTS, **{k: v for k, v in (model_defaults or {}).items() if k in CHAT_DEFAULTS}}
+    sampling = {k: given[k] if given[k] is not None else v for k, v in defaults.items()}
+    sampling["seed"] = args.seed if args.seed is not None else secrets.randbits(63)
+    return sampling
+
+
+def _model_defaults(client: SyncClient) -> dict[str, Any]:
+    defaults = client.hello(client="prefixd-cli").model.get("sampling_defaults")
+    return defaults if isinstance(defaults, dict) else {}
+
+
+def _fields(args: argparse.Namespace, sampling: dict[str, Any]) -> dict[str, Any]:
+    fields: dict[str, Any] = {"max_tokens": args.max_tokens, "sampling": sampling,
+                              "cache": not args.no_cache}
     if args.namespace:
         fields["namespace"] = args.namespace
     if args.stop:
         fields["stop"] = list(args.stop)
+    if args.tools:
+        fields["tools"] = _load_json_list(args.tools, "--tools")
+    if args.schema:
+        schema = _load_json(args.schema, "--schema")
+        fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+    if args.logprobs is not None:
+        fields["logprobs"] = args.logprobs
     return fields
+
+
+def _load_json(path: str, flag: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ClientError("bad_request", f"{flag} {path}: {e}") from None
+
+
+def _load_json_list(path: str, flag: str) -> list[dict[str, Any]]:
+    value = _load_json(path, flag)
+    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
+        raise ClientError("bad_request", f"{flag} {path}: expected a JSON list of maps")
+    return value
+
+
+def _report_seed(fields: dict[str, Any]) -> None:
+    seed = fields["sampling"].get("seed")
+    if seed is not None:
+        print(f"(seed {seed}: pass --seed {seed} to reproduce this reply)", file=sys.stderr)
+
+
+def _report_end(done: Any, max_tokens: int) -> None:
+    if done is not None and done.finish_reason == "length":
+        print(f"[cut at --max-tokens {max_tokens}]", file=sys.stderr)
+    for call in (done.tool_calls or ()) if done is not None else ():
+        print(json.dumps({"tool_call": call}))
 
 
 def _run(fn: Any, args: argparse.Namespace, err: TextIO) -> int:
@@ -66,45 +121,46 @@ def chat(args: argparse.Namespace) -> int:
 
 
 def _load_messages(path: str) -> list[dict[str, Any]]:
-    try:
-        messages = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ClientError("bad_request", f"--messages {path}: {e}") from None
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise ClientError("bad_request", f"--messages {path}: expected a JSON list of {{role, content}} maps")
-    return messages
+    return _load_json_list(path, "--messages")
 
 
 def _generate(args: argparse.Namespace) -> int:
-    fields = _fields(args)
-    if args.messages:
-        fields["messages"] = _load_messages(args.messages)
-    elif args.raw:
-        fields["prompt"] = args.prompt
-    else:
-        fields["messages"] = [{"role": "user", "content": args.prompt}]
     with _connect(args) as client:
+        fields = _fields(args, _sampling(args, _model_defaults(client)))
+        if args.messages:
+            fields["messages"] = _load_messages(args.messages)
+        elif args.raw:
+            fields["prompt"] = args.prompt
+        else:
+            fields["messages"] = [{"role": "user", "content": args.prompt}]
         if args.json:
             result = client.generate(**fields).collect()
             out = {"text": result.text, "tokens": list(result.ids), "finish_reason": result.finish_reason,
-                   "usage": asdict(result.usage)}
-            if result.note:
-                out["note"] = result.note
+                   "usage": asdict(result.usage), "sampling": fields["sampling"]}
+            for name in ("note", "tool_calls", "logprobs"):
+                if getattr(result, name):
+                    out[name] = getattr(result, name)
             print(json.dumps(out))
             return 0
-        for text in _stream_text(client, fields):
+        _report_seed(fields)
+        ended: list[Any] = []
+        for text in _stream_text(client, fields, ended):
             sys.stdout.write(text)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        _report_end(ended[0] if ended else None, args.max_tokens)
     return 0
 
 
-def _stream_text(client: SyncClient, fields: dict[str, Any]) -> Iterator[str]:
+def _stream_text(client: SyncClient, fields: dict[str, Any], ended: list[Any] | None = None) -> Iterator[str]:
+    """The reply's text as it streams; the done event is appended to `ended`."""
     with client.generate(**fields) as stream:
         for event in stream:
             text = getattr(event, "text", "")
             if text:
                 yield text
+        if ended is not None:
+            ended.append(stream.done)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -140,6 +196,8 @@ def _chat(args: argparse.Namespace) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages: list[dict[str, Any]] = list(system)
     with _connect(args) as client:
+        sampling = _sampling(args, _model_defaults(client))  # one seed for the session, reported once
+        _report_seed({"sampling": sampling})
         print("prefixd chat: /reset starts over, /exit (or Ctrl-D) quits", file=sys.stderr)
         while True:
             try:
@@ -156,18 +214,20 @@ def _chat(args: argparse.Namespace) -> int:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line})
-            reply = _chat_turn(client, {**_fields(args), "messages": messages})
+            reply = _chat_turn(client, {**_fields(args, sampling), "messages": messages}, args.max_tokens)
             messages.append({"role": "assistant", "content": reply})
 
 
-def _chat_turn(client: SyncClient, fields: dict[str, Any]) -> str:
+def _chat_turn(client: SyncClient, fields: dict[str, Any], max_tokens: int) -> str:
     parts: list[str] = []
+    ended: list[Any] = []
     try:
-        for text in _stream_text(client, fields):
+        for text in _stream_text(client, fields, ended):
             parts.append(text)
             sys.stdout.write(text)
             sys.stdout.flush()
     except KeyboardInterrupt:  # Ctrl-C stops this reply (leaving the stream cancels it), not the chat
         sys.stdout.write(" [stopped]")
     sys.stdout.write("\n")
+    _report_end(ended[0] if ended else None, max_tokens)
     return "".join(parts)

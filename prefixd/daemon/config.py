@@ -49,6 +49,8 @@ class DaemonConfig:
     grid: int = DEFAULT_GRID
     max_context: int | None = None  # None: the model's, capped on CPU
     log_level: str = "info"
+    http_addr: str = ""  # "HOST:PORT" serves the OpenAI-compatible HTTP front; "" does not
+    http_token_file: Path | None = None  # a bearer token clients must send; needed off loopback
     disk_cache_dir: Path | None = None  # None: no disk tier (config_from_args fills the default)
     disk_budget_bytes: int = DEFAULT_DISK_BUDGET_BYTES
     idle_exit_s: float | None = None  # None: never exit for idleness
@@ -116,6 +118,10 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"--grace {cfg.grace_s}: must be >= 0")
     if cfg.max_context is not None and cfg.max_context < 2:
         raise ConfigError(f"--max-context {cfg.max_context}: must be >= 2")
+    if cfg.http_addr:
+        from prefixd.daemon.http.addr import check_http_addr
+
+        check_http_addr(cfg.http_addr, cfg.http_token_file)
     if cfg.disk_budget_bytes < 0:
         raise ConfigError(f"--disk-budget {cfg.disk_budget_bytes}: must be >= 0")
     if cfg.idle_exit_s is not None and cfg.idle_exit_s <= 0:
@@ -128,6 +134,10 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
         except MetricsAddrError as e:
             raise ConfigError(str(e)) from None
     return cfg
+
+
+def _opt_path(value: object) -> Path | None:
+    return None if value in (None, "") else Path(str(value))
 
 
 def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonConfig:
@@ -163,6 +173,8 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
             grid=int(pick("grid", "PREFIXD_GRID", DEFAULT_GRID)),
             max_context=None if max_context is None else int(max_context),
             log_level=str(pick("log_level", "PREFIXD_LOG_LEVEL", "info")),
+            http_addr=str(pick("http", "PREFIXD_HTTP", "")),
+            http_token_file=_opt_path(pick("http_token_file", "PREFIXD_HTTP_TOKEN_FILE", None)),
             disk_cache_dir=default_disk_cache_dir(env) if disk_dir is None else (Path(str(disk_dir)) if disk_dir else None),
             disk_budget_bytes=DEFAULT_DISK_BUDGET_BYTES if disk_budget is None else disk_budget,
             idle_exit_s=None if idle_exit in (None, "") else float(idle_exit),

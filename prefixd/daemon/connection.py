@@ -26,8 +26,8 @@ from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.engine_host import EngineFailed, EngineHost, StreamTokens
 from prefixd.daemon.peer_probe import peer_probe
 from prefixd.daemon.requests import RequestBuilder
-from prefixd.daemon.stops import StopMatcher
 from prefixd.ipc.errors import ErrorCode, ProtocolError
+from prefixd.ipc.events import ErrorReply, OkReply, StatusReply
 from prefixd.ipc.fields import request_id_of
 from prefixd.ipc.framing import Frame, close_fds
 from prefixd.ipc.memfd import check_refs, resolve_payloads
@@ -66,10 +66,12 @@ class Connection:
         self.max_streams = bounds.max_streams
         self.services = services
         self._out_send, self._out_receive = anyio.create_memory_object_stream[dict](bounds.out_frames)
-        self._streams: dict[int, int] = {}  # request id -> engine stream id
+        self._streams: dict[int, int | None] = {}  # request id -> engine stream id (None: being built)
+        self._cancel_early: set[int] = set()  # generates cancelled while being built
         self._writer_done = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
         self.slow = False
+        self.version = 1  # until a hello negotiates another
 
     @property
     def num_streams(self) -> int:
@@ -92,8 +94,11 @@ class Connection:
 
     def cancel_streams(self) -> None:
         """Ask the engine to end every stream of this connection (done: cancelled follows)."""
-        for stream_id in self._streams.values():
-            self.services.host.cancel_nowait(stream_id)
+        for request_id, stream_id in self._streams.items():
+            if stream_id is None:
+                self._cancel_early.add(request_id)
+            else:
+                self.services.host.cancel_nowait(stream_id)
 
     # -- in ---------------------------------------------------------------------------------
 
@@ -102,7 +107,7 @@ class Connection:
             try:
                 frame = await self.framed.receive_frame()
             except ProtocolError as e:
-                await self._send(e.to_wire())
+                await self._send(ErrorReply.of(e).to_wire())
                 if e.fatal:
                     return
                 continue
@@ -111,9 +116,33 @@ class Connection:
             try:
                 msg = await self._open(frame)
             except ProtocolError as e:
-                await self._send(e.to_wire())
+                await self._send(ErrorReply.of(e).to_wire())
                 continue
+            if msg.get("type") == "generate":
+                await self._start_generate(msg)  # several generates sent together start in the same round
+            else:
+                await self._handle(msg)
+
+    async def _start_generate(self, msg: dict[str, Any]) -> None:
+        """Reserve the generate's id now (so a cancel finds it), build and submit it in a task."""
+        request_id = request_id_of(msg)
+        try:
+            self._admissible(msg)
+        except ProtocolError as e:
+            await self._send(ErrorReply.of(e.with_id(request_id)).to_wire())
+            return
+        if request_id is not None:
+            self._streams[request_id] = None
+        assert self._tg is not None
+        self._tg.start_soon(self._generate_task, msg, request_id)
+
+    async def _generate_task(self, msg: dict[str, Any], request_id: int | None) -> None:
+        try:
             await self._handle(msg)
+        finally:
+            if request_id is not None and self._streams.get(request_id, 0) is None:
+                self._streams.pop(request_id, None)  # refused before it reached the engine
+            self._cancel_early.discard(request_id)
 
     async def _open(self, frame: Frame) -> dict[str, Any]:
         """The frame's map with its memfd payloads read, once every check that needs none
@@ -139,9 +168,9 @@ class Connection:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}")
             await handler(msg)
         except ProtocolError as e:
-            await self._send(e.with_id(request_id).to_wire())
+            await self._send(ErrorReply.of(e.with_id(request_id)).to_wire())
         except EngineFailed as e:
-            await self._send(ProtocolError(ErrorCode.INTERNAL, str(e), request_id).to_wire())
+            await self._send(ErrorReply(request_id, ErrorCode.INTERNAL.value, str(e)).to_wire())
 
     def _handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
         return {
@@ -154,33 +183,39 @@ class Connection:
         }
 
     async def _on_hello(self, msg: dict[str, Any]) -> None:
-        await self._send(self.services.builder.hello(msg, self.services.hello_reply()))
+        reply = self.services.builder.hello(msg, self.services.hello_reply())
+        self.version = reply.version
+        await self._send(reply.to_wire())
 
     async def _on_status(self, msg: dict[str, Any]) -> None:
         request_id = self.services.builder.status(msg)
         status = await self.services.host.call(lambda engine: engine.status())
-        await self._send({**status, **self.services.status_extra(), "type": "status", "id": request_id})
+        await self._send(StatusReply(request_id, {**status, **self.services.status_extra()}).to_wire())
 
     async def _on_tokenize(self, msg: dict[str, Any]) -> None:
         reply = await anyio.to_thread.run_sync(self.services.builder.tokenize, msg, peer_probe(self.framed))
-        await self._send(reply)
+        await self._send(reply.to_wire())
 
     async def _on_detokenize(self, msg: dict[str, Any]) -> None:
         ids = msg.get("ids")
         if isinstance(ids, (list, array)) and len(ids) > _LOOP_DETOKENIZE_IDS:
-            await self._send(await anyio.to_thread.run_sync(self.services.builder.detokenize, msg))
+            reply = await anyio.to_thread.run_sync(self.services.builder.detokenize, msg)
         else:  # the common short case costs less than a thread hop
-            await self._send(self.services.builder.detokenize(msg))
+            reply = self.services.builder.detokenize(msg)
+        await self._send(reply.to_wire())
 
     async def _on_cancel(self, msg: dict[str, Any]) -> None:
         request_id, target = self.services.builder.cancel(msg)
-        stream_id = self._streams.get(target)
-        if stream_id is None:
+        if target not in self._streams:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no generate with id {target} is in flight")
-        self.services.host.cancel_nowait(stream_id)
-        await self._send({"type": "ok", "id": request_id})
+        stream_id = self._streams[target]
+        if stream_id is None:
+            self._cancel_early.add(target)  # still being built: cancelled once submitted
+        else:
+            self.services.host.cancel_nowait(stream_id)
+        await self._send(OkReply(request_id).to_wire())
 
-    async def _on_generate(self, msg: dict[str, Any]) -> None:
+    def _admissible(self, msg: dict[str, Any]) -> None:
         request_id = msg.get("id")
         if isinstance(request_id, int) and request_id in self._streams:
             raise ProtocolError(ErrorCode.DUPLICATE_ID, f"request id {request_id} is already in flight")
@@ -189,8 +224,11 @@ class Connection:
                                 f"this connection already has {len(self._streams)} generates in flight")
         if self.services.shutting_down():
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down and takes no new work")
+
+    async def _on_generate(self, msg: dict[str, Any]) -> None:
         stream_id = self.services.next_stream_id()
-        built = await anyio.to_thread.run_sync(self.services.builder.generate, msg, stream_id, peer_probe(self.framed))
+        built = await anyio.to_thread.run_sync(self.services.builder.generate, msg, stream_id, self.version,
+                                               peer_probe(self.framed))
         try:
             receive = await self.services.host.submit(built.request)
         except Exception as e:
@@ -199,40 +237,35 @@ class Connection:
                 raise
             raise ProtocolError(ErrorCode(code), e.message) from None
         self._streams[built.request_id] = stream_id
-        assert self._tg is not None
-        self._tg.start_soon(self._forward, built, receive)
+        if built.request_id in self._cancel_early:
+            self.services.host.cancel_nowait(stream_id)
+        await self._forward(built, receive)
 
     # -- out --------------------------------------------------------------------------------
 
     async def _forward(self, built: Any, receive: MemoryObjectReceiveStream[Any]) -> None:
-        decoder = self.services.builder.decoder()
-        stops = StopMatcher(built.stop)
-        sent_ids = 0
+        out = self.services.builder.output(built)
         done = None
         async with receive:
             async for event in receive:
-                if isinstance(event, StreamTokens):
-                    if stops.stopped:
-                        continue
-                    # A stop id ends the stream; its text (an end-of-turn marker) is not the reply's.
-                    shown = [i for i in event.ids if i not in built.request.stop_ids]
-                    text, hit = stops.push(decoder.push(shown))
-                    await self._send(_token_event(built.request_id, event.ids, text, event.logits_sha256))
-                    sent_ids += len(event.ids)
-                    if hit:
-                        self.services.host.cancel_nowait(event.stream_id)
-                else:
+                if not isinstance(event, StreamTokens):
                     done = event
+                    continue
+                was_hit = out.stop_hit
+                token = out.tokens(event)
+                if token is not None:
+                    await self._send(token.to_wire())
+                if out.stop_hit and not was_hit:
+                    keep = out.keep_generated
+                    keep_rows = None if keep is None else len(built.request.tokens) + keep
+                    self.services.host.cancel_nowait(event.stream_id, keep_rows)
         self._streams.pop(built.request_id, None)
         if done is None:
-            await self._send(ProtocolError(ErrorCode.INTERNAL, "the engine stopped before this stream finished",
-                                     built.request_id).to_wire())
+            await self._send(ErrorReply(built.request_id, ErrorCode.INTERNAL.value,
+                                        "the engine stopped before this stream finished").to_wire())
             return
-        if not stops.stopped:
-            tail = stops.push(decoder.flush())[0] + stops.flush()
-            if tail:
-                await self._send(_token_event(built.request_id, (), tail, None))
-        await self._send(_done_event(built.request_id, done, stopped=stops.stopped, sent_ids=sent_ids))
+        for final in out.done(done):
+            await self._send(final.to_wire())
 
     async def _send(self, frame: dict[str, Any]) -> None:
         """Queue `frame` for the writer, waiting while the queue is full (the reader then
@@ -268,30 +301,3 @@ class Connection:
         self.cancel_streams()
         self._streams.clear()
 
-
-def _token_event(request_id: int, ids: tuple[int, ...], text: str, digests: tuple[str, ...] | None) -> dict:
-    event: dict[str, Any] = {"type": "token", "id": request_id, "ids": list(ids), "text": text}
-    if digests is not None:
-        event["logits_sha256"] = list(digests)
-    return event
-
-
-def _done_event(request_id: int, done: Any, *, stopped: bool, sent_ids: int) -> dict:
-    usage = done.usage
-    event: dict[str, Any] = {
-        "type": "done",
-        "id": request_id,
-        "finish_reason": "stop" if stopped else done.finish_reason,
-        "usage": {
-            "prompt_tokens": usage.prompt_tokens,
-            "cached_tokens": usage.cached_tokens,
-            "prefilled_tokens": usage.prefilled_tokens,
-            "completion_tokens": sent_ids if stopped else usage.completion_tokens,
-            "ttft_s": usage.ttft_s,
-            "total_s": usage.total_s,
-            "cache": usage.cache,
-        },
-    }
-    if done.note:
-        event["note"] = done.note
-    return event

@@ -37,6 +37,7 @@ class StreamTokens:
     stream_id: int
     ids: tuple[int, ...]
     logits_sha256: tuple[str, ...] | None = None
+    logprobs: tuple[Any, ...] | None = None  # scheduler.records.TokenLogprob per id, when asked
 
 
 class EngineFailed(RuntimeError):
@@ -148,9 +149,13 @@ class EngineHost:
             raise
         return receive
 
-    def cancel_nowait(self, stream_id: int) -> None:
-        """Ask the engine to cancel a stream; its DoneEvent (cancelled) still arrives."""
-        self._push(lambda: self.engine.cancel(stream_id))
+    def cancel_nowait(self, stream_id: int, keep_rows: int | None = None) -> None:
+        """Ask the engine to cancel a stream; its DoneEvent (cancelled) still arrives.
+        `keep_rows`: see Engine.cancel."""
+        if keep_rows is None:
+            self._push(lambda: self.engine.cancel(stream_id))
+        else:
+            self._push(lambda: self.engine.cancel(stream_id, keep_rows))
 
     # -- engine thread ----------------------------------------------------------------------
 
@@ -236,7 +241,7 @@ def _host_event(event: Any) -> Any:
     ids = getattr(event, "ids", None)
     if ids is None:
         return event  # a DoneEvent passes through unchanged
-    return StreamTokens(event.stream_id, tuple(ids), event.logits_sha256)
+    return StreamTokens(event.stream_id, tuple(ids), event.logits_sha256, event.logprobs)
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

@@ -7,11 +7,13 @@ from typing import Any, Callable
 
 import numpy as np
 
+from prefixd.daemon.output import OutputProcessor
 from prefixd.daemon.stops import StopSet
 from prefixd.ipc.errors import ErrorCode, ProtocolError
+from prefixd.ipc.events import HelloReply, TextReply, TokensReply
 from prefixd.ipc.framing import Limits
 from prefixd.ipc.messages import (
-    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
     Cancel,
     Detokenize,
     Generate,
@@ -22,6 +24,8 @@ from prefixd.ipc.messages import (
 )
 from prefixd.scheduler.records import ImageIdentity, ImageRows, SamplingParams
 from prefixd.scheduler.streams import StreamRequest
+from prefixd.text.grammar import GrammarChecker, GrammarError, grammar_of, tool_call_grammar
+from prefixd.text.tools import prepare_chat, template_knows_tools
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +35,7 @@ class BuiltGenerate:
     request_id: int
     request: StreamRequest
     stop: StopSet  # prepared here, in the worker thread, not on the event loop
+    parse_tools: bool = False  # the reply's tool calls become done.tool_calls
 
 
 class RequestBuilder:
@@ -45,6 +50,7 @@ class RequestBuilder:
         self.model_info = model_info
         self.limits = limits
         self._decoder_factory = decoder_factory
+        self._grammars = GrammarChecker(tokenizer)
 
     def decoder(self) -> Any:
         """A fresh UTF-8-safe incremental decoder (push(ids) -> str, flush() -> str)."""
@@ -54,17 +60,25 @@ class RequestBuilder:
 
         return StreamDecoder(self.tokenizer)
 
-    def _parse(self, msg: dict[str, Any], cls: type) -> Any:
-        parsed = parse_request(msg)
+    def output(self, built: BuiltGenerate) -> OutputProcessor:
+        """The output processor of one generate (both fronts use it)."""
+        return OutputProcessor(built.request_id, self.decoder(), stop=built.stop, stop_ids=built.request.stop_ids,
+                               parse_tools=built.parse_tools, token_bytes=getattr(self.tokenizer, "token_bytes", None))
+
+    def _parse(self, msg: dict[str, Any], cls: type, version: int = SUPPORTED_VERSIONS[-1]) -> Any:
+        parsed = parse_request(msg, version)
         assert isinstance(parsed, cls), f"dispatched {msg.get('type')!r} to {cls.__name__}"
         return parsed
 
-    def hello(self, msg: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
+    def hello(self, msg: dict[str, Any], reply: dict[str, Any]) -> HelloReply:
+        """The hello reply: `reply` holds server, model and limits; the version is the highest shared."""
         hello: Hello = self._parse(msg, Hello)
-        if PROTOCOL_VERSION not in hello.versions:
+        shared = set(hello.versions) & set(SUPPORTED_VERSIONS)
+        if not shared:
             raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
-                                f"versions {list(hello.versions)}: this daemon speaks {PROTOCOL_VERSION}", hello.id)
-        return {"type": "hello", "id": hello.id, **reply}
+                                f"versions {list(hello.versions)}: this daemon speaks {list(SUPPORTED_VERSIONS)}",
+                                hello.id)
+        return HelloReply(hello.id, max(shared), reply["server"], reply.get("model", {}), reply.get("limits", {}))
 
     def status(self, msg: dict[str, Any]) -> int:
         return self._parse(msg, Status).id
@@ -73,28 +87,29 @@ class RequestBuilder:
         cancel: Cancel = self._parse(msg, Cancel)
         return cancel.id, cancel.target
 
-    def tokenize(self, msg: dict[str, Any], client_gone: Callable[[], bool] | None = None) -> dict[str, Any]:
+    def tokenize(self, msg: dict[str, Any], client_gone: Callable[[], bool] | None = None) -> TokensReply:
         """The tokens reply; a chat render stops early once `client_gone()` is true."""
         req: Tokenize = self._parse(msg, Tokenize)
         if req.messages is not None:
             rendered = self._render(req.messages, req.id, client_gone)
-            return {"type": "tokens", "id": req.id, "ids": list(rendered.ids),
-                    "message_starts": list(rendered.message_starts)}
+            return TokensReply(req.id, tuple(rendered.ids), tuple(rendered.message_starts))
         add_special = self.tokenizer.add_bos if req.add_special is None else req.add_special
-        return {"type": "tokens", "id": req.id, "ids": self.tokenizer.encode(req.text, add_special=add_special)}
+        return TokensReply(req.id, tuple(self.tokenizer.encode(req.text, add_special=add_special)))
 
-    def detokenize(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def detokenize(self, msg: dict[str, Any]) -> TextReply:
         req: Detokenize = self._parse(msg, Detokenize)
         self._check_ids(req.ids, "ids", req.id)
-        return {"type": "text", "id": req.id, "text": self.tokenizer.decode(req.ids)}
+        return TextReply(req.id, self.tokenizer.decode(req.ids))
 
-    def generate(self, msg: dict[str, Any], stream_id: int,
+    def generate(self, msg: dict[str, Any], stream_id: int, version: int = SUPPORTED_VERSIONS[-1],
                  client_gone: Callable[[], bool] | None = None) -> BuiltGenerate:
-        """The validated generate; a chat render stops early once `client_gone()` is true."""
-        req: Generate = self._parse(msg, Generate)
+        """The validated generate of a connection speaking protocol `version`; a chat render
+        stops early once `client_gone()` is true."""
+        req: Generate = self._parse(msg, Generate, version)
+        grammar = self._grammar(req)
         starts: tuple[int, ...] = ()
         if req.messages is not None:
-            rendered = self._render(req.messages, req.id, client_gone)
+            rendered = self._render(req.messages, req.id, client_gone, req.tools)
             tokens = tuple(rendered.ids)
             starts = tuple(s for s in rendered.message_starts if 0 < s < len(tokens))
         elif req.prompt is not None:
@@ -109,7 +124,8 @@ class RequestBuilder:
             stream_id=stream_id,
             tokens=tokens,
             max_tokens=req.max_tokens,
-            sampling=SamplingParams(s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty, s.seed),
+            sampling=SamplingParams(s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty, s.seed, grammar,
+                                    req.logprobs),
             stop_ids=frozenset(req.stop_ids) | frozenset(self.tokenizer.stop_ids),
             chunk_starts=req.chunk_starts if req.chunk_starts is not None else starts,
             namespace=req.namespace,
@@ -118,15 +134,20 @@ class RequestBuilder:
             images=tuple(self._image(image, req.id) for image in req.images),
             want_logits=req.logits,
         )
-        return BuiltGenerate(req.id, request, StopSet(req.stop))
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        return BuiltGenerate(req.id, request, StopSet(req.stop), parse_tools)
 
     def _render(self, messages: tuple[dict[str, Any], ...], request_id: int,
-                client_gone: Callable[[], bool] | None) -> Any:
+                client_gone: Callable[[], bool] | None, tools: tuple[dict[str, Any], ...] | None = None) -> Any:
         from prefixd.gpu.chat import ChatTooLarge, RenderCancelled
 
-        kwargs = {} if client_gone is None else {"should_stop": client_gone}
+        source = self._template_source(bool(tools))
+        chat, template_tools = prepare_chat([dict(m) for m in messages], list(tools) if tools else None, source)
+        kwargs: dict[str, Any] = {} if client_gone is None else {"should_stop": client_gone}
+        if template_tools is not None:
+            kwargs["tools"] = template_tools
         try:
-            return self.tokenizer.render_chat([dict(m) for m in messages], **kwargs)
+            return self.tokenizer.render_chat(chat, **kwargs)
         except ProtocolError:
             raise
         except ChatTooLarge as e:
@@ -135,6 +156,35 @@ class RequestBuilder:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"messages: {e}", request_id) from None
         except Exception as e:  # a template error is the client's messages' fault
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"messages: the chat template failed: {e}", request_id) from None
+
+    def _grammar(self, req: Generate) -> str | None:
+        """The grammar the reply must match (response_format, or a forced tool call), checked."""
+        forced = isinstance(req.tool_choice, dict) or req.tool_choice == "required"
+        if forced and not req.tools:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "tool_choice: needs tools", req.id)
+        if forced and req.response_format not in (None, {"type": "text"}):
+            raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                "response_format: cannot be combined with a tool_choice that forces a call", req.id)
+        try:
+            if forced:
+                name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
+                native = template_knows_tools(self._template_source(True))
+                grammar = tool_call_grammar([dict(t) for t in req.tools or ()], name, native=native)
+            else:
+                grammar = grammar_of(req.response_format)
+            if grammar is not None:
+                self._grammars.check(grammar)
+        except GrammarError as e:
+            field = "tool_choice" if forced else "response_format"
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{field}: {e}", req.id) from None
+        return grammar
+
+    def _template_source(self, with_tools: bool) -> str | None:
+        """The chat template a render will use (tool_use when the model names one)."""
+        named = getattr(self.tokenizer, "named_templates", {})
+        if with_tools and "tool_use" in named:
+            return named["tool_use"]
+        return getattr(self.tokenizer, "chat_template", None)
 
     def _check_ids(self, ids: tuple[int, ...], field: str, request_id: int) -> None:
         vocab = int(self.model_info["vocab_size"])
@@ -150,3 +200,4 @@ class RequestBuilder:
                                 request_id)
         rows = np.frombuffer(image.rows, dtype="<f4").reshape(image.tokens, hidden)
         return ImageRows(ImageIdentity(image.at, image.tokens, image.gh, image.gw, image.hash), rows)
+

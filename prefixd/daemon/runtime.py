@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from prefixd.daemon.config import AUTO_CACHE_FRACTION, AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig
+from prefixd.daemon.sampling_defaults import sampling_defaults
 
 log = logging.getLogger("prefixd.runtime")
 _DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -107,6 +108,7 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         "page_size": info.page_size,
         "num_pages": info.num_pages,
         "weights_bytes": info.weights_bytes,
+        "sampling_defaults": sampling_defaults(Path(str(checkpoint.path)), checkpoint.source),
     }
     return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info, disk=disk)
 

@@ -27,6 +27,7 @@ from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.config import DaemonConfig, cache_budget_warning
 from prefixd.daemon.connection import Connection, Services
 from prefixd.daemon.engine_host import EngineHost
+from prefixd.daemon.http.serve import HttpServer
 from prefixd.daemon.listener import PeerPolicy, bind_listening_socket, peer_cred
 from prefixd.daemon.requests import RequestBuilder
 from prefixd.daemon.runtime import Runtime, load_runtime
@@ -93,6 +94,7 @@ class Server:
         self.metrics_port: int | None = None
         self._owns_socket_file = False
         self._exporter: MetricsExporter | None = None
+        self.http: HttpServer | None = None
         self._listener: anyio.abc.SocketListener | None = None
         self._host: EngineHost | None = None
         self._runtime: Runtime | None = None
@@ -151,10 +153,15 @@ class Server:
                 tg.start_soon(self._watch_idle, self.cfg.idle_exit_s)
             async with anyio.create_task_group() as conns:
                 conns.start_soon(self._accept_loop, conns)
+                if self.cfg.http_addr:
+                    self.http = HttpServer.build(self._services(), self.cfg.http_addr, self.cfg.http_token_file)
+                    await conns.start(self.http.serve)
                 self._announce()
                 await self._exit_event.wait()
                 self.notifier.stopping()
                 await self._stop_accepting()
+                if self.http is not None:
+                    self.http.stop()  # uvicorn stops listening; open responses go on while streams drain
                 await self._drain(self.cfg.grace_s)
                 conns.cancel_scope.cancel()
             tg.cancel_scope.cancel()
@@ -295,6 +302,8 @@ class Server:
         self._out.write(f"prefixd: listening on {where}\n")
         if self.socket_path:
             self._out.write(f"prefixd: chat with it: prefixd chat --socket {self.socket_path}\n")
+        if self.http is not None:
+            self._out.write(f"prefixd: OpenAI-compatible HTTP on http://{self.http.host}:{self.http.port}/v1\n")
         if self.metrics_port is not None:
             self._out.write(f"prefixd: metrics on {self.cfg.metrics_addr.rpartition(':')[0]}:{self.metrics_port}\n")
         self._out.flush()
@@ -311,16 +320,20 @@ class Server:
     async def _drain(self, grace_s: float) -> None:
         """Let in-flight streams finish within `grace_s`, then cancel the rest and flush."""
         with anyio.move_on_after(grace_s):
-            while any(c.num_streams for c in self._connections):
+            while any(c.num_streams for c in self._stream_holders()):
                 await anyio.sleep(0.05)
-        for connection in list(self._connections):
-            connection.cancel_streams()
+        for holder in self._stream_holders():
+            holder.cancel_streams()
         with anyio.move_on_after(_CANCEL_FLUSH_S):
-            while any(c.num_streams for c in self._connections):
+            while any(c.num_streams for c in self._stream_holders()):
                 await anyio.sleep(0.02)
         async with anyio.create_task_group() as tg:  # every done event reaches its client
             for connection in list(self._connections):
                 tg.start_soon(connection.flush)
+
+    def _stream_holders(self) -> list[Any]:
+        """Socket connections and the HTTP front: whatever has generates in flight."""
+        return [*self._connections, *([self.http.front] if self.http is not None else [])]
 
     def _services(self) -> Services:
         assert self._host is not None and self._runtime is not None
@@ -336,7 +349,7 @@ class Server:
 
     def _hello_reply(self) -> dict[str, Any]:
         assert self._runtime is not None
-        return {"version": 1, "server": f"prefixd {prefixd.__version__}", "model": dict(self._runtime.model_info),
+        return {"server": f"prefixd {prefixd.__version__}", "model": dict(self._runtime.model_info),
                 "limits": self.limits.to_wire()}
 
     def _status_extra(self) -> dict[str, Any]:

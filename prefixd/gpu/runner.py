@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from prefixd.gpu.attention import AttentionSpan, plan_attention
+from prefixd.gpu.constrain import GrammarMask
 from prefixd.gpu.copy import CopyEngine
 from prefixd.gpu.digest import logits_sha256
 from prefixd.gpu.families import build_family
@@ -25,7 +26,8 @@ from prefixd.gpu.sampling import LaneSampler
 from prefixd.scheduler.device import DeviceInfo
 from prefixd.gpu.families.qwen3_5_state import HybridState
 from prefixd.scheduler.records import (CapturedState, DiskLoad, LaneResult, LaneWork, PageCopy, PagePayload,
-                                       RoundPlan, RoundResult, SamplerSetup, StoredSample)
+                                       RoundPlan, RoundResult, SamplerSetup, SamplingParams, StoredSample)
+from prefixd.text.grammar import ll_tokenizer
 
 
 class ModelRunner:
@@ -52,6 +54,7 @@ class ModelRunner:
             invariant_rows=self.model.invariant_rows)
         self.copies = CopyEngine(self.device)  # page and state copies, fenced
         self._samplers: dict[int, LaneSampler] = {}
+        self._ll_tokenizer: Any = None
 
     # Device protocol -------------------------------------------------------------------
     def run_round(self, plan: RoundPlan) -> RoundResult:
@@ -118,12 +121,23 @@ class ModelRunner:
     def _new_sampler(self, item: SamplerSetup) -> LaneSampler:
         vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
         return LaneSampler(item.sampling, item.history, vocab_size=self.config.vocab_size,
-                           tokenizer_vocab=min(vocab, self.config.vocab_size), device=self.device)
+                           tokenizer_vocab=min(vocab, self.config.vocab_size), device=self.device,
+                           constraint=self._constraint(item.sampling))
+
+    def _constraint(self, sampling: SamplingParams) -> GrammarMask | None:
+        if sampling.grammar is None:
+            return None
+        if self._ll_tokenizer is None:  # built on first use: ~1 s for a large vocabulary
+            self._ll_tokenizer = ll_tokenizer(self.tokenizer)
+        return GrammarMask(self._ll_tokenizer, sampling.grammar, vocab_size=self.config.vocab_size)
 
     def _sample_stored(self, item: StoredSample) -> LaneResult:
         row = item.logits[item.row]
         digests = logits_sha256(row) if item.digest else ()
-        return LaneResult(lane=item.lane, sampled=(self._sampler(item.lane).sample(row),), digests=digests)
+        sampler = self._sampler(item.lane)
+        token = sampler.sample(row)
+        logprobs = (sampler.last_logprob,) if sampler.params.logprobs is not None else None
+        return LaneResult(lane=item.lane, sampled=(token,), digests=digests, logprobs=logprobs)
 
     # The disk tier's own calls (scheduler.device.DiskPages), outside the round ------------
     def export_pages(self, pages: Sequence[int], state: Any, logits: torch.Tensor | None) -> PagePayload:
@@ -266,7 +280,11 @@ class ModelRunner:
         return torch.tensor(rows, dtype=torch.long, device=self.device), where
 
     def _lane_result(self, w: LaneWork, logits: torch.Tensor | None, where: dict) -> LaneResult:
-        sampled = tuple(self._sampler(w.lane).sample(logits[where[(w.lane, r)]]) for r in w.sample_rows)
+        sampler = self._sampler(w.lane) if w.sample_rows else None
+        sampled, logprobs = [], []
+        for r in w.sample_rows:
+            sampled.append(sampler.sample(logits[where[(w.lane, r)]]))
+            logprobs.append(sampler.last_logprob)
         rows = None
         if w.logits_rows:
             idx = torch.tensor([where[(w.lane, r)] for r in w.logits_rows], device=self.device)
@@ -275,7 +293,9 @@ class ModelRunner:
         if w.digest_rows:
             digests = logits_sha256(logits.index_select(0, torch.tensor([where[(w.lane, r)] for r in w.digest_rows],
                                                                         device=self.device)))
-        return LaneResult(lane=w.lane, sampled=sampled, logits=rows, digests=digests)
+        wants = sampler is not None and sampler.params.logprobs is not None
+        return LaneResult(lane=w.lane, sampled=tuple(sampled), logits=rows, digests=digests,
+                          logprobs=tuple(logprobs) if wants else None)
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:

@@ -19,11 +19,11 @@ be checked on its own against hand-made logits or a reference implementation.
 from __future__ import annotations
 
 import secrets
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-from prefixd.scheduler.records import SamplingParams
+from prefixd.scheduler.records import SamplingParams, TokenLogprob
 
 _NEG_INF = float("-inf")
 _MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
@@ -139,6 +139,18 @@ def pick_token(row: torch.Tensor, u: float) -> int:
     return pos
 
 
+def token_logprob(row: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """`token`'s log-probability under the fp32 row, and the k most likely (id, logprob),
+    ties to the lowest id."""
+    logprobs = torch.log_softmax(row.float(), dim=0)
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        # A stable descending sort orders ties by id; topk's tie order is unspecified.
+        values, ids = torch.sort(logprobs, descending=True, stable=True)
+        top = tuple((int(i), float(v)) for i, v in zip(ids[:k].tolist(), values[:k].tolist()))
+    return TokenLogprob(float(logprobs[token]), top)
+
+
 class LaneSampler:
     """Sampling state of one stream: params, a private generator, repetition history."""
 
@@ -150,11 +162,13 @@ class LaneSampler:
         vocab_size: int,
         tokenizer_vocab: int,
         device: torch.device,
+        constraint: Any = None,
     ) -> None:
         validate_params(params)
         if not 0 < tokenizer_vocab <= vocab_size:
             raise ValueError(f"tokenizer_vocab {tokenizer_vocab} not in (0, {vocab_size}]")
         self.params = params
+        self.constraint = constraint  # gpu.constrain.GrammarMask, or None
         self.vocab_size = vocab_size
         self.tokenizer_vocab = tokenizer_vocab
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -162,6 +176,7 @@ class LaneSampler:
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(self.seed)
         self.num_draws = 0
+        self.last_logprob: TokenLogprob | None = None  # of the last sampled token, when params.logprobs is set
         self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         if history:
             ids = torch.tensor(list(history), dtype=torch.long)
@@ -175,9 +190,14 @@ class LaneSampler:
         if logits.shape != (self.vocab_size,):
             raise ValueError(f"logits shape {tuple(logits.shape)} != ({self.vocab_size},)")
         u = float(torch.rand((), generator=self._generator, dtype=torch.float64).item())
+        raw = logits
         self.num_draws += 1
+        if self.constraint is not None:  # first: the filters then only see ids the grammar allows
+            logits = self.constraint.apply(logits)
         row = apply_penalties_and_filters(logits, self.params, self._seen, self.tokenizer_vocab)
         token = greedy_token(row) if self.params.greedy else pick_token(row, u)
+        if self.params.logprobs is not None:
+            self.last_logprob = token_logprob(raw, token, self.params.logprobs)
         self.observe(token)
         return token
 
@@ -186,3 +206,5 @@ class LaneSampler:
         if not 0 <= token < self.vocab_size:
             raise ValueError(f"token {token} outside [0, {self.vocab_size})")
         self._seen[token] = True
+        if self.constraint is not None:
+            self.constraint.advance(token)

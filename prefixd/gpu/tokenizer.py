@@ -180,6 +180,10 @@ class Tokenizer:
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode("utf-8")
 
+    def backend_json(self) -> str:
+        """The `tokenizers` JSON of this tokenizer (what constrained decoding builds on)."""
+        return self._backend.to_str()
+
     def token_id(self, text: str) -> int | None:
         """Id of a vocabulary entry or special token spelled exactly `text`, or None."""
         return self._backend.token_to_id(text)
@@ -189,6 +193,11 @@ class Tokenizer:
         return self._backend.id_to_token(token_id) if 0 <= token_id < self.vocab_size else None
 
     # --- chat ------------------------------------------------------------------------
+
+    @property
+    def named_templates(self) -> dict[str, str]:
+        """The model's named chat templates (e.g. "default", "tool_use"), by name."""
+        return dict(self._named_templates)
 
     def render_chat(
         self,

@@ -36,7 +36,7 @@ from prefixd.ipc.events import (
 from prefixd.ipc.fields import request_id_of
 from prefixd.ipc.framing import Limits
 from prefixd.ipc.messages import (
-    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
     Cancel,
     Detokenize,
     Generate,
@@ -60,6 +60,8 @@ class GenerateResult:
     usage: Usage
     note: str | None
     logits_sha256: tuple[str, ...] | None
+    tool_calls: tuple[dict[str, Any], ...] | None = None  # v2: the calls the reply made
+    logprobs: tuple[dict[str, Any], ...] | None = None  # v2: per id, when asked
 
 
 class GenerateStream:
@@ -82,6 +84,7 @@ class GenerateStream:
 
     async def start(self) -> GenerateStream:
         if self._events is None:
+            await self.client._speak(self.request.min_version)
             self._events = await self.client._send_request(self.request)
         return self
 
@@ -122,16 +125,19 @@ class GenerateStream:
         ids: list[int] = []
         texts: list[str] = []
         digests: list[str] = []
+        logprobs: list[dict[str, Any]] = []
         async for event in self:
             if isinstance(event, TokenEvent):
                 ids.extend(event.ids)
                 texts.append(event.text)
                 digests.extend(event.logits_sha256 or ())
+                logprobs.extend(event.logprobs or ())
         done = self.done
         assert done is not None, "iteration ends only after the done event"
         return GenerateResult(
             self.id, tuple(ids), "".join(texts), done.finish_reason, done.usage, done.note,
-            tuple(digests) if self.request.logits else None,
+            tuple(digests) if self.request.logits else None, done.tool_calls,
+            tuple(logprobs) if self.request.logprobs is not None else None,
         )
 
     async def __aenter__(self) -> GenerateStream:
@@ -156,6 +162,7 @@ class AsyncClient:
         self._pending: dict[int, MemoryObjectSendStream[Event]] = {}
         self._task_group: TaskGroup | None = None
         self._closed_reason: ClientError | None = None
+        self.version = 1  # the protocol version this connection speaks, until hello says otherwise
 
     @classmethod
     async def connect(cls, path: str | os.PathLike[str] | None = None, limits: Limits | None = None) -> AsyncClient:
@@ -256,8 +263,20 @@ class AsyncClient:
             raise ClientError(event.code, event.message)
         return event
 
-    async def hello(self, versions: tuple[int, ...] = (PROTOCOL_VERSION,), client: str | None = None) -> HelloReply:
-        return await self._call(Hello(self.next_id(), tuple(versions), client))  # type: ignore[return-value]
+    async def hello(self, versions: tuple[int, ...] = SUPPORTED_VERSIONS, client: str | None = None) -> HelloReply:
+        reply = await self._call(Hello(self.next_id(), tuple(versions), client))
+        assert isinstance(reply, HelloReply), f"hello answered by {reply.TYPE}"
+        self.version = reply.version
+        return reply
+
+    async def _speak(self, version: int) -> None:
+        """Negotiate at least `version` before a request that needs it (hello once)."""
+        if self.version >= version:
+            return
+        reply = await self.hello()
+        if reply.version < version:
+            raise ClientError("unsupported_version", f"the daemon speaks protocol {reply.version}; "
+                                                     f"this request needs {version}")
 
     def generate(self, *, sampling: Sampling | dict[str, Any] | None = None, **fields: Any) -> GenerateStream:
         """A GenerateStream for the fields of `Generate` (prompt | tokens | messages,
@@ -270,6 +289,8 @@ class AsyncClient:
             Generate.from_wire(request.to_wire())  # the server's own checks, run here first
         except ProtocolError as exc:
             raise ClientError(exc.code.value, exc.message) from None
+        except TypeError as exc:  # an option Generate does not have
+            raise ClientError("bad_request", f"generate: {exc}") from None
         return GenerateStream(self, request)
 
     async def cancel(self, target: int) -> None:
@@ -295,7 +316,7 @@ class AsyncClient:
 
 def _tuples(fields: dict[str, Any]) -> dict[str, Any]:
     """Generate's sequence fields as tuples, so callers may pass lists."""
-    sequences = ("tokens", "messages", "stop", "stop_ids", "chunk_starts", "cache_key", "images")
+    sequences = ("tokens", "messages", "stop", "stop_ids", "chunk_starts", "cache_key", "images", "tools")
     return {k: tuple(v) if k in sequences and v is not None else v for k, v in fields.items()}
 
 

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Union
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.fields import MAX_TOKEN_ID, FieldReader
 
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
+FINISH_REASONS = ("stop", "length", "cancelled", "error", "tool_calls")  # tool_calls: v2
 CACHE_RESULTS = ("miss", "hit", "resident", "off")
 SHA256_HEX_CHARS = 64
 
@@ -66,10 +66,14 @@ class TokenEvent(_Event):
     ids: tuple[int, ...]
     text: str
     logits_sha256: tuple[str, ...] | None = None  # per id: sha256 hex of its float32 logits row
+    # v2, per id: {id, logprob, top: [{id, logprob}, ...]} from the fp32 row it was drawn from
+    logprobs: tuple[dict[str, Any], ...] | None = None
 
     @classmethod
     def read(cls, r: FieldReader) -> TokenEvent:
-        event = cls(r.int("id"), r.ints("ids", hi=MAX_TOKEN_ID), r.str("text"), r.strs("logits_sha256", None))
+        logprobs = r.list("logprobs", None)
+        event = cls(r.int("id"), r.ints("ids", hi=MAX_TOKEN_ID), r.str("text"), r.strs("logits_sha256", None),
+                    None if logprobs is None else r.each("logprobs", logprobs, _read_logprob))
         digests = event.logits_sha256
         if digests is not None:
             if len(digests) != len(event.ids):
@@ -82,7 +86,16 @@ class TokenEvent(_Event):
         out = {"type": self.TYPE, "id": self.id, "ids": list(self.ids), "text": self.text}
         if self.logits_sha256 is not None:
             out["logits_sha256"] = list(self.logits_sha256)
+        if self.logprobs is not None:
+            out["logprobs"] = [dict(entry) for entry in self.logprobs]
         return out
+
+
+def _read_logprob(r: FieldReader) -> dict[str, Any]:
+    top = r.list("top", [])
+    return {"id": r.int("id", hi=MAX_TOKEN_ID), "logprob": r.float("logprob"),
+            "top": [{"id": t.int("id", hi=MAX_TOKEN_ID), "logprob": t.float("logprob")}
+                    for t in (r.nested(f"top[{i}]", item) for i, item in enumerate(top))]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,21 +143,33 @@ class DoneEvent(_Event):
     finish_reason: str  # stop | length | cancelled | error
     usage: Usage = field(default_factory=Usage)
     note: str | None = None  # e.g. why a cache key was not used, or what the error was
+    # v2: the calls the reply made, each {id, type: "function", function: {name, arguments: JSON text}}
+    tool_calls: tuple[dict[str, Any], ...] | None = None
 
     @classmethod
     def read(cls, r: FieldReader) -> DoneEvent:
+        calls = r.list("tool_calls", None)
         return cls(
             r.int("id"),
             r.str("finish_reason", choices=FINISH_REASONS),
             Usage.read(r.nested("usage", r.map("usage"))),
             r.str("note", None),
+            None if calls is None else r.each("tool_calls", calls, _read_tool_call),
         )
 
     def to_wire(self) -> dict[str, Any]:
         out = {"type": self.TYPE, "id": self.id, "finish_reason": self.finish_reason, "usage": self.usage.to_wire()}
         if self.note is not None:
             out["note"] = self.note
+        if self.tool_calls is not None:
+            out["tool_calls"] = [dict(call) for call in self.tool_calls]
         return out
+
+
+def _read_tool_call(r: FieldReader) -> dict[str, Any]:
+    function = r.nested("function", r.map("function"))
+    return {"id": r.str("id"), "type": r.str("type", "function"),
+            "function": {"name": function.str("name"), "arguments": function.str("arguments")}}
 
 
 @dataclass(frozen=True, slots=True)

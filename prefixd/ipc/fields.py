@@ -22,6 +22,8 @@ class FieldReader:
     With `strict=False` unknown fields are ignored (how clients read server events).
     """
 
+    REQUIRED: Any = _MISSING  # the default that makes a field required
+
     def __init__(
         self, data: Any, where: str = "", request_id: int | None = None, strict: bool = True
     ) -> None:

@@ -29,10 +29,21 @@ from prefixd.ipc.events import (  # noqa: F401  (re-exported)
 )
 from prefixd.ipc.fields import MAX_TOKEN_ID, FieldReader, request_id_of
 from prefixd.ipc.framing import MemfdRef
-from prefixd.ipc.parts import MAX_IMAGE_HASH_BYTES, Image, Sampling, drop_none, read_chat_message  # noqa: F401
+from prefixd.ipc.parts import (  # noqa: F401
+    MAX_IMAGE_HASH_BYTES,
+    Image,
+    Sampling,
+    drop_none,
+    read_chat_message,
+    read_response_format,
+    read_tool,
+    read_tool_choice,
+)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # the newest version this code speaks
+SUPPORTED_VERSIONS = (1, 2)
 DEFAULT_MAX_TOKENS = 256
+MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 128  # stop strings in one generate
 MAX_CHAT_MESSAGES = 8192  # chat messages in one generate or tokenize, checked before each is read
 MAX_STOP_CHARS = 256  # characters in one stop string
@@ -91,6 +102,23 @@ class Generate(_Request):
     cache_key: tuple[int, ...] | None = None
     logits: bool = False  # token events carry logits_sha256
     images: tuple[Image, ...] = ()
+    tools: tuple[dict[str, Any], ...] | None = None  # v2: OpenAI function tools
+    tool_choice: str | dict[str, Any] | None = None  # v2: auto | none | required | a named function
+    response_format: dict[str, Any] | None = None  # v2: constrained output (json_object, json_schema, ...)
+    logprobs: int | None = None  # v2: token events carry each token's logprob and this many alternatives
+
+    @property
+    def min_version(self) -> int:
+        """The protocol version that has every field this request sets."""
+        return 2 if self.v2_field is not None else 1
+
+    @property
+    def v2_field(self) -> str | None:
+        """The first field set that protocol version 1 lacks."""
+        for name in ("tools", "tool_choice", "response_format", "logprobs"):
+            if getattr(self, name) is not None:
+                return name
+        return None
 
     @classmethod
     def read(cls, r: FieldReader) -> Generate:
@@ -115,6 +143,10 @@ class Generate(_Request):
             cache_key=r.ints("cache_key", None),
             logits=r.bool("logits", False),
             images=r.each("images", r.list("images", []), Image.read),
+            tools=r.each("tools", r.list("tools"), read_tool) if r.has("tools") else r.list("tools", None),
+            tool_choice=read_tool_choice(r, "tool_choice"),
+            response_format=read_response_format(r, "response_format"),
+            logprobs=r.int("logprobs", None, hi=MAX_TOP_LOGPROBS),
         )
         _check_generate(msg, r)
         return msg
@@ -136,6 +168,10 @@ class Generate(_Request):
             "cache_key": None if self.cache_key is None else list(self.cache_key),
             "logits": self.logits,
             "images": [image.to_wire() for image in self.images] or None,
+            "tools": None if self.tools is None else [dict(t) for t in self.tools],
+            "tool_choice": self.tool_choice,
+            "response_format": self.response_format,
+            "logprobs": self.logprobs,
         })
 
 
@@ -164,6 +200,11 @@ def _check_generate(msg: Generate, r: FieldReader) -> None:
     for i, (a, b) in enumerate(zip(msg.images, msg.images[1:])):
         if b.at < a.at + a.tokens:
             raise r.error(f"images[{i + 1}].at", "images must be sorted and must not overlap")
+    if (msg.tools is not None or msg.tool_choice is not None) and msg.messages is None:
+        raise r.error("tools", "tools and tool_choice need messages")
+    names = [t["function"]["name"] for t in msg.tools or ()]
+    if isinstance(msg.tool_choice, dict) and msg.tool_choice["function"]["name"] not in names:
+        raise r.error("tool_choice", f"names {msg.tool_choice['function']['name']!r}, which is not in tools")
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,9 +285,10 @@ Request = Union[Hello, Generate, Cancel, Status, Tokenize, Detokenize]
 REQUEST_TYPES: dict[str, Any] = {cls.TYPE: cls for cls in (Hello, Generate, Cancel, Status, Tokenize, Detokenize)}
 
 
-def parse_request(data: dict[str, Any]) -> Request:
-    """The request a client sent. Raises ProtocolError carrying the request's id when the
-    id itself is valid: unknown_type for an unknown `type`, bad_request for bad fields."""
+def parse_request(data: dict[str, Any], version: int = PROTOCOL_VERSION) -> Request:
+    """The request a client sent on a connection speaking `version`. Raises ProtocolError
+    carrying the request's id when the id itself is valid: unknown_type for an unknown
+    `type`, bad_request for bad fields (and for fields newer than `version`)."""
     request_id = request_id_of(data)
     kind = data.get("type") if type(data) is dict else None
     if type(kind) is not str:
@@ -258,6 +300,10 @@ def parse_request(data: dict[str, Any]) -> Request:
     r.str("type")
     msg = cls.read(r)
     r.finish()
+    needed = getattr(msg, "min_version", 1)
+    if needed > version:
+        raise r.error(msg.v2_field, f"needs protocol version {needed}; this connection speaks {version} "
+                                  f"(send hello with versions [{needed}])")
     return msg
 
 

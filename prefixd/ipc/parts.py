@@ -8,6 +8,7 @@ from typing import Any
 from prefixd.ipc.fields import FieldReader
 
 MAX_IMAGE_HASH_BYTES = 64
+_REQUIRED: Any = FieldReader.REQUIRED
 
 
 def drop_none(data: dict[str, Any]) -> dict[str, Any]:
@@ -106,7 +107,89 @@ class Image(_Nested):
 
 
 def read_chat_message(r: FieldReader) -> dict[str, Any]:
-    """One chat message: role and content strings, plus any template fields kept as sent."""
-    message = {"role": r.str("role"), "content": r.str("content")}
+    """One chat message: role and content strings, plus any template fields kept as sent.
+    An assistant message carrying `tool_calls` may leave its content out."""
+    calls = r.list("tool_calls", None)
+    message = {"role": r.str("role"), "content": r.str("content", "" if calls else _REQUIRED)}
+    if calls is not None:
+        message["tool_calls"] = list(r.each("tool_calls", calls, _read_tool_call))
     message.update(r.rest())
     return message
+
+
+def _read_tool_call(r: FieldReader) -> dict[str, Any]:
+    call_id = r.str("id", None)
+    r.str("type", "function", choices=("function",))
+    function = r.nested("function", r.map("function"))
+    name = function.str("name")
+    raw = function.data.get("arguments")
+    arguments = function.str("arguments") if isinstance(raw, str) else function.map("arguments", {})
+    function.finish()
+    r.finish()
+    out: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if call_id is not None:
+        out["id"] = call_id
+    return out
+
+
+def read_tool(r: FieldReader) -> dict[str, Any]:
+    """One OpenAI function tool: {type: "function", function: {name, description?, parameters?}}."""
+    r.str("type", choices=("function",))
+    function = r.nested("function", r.map("function"))
+    out: dict[str, Any] = {"name": function.str("name")}
+    if not out["name"]:
+        raise function.error("name", "must not be empty")
+    for key, value in (("description", function.str("description", None)),
+                       ("parameters", function.map("parameters", None)),
+                       ("strict", function.bool("strict", None))):
+        if value is not None:
+            out[key] = value
+    function.finish()
+    r.finish()
+    return {"type": "function", "function": out}
+
+
+TOOL_CHOICES = ("auto", "none", "required")
+
+
+def read_tool_choice(r: FieldReader, name: str) -> str | dict[str, Any] | None:
+    """`auto`, `none`, `required`, or {type: "function", function: {name}} (a named function)."""
+    value = r.data.get(name)
+    if value is None or isinstance(value, str):
+        return r.str(name, None, choices=TOOL_CHOICES)
+    named = r.nested(name, r.map(name))
+    named.str("type", choices=("function",))
+    function = named.nested("function", named.map("function"))
+    out = {"type": "function", "function": {"name": function.str("name")}}
+    function.finish()
+    named.finish()
+    return out
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
+
+
+def read_response_format(r: FieldReader, name: str) -> dict[str, Any] | None:
+    """{type: text | json_object} | {type: json_schema, json_schema: {name?, schema (map or
+    JSON text), strict?, description?}} | {type: regex, regex} | {type: grammar, grammar (Lark)}."""
+    value = r.map(name, None)
+    if value is None:
+        return None
+    f = r.nested(name, value)
+    kind = f.str("type", choices=RESPONSE_FORMATS)
+    out: dict[str, Any] = {"type": kind}
+    if kind == "json_schema":
+        spec = f.nested("json_schema", f.map("json_schema"))
+        schema = spec.data.get("schema")
+        out["json_schema"] = {
+            "name": spec.str("name", "response"),
+            "schema": spec.str("schema") if isinstance(schema, str) else spec.map("schema", {}),
+            "strict": spec.bool("strict", None),
+            "description": spec.str("description", None),
+        }
+        out["json_schema"] = drop_none(out["json_schema"])
+        spec.finish()
+    elif kind in ("regex", "grammar"):
+        out[kind] = f.str(kind)
+    f.finish()
+    return out

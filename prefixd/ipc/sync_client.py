@@ -15,7 +15,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from prefixd.ipc.client import AsyncClient, GenerateResult, GenerateStream
 from prefixd.ipc.events import DoneEvent, HelloReply, TokenEvent, TokensReply
 from prefixd.ipc.framing import Limits
-from prefixd.ipc.messages import PROTOCOL_VERSION
+from prefixd.ipc.messages import SUPPORTED_VERSIONS
 
 
 class SyncGenerateStream:
@@ -81,7 +81,7 @@ class SyncClient:
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
-    def hello(self, versions: tuple[int, ...] = (PROTOCOL_VERSION,), client: str | None = None) -> HelloReply:
+    def hello(self, versions: tuple[int, ...] = SUPPORTED_VERSIONS, client: str | None = None) -> HelloReply:
         return self._portal.call(partial(self._client.hello, versions, client))
 
     def generate(self, **fields: Any) -> SyncGenerateStream:

@@ -24,7 +24,7 @@ from prefixd.scheduler.lanes import Lane, PageTables
 from prefixd.scheduler.pages import PageAllocator
 from prefixd.scheduler.planner import plan_schedule
 from prefixd.scheduler.program import PlanBuilder
-from prefixd.scheduler.records import RoundPlan, RoundResult
+from prefixd.scheduler.records import RoundPlan, RoundResult, TokenLogprob
 from prefixd.scheduler.rounds import PlannedWork, plan_round
 from prefixd.scheduler.store import PrefixStore, make_key
 from prefixd.scheduler.streams import (DoneEvent, Stream, StreamRequest, TokenEvent, context_full_note,
@@ -105,16 +105,27 @@ class Engine:
         self._streams[req.stream_id] = stream
         self.admitter.waiting.push(stream)
 
-    def cancel(self, stream_id: int) -> bool:
+    def cancel(self, stream_id: int, keep_rows: int | None = None) -> bool:
         """Mark a stream cancelled; it leaves its lane (or the queue) by the end of the next step().
 
-        Returns False if no such stream is waiting or running.
+        With `keep_rows` (a reply cut by a stop string: the next turn repeats only the text
+        before the stop), the lane the stream leaves resident holds at most its first
+        `keep_rows` rows; when the stream has already ended, its lane, if still resident and
+        untouched since, is cut back now. Returns False if no such stream is waiting or running.
         """
         stream = self._streams.get(stream_id)
         if stream is None:
+            if keep_rows is not None:
+                self._trim_resident(stream_id, keep_rows)
             return False
         stream.cancelled = True
+        stream.keep_rows = keep_rows
         return True
+
+    def _trim_resident(self, stream_id: int, keep_rows: int) -> None:
+        for lane in self.lanes:
+            if lane.resident and lane.last_stream_id == stream_id:
+                self.tables.truncate(lane, keep_rows)
 
     def step(self) -> list[Event]:
         """Run one lane round; returns the token and done events it produced, in order."""
@@ -239,7 +250,8 @@ class Engine:
             stream = self.lanes[res.lane].stream
             if stream is None or len(res.sampled) != 1:
                 raise RuntimeError(f"lane {res.lane}: a stored-row sample {res} for no seated stream")
-            self._emit(stream, res.sampled[0], res.digests if stream.req.want_logits else None, events)
+            logprob = res.logprobs[0] if res.logprobs else None
+            self._emit(stream, res.sampled[0], res.digests if stream.req.want_logits else None, events, logprob)
         by_lane = result.by_lane()
         captured = {c.lane: c.state for c in result.captured}
         for p in planned:
@@ -260,9 +272,10 @@ class Engine:
                 if res is None or len(res.sampled) != len(work.sample_rows):
                     raise RuntimeError(f"lane {lane.index}: the device sampled {res} for rows {work.sample_rows}")
                 digests = res.digests if stream.req.want_logits else None
-                self._emit(stream, res.sampled[0], digests, events)
+                self._emit(stream, res.sampled[0], digests, events, res.logprobs[0] if res.logprobs else None)
 
-    def _emit(self, stream: Stream, token: int, digests: tuple[str, ...] | None, events: list[Event]) -> None:
+    def _emit(self, stream: Stream, token: int, digests: tuple[str, ...] | None, events: list[Event],
+              logprob: TokenLogprob | None = None) -> None:
         now = self.clock()
         if stream.first_token_s is None:
             stream.first_token_s = now
@@ -271,7 +284,7 @@ class Engine:
             self.observer.on_token_gap(now - stream.last_token_s)
         stream.last_token_s = now
         stream.generated.append(token)
-        events.append(TokenEvent(stream.stream_id, (token,), digests))
+        events.append(TokenEvent(stream.stream_id, (token,), digests, None if logprob is None else (logprob,)))
         if token in stream.req.stop_ids:
             self._finish(stream, "stop", events)
         elif len(stream.generated) >= stream.req.max_tokens:
@@ -289,6 +302,9 @@ class Engine:
         if keep and self.admitter.reuse_allowed(stream) and not stream.prefilling:
             lane.resident = True
             lane.last_used = next(self._tick)
+            lane.last_stream_id = stream.stream_id
+            if stream.keep_rows is not None:
+                self.tables.truncate(lane, stream.keep_rows)
         else:
             self.tables.release(lane)
         if note is not None:

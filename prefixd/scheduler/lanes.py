@@ -48,6 +48,7 @@ class Lane:
     starts: tuple[int, ...] = ()  # chunk starts of the pass that prefilled those rows
     stream: Stream | None = None
     resident: bool = False
+    last_stream_id: int | None = None  # the stream that left this lane resident
     last_used: int = 0
     restored: object | None = None  # the store hit this lane resumed from (pinned while busy)
     cut_states: dict[int, object] = field(default_factory=dict)  # cut -> DeviceState (non-invariant)
@@ -161,6 +162,19 @@ class PageTables:
             lane.num_borrowed = min(lane.num_borrowed, row // self.page_size)
         return copies
 
+    def truncate(self, lane: Lane, row: int) -> None:
+        """Forget rows [row, ...) of a lane that is not running (no copy: whoever writes at
+        `row` later rewinds first). A row at or past its rows changes nothing."""
+        if row >= lane.num_rows:
+            return
+        keep = pages_for(row, self.page_size)
+        self.allocator.decref(lane.pages[keep:])
+        del lane.pages[keep:]
+        del lane.ids[row:]
+        lane.prefilled_upto = min(lane.prefilled_upto, row)
+        lane.cut_states = {c: st for c, st in lane.cut_states.items() if c <= row}
+        lane.num_borrowed = min(lane.num_borrowed, keep)
+
     def cow_pages_needed(self, lane: Lane, row: int) -> int:
         """1 if writing at `row` (<= lane's rows) must first copy the page holding it, else 0."""
         if row % self.page_size == 0 or row > lane.num_rows:
@@ -197,6 +211,7 @@ class PageTables:
         lane.namespace = ""
         lane.frame = 0
         lane.resident = False
+        lane.last_stream_id = None
         lane.restored = None
         lane.cut_states = {}
 

@@ -21,6 +21,8 @@ class SamplingParams:
     min_p: float = 0.0  # 0.0: off
     repetition_penalty: float = 1.0  # 1.0: off
     seed: int | None = None  # None: a seed drawn once at stream start
+    grammar: str | None = None  # an llguidance grammar the output must match (None: free)
+    logprobs: int | None = None  # per sampled token: its logprob and this many top alternatives
 
     @property
     def greedy(self) -> bool:
@@ -181,6 +183,7 @@ class LaneResult:
     lane: int
     sampled: tuple[int, ...] = ()  # one token per entry of LaneWork.sample_rows
     logits: DeviceRows | None = None  # rows for LaneWork.logits_rows, in that order
+    logprobs: tuple[TokenLogprob, ...] | None = None  # per sampled token, when its stream asks
     digests: tuple[str, ...] = ()  # sha256 hex of each LaneWork.digest_rows row's float32 bytes
 
 
@@ -189,6 +192,15 @@ class CapturedState:
     lane: int
     cut: int
     state: DeviceState
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model's fp32 logits row it was drawn
+    from (before penalties, filters and grammar), and the `k` most likely (id, logprob)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prefixd.scheduler.planner import Schedule
-from prefixd.scheduler.records import ImageRows, SamplingParams
+from prefixd.scheduler.records import ImageRows, SamplingParams, TokenLogprob
 
 
 class RequestError(Exception):
@@ -62,6 +62,7 @@ class TokenEvent:
     stream_id: int
     ids: tuple[int, ...]
     logits_sha256: tuple[str, ...] | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # per id, when the stream asks
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,7 @@ class Stream:
     cached_tokens: int = 0
     prefilled_tokens: int = 0
     cancelled: bool = False
+    keep_rows: int | None = None  # on cancel: rows its lane keeps when left resident
     note: str | None = None
     key: object | None = None  # store.ReuseKey of the prompt; None: may not reuse or keep
     hit: object | None = None  # a pinned store.Hit (pages held) found while waiting

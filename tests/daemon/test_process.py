@@ -11,6 +11,7 @@ import socket
 import subprocess
 import tempfile
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -83,7 +84,8 @@ def test_serve_notifies_ready_serves_the_cli_and_exits_0_on_sigterm(tiny_dir, tm
         out = _cli("generate", "--socket", str(sock), "--prompt", "Hello", "--max-tokens", "4", "--json")
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
-        assert set(result) == {"text", "tokens", "finish_reason", "usage"}
+        assert set(result) == {"text", "tokens", "finish_reason", "usage", "sampling"}
+        assert result["sampling"]["temperature"] == 0.7 and isinstance(result["sampling"]["seed"], int)
         assert result["finish_reason"] in ("length", "stop")
         assert result["usage"]["completion_tokens"] == len(result["tokens"])
 
@@ -150,6 +152,15 @@ def test_cli_without_a_daemon_says_how_to_start_one(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("systemd-socket-activate") is None, reason="systemd-socket-activate missing")
+def _accepts(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False
+    return True
+
+
 def test_socket_activation_passes_the_listening_socket(tiny_dir, tmp_path):
     sock = tmp_path / "act.sock"
     cmd = ["systemd-socket-activate", "-l", str(sock), "-E", f"PYTHONPATH={ROOT}",
@@ -157,10 +168,15 @@ def test_socket_activation_passes_the_listening_socket(tiny_dir, tmp_path):
            *_serve_args(tiny_dir, tmp_path / "unused" / "x.sock")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        while not sock.exists():  # systemd-socket-activate binds first, then waits for a client
+        # systemd-socket-activate binds, then listens, then waits for a client: the file exists
+        # a moment before a connect can succeed.
+        deadline = time.monotonic() + LIVENESS_S
+        while not _accepts(sock):
             if proc.poll() is not None:
                 pytest.fail(proc.communicate()[1])
-            os.sched_yield()
+            if time.monotonic() > deadline:
+                pytest.fail(f"nothing listens on {sock}")
+            time.sleep(0.01)
         with SyncClient(sock) as client:
             status = client.status()
             result = client.generate(tokens=[1, 2, 3], max_tokens=2).collect()

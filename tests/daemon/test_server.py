@@ -102,7 +102,7 @@ async def test_status_reports_lanes_model_and_connections(tmp_path):
         assert status["connections"] == 1
         assert len(status["lanes"]) == 4
         assert status["waiting"] == 0
-        assert hello.version == 1 and hello.model["vocab_size"] == 259
+        assert hello.version == 2 and hello.model["vocab_size"] == 259
 
 
 async def test_detokenize_and_logits_digests(tmp_path):
@@ -197,7 +197,7 @@ async def test_the_event_loop_answers_while_a_round_is_stuck_in_the_device(tmp_p
                 while not server.device.waiting:  # the engine thread is parked inside run_round
                     await anyio.sleep(0.01)
                 assert await b.detokenize(TOK.encode("still here")) == "still here"
-                assert (await b.hello()).version == 1
+                assert (await b.hello()).version == 2
                 server.device.gate.set()
                 result = [e async for e in stream]
         assert result[-1].finish_reason == "length"

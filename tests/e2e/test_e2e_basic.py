@@ -112,13 +112,13 @@ def _cli(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_generate_json_matches_the_client(daemon: DaemonProcess):
-    out = _cli(daemon, "generate", "--prompt", "Name a colour.", "--max-tokens", "4", "--no-cache", "--json")
+    out = _cli(daemon, "generate", "--prompt", "Name a colour.", "--max-tokens", "4", "--no-cache", "--greedy", "--json")
     assert out.returncode == 0, out.stderr
     printed = json.loads(out.stdout)
     with daemon.client() as client:
         direct = client.generate(messages=[{"role": "user", "content": "Name a colour."}], max_tokens=4,
                                  cache=False).collect()
-    assert set(printed) == {"text", "tokens", "finish_reason", "usage"}
+    assert set(printed) == {"text", "tokens", "finish_reason", "usage", "sampling"}
     assert (tuple(printed["tokens"]), printed["text"], printed["finish_reason"]) == (
         direct.ids, direct.text, direct.finish_reason)
     assert printed["usage"]["prompt_tokens"] == direct.usage.prompt_tokens

@@ -221,9 +221,9 @@ async def test_unary_calls(sock_path: Path) -> None:
             assert (await client.tokenize("hi")).ids == (104, 105)
             assert await client.detokenize([104, 105]) == "hi"
             with pytest.raises(ClientError) as info:
-                await client.hello(versions=(2,))
+                await client.hello(versions=(3,))
         assert info.value.code == "unsupported_version"
-        assert server.received[0] == Hello(1, (1,), "tests")
+        assert server.received[0] == Hello(1, (1, 2), "tests")
 
 
 async def test_long_token_prompts_travel_as_memfds(sock_path: Path) -> None:

@@ -1,0 +1,210 @@
+"""The OpenAI-compatible routes (Starlette): /v1/chat/completions, /v1/completions,
+/v1/models, /health. Each generate goes the socket front's way: RequestBuilder -> engine
+host -> OutputProcessor, then answers.py spells the events the OpenAI way."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from typing import Any, AsyncIterator
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from prefixd.daemon.engine_host import StreamTokens
+from prefixd.daemon.http.answers import SSE_DONE, Answer
+from prefixd.daemon.http.openai_map import HttpError, MappedRequest, map_chat, map_completion
+from prefixd.ipc.errors import ErrorCode, ProtocolError
+from prefixd.ipc.events import DoneEvent, TokenEvent
+
+MAX_BODY_BYTES = 8 << 20
+NAMESPACE_HEADER = "x-prefixd-namespace"
+_STATUS = {ErrorCode.TOO_MANY_STREAMS: 429, ErrorCode.SHUTTING_DOWN: 503, ErrorCode.INTERNAL: 500}
+
+
+class HttpFront:
+    """The routes over the daemon's shared services (see connection.Services)."""
+
+    def __init__(self, services: Any, *, token: str | None = None) -> None:
+        self.services = services
+        self.token = token
+        self.streams: set[int] = set()  # engine stream ids in flight
+        self.model = str(services.hello_reply()["model"].get("name", "prefixd"))
+
+    @property
+    def num_streams(self) -> int:
+        return len(self.streams)
+
+    def cancel_streams(self) -> None:
+        for stream_id in list(self.streams):
+            self.services.host.cancel_nowait(stream_id)
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+        ])
+
+    # -- routes -----------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "shutting_down" if self.services.shutting_down() else "ok"})
+
+    async def models(self, request: Request) -> Response:
+        return await self._guard(request, self._models)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._guard(request, lambda: self._generate(request, chat=True))
+
+    async def completions(self, request: Request) -> Response:
+        return await self._guard(request, lambda: self._generate(request, chat=False))
+
+    async def _guard(self, request: Request, handler: Any) -> Response:
+        try:
+            self._authorize(request)
+            return await handler()
+        except HttpError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+
+    async def _models(self) -> Response:
+        entry = {"id": self.model, "object": "model", "created": 0, "owned_by": "prefixd"}
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    def _authorize(self, request: Request) -> None:
+        if self.token is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            raise HttpError(401, "missing or wrong bearer token", kind="authentication_error", code="invalid_api_key")
+
+    # -- generate ---------------------------------------------------------------------------
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        body = await _read_json(request)
+        model = body.get("model")
+        if model not in (self.model, "default", "prefixd", None):
+            raise HttpError(404, f"model {model!r} is not served here; this daemon serves {self.model!r}",
+                            param="model", code="model_not_found")
+        namespace = request.headers.get(NAMESPACE_HEADER) or (body.get("user") if isinstance(body.get("user"), str) else "")
+        mapped = (map_chat if chat else map_completion)(body, namespace)
+        stream_id, built, receive = await self._start(mapped)
+        answer = Answer(f"{'chatcmpl' if chat else 'cmpl'}-{stream_id}", self.model, int(time.time()), chat,
+                        self.services.builder.tokenizer.token_bytes)
+        events = self._events(stream_id, built, receive)
+        if mapped.stream:
+            return StreamingResponse(_sse(answer, events, mapped), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
+        async for event in events:
+            if isinstance(event, TokenEvent):
+                answer.add(event)
+            else:
+                answer.done = event
+        assert answer.done is not None, "_events ends with the done event"
+        if answer.done.finish_reason == "error":
+            raise HttpError(500, answer.done.note or "the generate failed", kind="server_error")
+        return JSONResponse(answer.body(mapped.logprobs))
+
+    async def _start(self, mapped: MappedRequest) -> tuple[int, Any, Any]:
+        if self.services.shutting_down():
+            raise HttpError(503, "the daemon is shutting down and takes no new work", kind="server_error")
+        stream_id = self.services.next_stream_id()
+        msg = {**mapped.generate, "id": stream_id}
+        try:
+            built = await anyio.to_thread.run_sync(self.services.builder.generate, msg, stream_id, 2)
+            receive = await self.services.host.submit(built.request)
+        except ProtocolError as e:
+            raise _http_error(e) from None
+        except Exception as e:
+            code = getattr(e, "code", None)
+            if code is None:
+                raise
+            raise _http_error(ProtocolError(ErrorCode(code), e.message)) from None
+        return stream_id, built, receive
+
+    async def _events(self, stream_id: int, built: Any, receive: Any) -> AsyncIterator[TokenEvent | DoneEvent]:
+        """The generate's events; leaving early (a client gone) cancels it."""
+        out = self.services.builder.output(built)
+        self.streams.add(stream_id)
+        finished = False
+        try:
+            async with receive:
+                async for event in receive:
+                    if not isinstance(event, StreamTokens):
+                        finished = True
+                        for final in out.done(event):
+                            yield final
+                        return
+                    was_hit = out.stop_hit
+                    token = out.tokens(event)
+                    if token is not None:
+                        yield token
+                    if out.stop_hit and not was_hit:
+                        keep = out.keep_generated
+                        self.services.host.cancel_nowait(stream_id, None if keep is None else len(built.request.tokens) + keep)
+            raise HttpError(500, "the engine stopped before this generate finished", kind="server_error")
+        finally:
+            self.streams.discard(stream_id)
+            if not finished:
+                self.services.host.cancel_nowait(stream_id)
+
+
+async def _sse(answer: Answer, events: AsyncIterator[TokenEvent | DoneEvent], mapped: MappedRequest) -> AsyncIterator[str]:
+    """Chat (or completion) chunks as server-sent events, ending with [DONE]."""
+    if answer.chat:
+        yield answer.chunk({"role": "assistant", "content": ""})
+    try:
+        async for event in events:
+            if isinstance(event, TokenEvent):
+                answer.add(event)
+                lps = [answer.logprob_entry(e) for e in event.logprobs or ()] if mapped.logprobs else None
+                if event.text or lps:
+                    yield answer.chunk({"content": event.text}, logprobs=lps)
+                continue
+            answer.done = event
+            if answer.chat and event.tool_calls:
+                yield answer.chunk({"tool_calls": answer.tool_call_deltas()})
+            yield answer.chunk({}, finish=_finish(event))
+            if mapped.include_usage:
+                yield answer.chunk(usage=True)
+    except HttpError as e:
+        yield f"data: {json.dumps(e.body())}\n\n"
+    yield SSE_DONE
+
+
+def _finish(done: DoneEvent) -> str:
+    from prefixd.daemon.http.answers import FINISH
+
+    return FINISH[done.finish_reason]
+
+
+def _http_error(e: ProtocolError) -> HttpError:
+    status = _STATUS.get(e.code, 400)
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    field = e.message.split(":", 1)[0] if ":" in e.message else None
+    return HttpError(status, e.message, kind=kind, param=field, code=e.code.value)
+
+
+async def _read_json(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object; 413 past MAX_BODY_BYTES, 400 when not JSON."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise HttpError(413, f"body of {length} bytes is over the {MAX_BODY_BYTES}-byte limit")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise HttpError(413, f"body is over the {MAX_BODY_BYTES}-byte limit")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except ValueError as e:
+        raise HttpError(400, f"body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise HttpError(400, "body must be a JSON object")
+    return body

@@ -1,0 +1,105 @@
+"""The one output path: engine events of a stream -> protocol events (ipc/events.py).
+
+    StreamTokens ─▶ detokenize ─▶ stop strings ─▶ tool-call capture ─▶ TokenEvent
+    engine done  ─▶ held-back text, parsed tool calls, finish reason, usage ─▶ DoneEvent
+
+Both fronts (the socket connection, the HTTP front) take their events from here and turn
+them into wire maps with `to_wire()`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from prefixd.daemon.engine_host import StreamTokens
+from prefixd.daemon.stops import StopMatcher, StopSet
+from prefixd.ipc.events import DoneEvent, TokenEvent, Usage
+from prefixd.text.tools import ToolCallSplitter
+
+
+class OutputProcessor:
+    """Turns one stream's engine events into TokenEvents and its DoneEvent.
+
+    `stop_hit` turns True when a stop string matched: the caller then cancels the stream,
+    keeping `keep_generated` tokens' rows, and later StreamTokens are dropped (their text is
+    past the stop).
+    """
+
+    def __init__(self, request_id: int, decoder: Any, *, stop: StopSet | tuple[str, ...] = (),
+                 stop_ids: frozenset[int] = frozenset(), parse_tools: bool = False,
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+        self.request_id = request_id
+        self._decoder = decoder
+        self._stops = StopMatcher(stop)
+        self._stop_ids = stop_ids
+        self._tools = ToolCallSplitter() if parse_tools else None
+        self._token_bytes = token_bytes
+        self._ids: list[int] = []
+        self._kept_bytes = 0  # bytes of reply text before any stop string
+        self.num_sent_ids = 0
+
+    @property
+    def stop_hit(self) -> bool:
+        return self._stops.stopped
+
+    def tokens(self, event: StreamTokens) -> TokenEvent | None:
+        """The TokenEvent for one round's tokens (None once a stop string matched)."""
+        if self._stops.stopped:
+            return None
+        # A stop id ends the stream; its text (an end-of-turn marker) is not the reply's.
+        shown = [i for i in event.ids if i not in self._stop_ids]
+        text, _ = self._stops.push(self._decoder.push(shown))
+        self._ids.extend(event.ids)
+        self._kept_bytes += len(text.encode("utf-8"))
+        self.num_sent_ids += len(event.ids)
+        return TokenEvent(self.request_id, tuple(event.ids), self._shown(text), event.logits_sha256,
+                          _wire_logprobs(event.ids, event.logprobs))
+
+    @property
+    def keep_generated(self) -> int | None:
+        """Generated tokens whose bytes all lie before the stop string (None: unknown)."""
+        if self._token_bytes is None:
+            return None
+        num_bytes = 0
+        for k, token in enumerate(self._ids):
+            num_bytes += len(self._token_bytes(token))
+            if num_bytes > self._kept_bytes:
+                return k
+        return len(self._ids)
+
+    def done(self, done: Any) -> list[TokenEvent | DoneEvent]:
+        """The last events: a TokenEvent with held-back text when there is some, then DoneEvent."""
+        tail = ""
+        if not self._stops.stopped:
+            tail = self._shown(self._stops.push(self._decoder.flush())[0] + self._stops.flush())
+        calls: tuple[dict[str, Any], ...] | None = None
+        if self._tools is not None:
+            more, parsed = self._tools.finish()
+            tail += more
+            calls = tuple(call.to_wire() for call in parsed) or None
+        events: list[TokenEvent | DoneEvent] = [TokenEvent(self.request_id, (), tail)] if tail else []
+        events.append(DoneEvent(self.request_id, self._finish_reason(done, calls), self._usage(done.usage),
+                                done.note or None, calls))
+        return events
+
+    def _shown(self, text: str) -> str:
+        return self._tools.push(text) if self._tools is not None and text else text
+
+    def _finish_reason(self, done: Any, calls: Any) -> str:
+        reason = "stop" if self._stops.stopped else done.finish_reason
+        return "tool_calls" if calls and reason == "stop" else reason
+
+    def _usage(self, usage: Any) -> Usage:
+        completion = self.num_sent_ids if self._stops.stopped else usage.completion_tokens
+        return Usage(usage.prompt_tokens, usage.cached_tokens, usage.prefilled_tokens, completion,
+                     usage.ttft_s, usage.total_s, usage.cache)
+
+
+def _wire_logprobs(ids: tuple[int, ...], logprobs: Any) -> tuple[dict[str, Any], ...] | None:
+    if logprobs is None:
+        return None
+    return tuple(
+        {"id": token, "logprob": lp.logprob, "top": [{"id": i, "logprob": v} for i, v in lp.top]}
+        if lp is not None else {"id": token, "logprob": 0.0, "top": []}
+        for token, lp in zip(ids, logprobs)
+    )

@@ -1,0 +1,143 @@
+"""Schema-constrained output and logprobs through the real engine and runner (tiny random
+llama, CPU): every reply matches its schema over many seeds; constrained streams give the
+same ids cold, resumed, and beside 7 other lanes; logprobs come from the sampled fp32 row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from prefixd.daemon.requests import RequestBuilder  # noqa: E402
+from prefixd.gpu.loading import load_checkpoint  # noqa: E402
+from prefixd.gpu.runner import ModelRunner  # noqa: E402
+from prefixd.ipc.errors import ProtocolError  # noqa: E402
+from prefixd.ipc.framing import Limits  # noqa: E402
+from prefixd.scheduler.config import SchedulerConfig  # noqa: E402
+from prefixd.scheduler.engine import Engine  # noqa: E402
+from prefixd.scheduler.records import SamplingParams  # noqa: E402
+from prefixd.scheduler.streams import StreamRequest, TokenEvent  # noqa: E402
+from prefixd.text.grammar import grammar_of  # noqa: E402
+from prefixd.text.tools import parse_tool_calls  # noqa: E402
+from tests.helpers.tiny_models import make_tiny_hf_dir  # noqa: E402
+
+pytestmark = pytest.mark.slow
+CPU = torch.device("cpu")
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "ok", "n"], "properties": {
+    "city": {"enum": ["Paris", "Oslo", "Rome"]}, "ok": {"type": "boolean"},
+    "n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory) -> ModelRunner:
+    path = tmp_path_factory.mktemp("llama")
+    make_tiny_hf_dir(path, "llama", seed=1, tie_word_embeddings=True, num_hidden_layers=2)
+    ckpt = load_checkpoint(path, device=CPU, dtype=torch.float32)
+    return ModelRunner(ckpt, device=CPU, dtype=torch.float32, num_lanes=8, num_pages=160, page_size=8)
+
+
+def run(engine: Engine, requests: list[StreamRequest], events: list | None = None) -> dict[int, tuple[int, ...]]:
+    for r in requests:
+        engine.submit(r)
+    ids: dict[int, list[int]] = {r.stream_id: [] for r in requests}
+    while not engine.idle:
+        for event in engine.step():
+            if isinstance(event, TokenEvent):
+                ids.setdefault(event.stream_id, []).extend(event.ids)
+                if events is not None:
+                    events.append(event)
+    return {k: tuple(v) for k, v in ids.items()}
+
+
+def request(stream_id: int, prompt: tuple[int, ...], seed: int, grammar: str | None, stop: frozenset[int]) -> StreamRequest:
+    sampling = SamplingParams(temperature=1.0, seed=seed, grammar=grammar)
+    return StreamRequest(stream_id, prompt, 40, sampling=sampling, stop_ids=stop)
+
+
+def text_of(runner: ModelRunner, ids: tuple[int, ...]) -> str:
+    return runner.tokenizer.decode([i for i in ids if i not in runner.tokenizer.stop_ids])
+
+
+def test_replies_match_the_schema_over_many_seeds(runner):
+    engine = Engine(runner, SchedulerConfig(num_lanes=8, grid=8, cache=False))
+    grammar = grammar_of(FORMAT)
+    stop = frozenset(runner.tokenizer.stop_ids)
+    prompt = tuple(runner.tokenizer.encode("Give me the weather as JSON:"))
+    out = run(engine, [request(s, prompt, s, grammar, stop) for s in range(12)])
+    for ids in out.values():
+        assert ids[-1] in stop  # the grammar ended the reply, not max_tokens
+        value = json.loads(text_of(runner, ids))
+        assert set(value) == {"city", "ok", "n"} and value["city"] in ("Paris", "Oslo", "Rome")
+        assert isinstance(value["ok"], bool) and 0 <= value["n"] <= 9
+    assert len(set(out.values())) > 3  # sampling still varies within the schema
+
+
+def test_constrained_ids_are_the_same_cold_resumed_and_beside_seven_lanes(runner):
+    grammar = grammar_of({"type": "regex", "regex": "[a-z ]{4,30}\\."})
+    stop = frozenset(runner.tokenizer.stop_ids)
+    prompt = tuple(runner.tokenizer.encode("A short sentence in lower case, please:"))
+    engine = Engine(runner, SchedulerConfig(num_lanes=8, grid=8, cache=True))
+    cold = run(engine, [request(1, prompt, 7, grammar, stop)])[1]
+    resumed = run(engine, [request(2, prompt, 7, grammar, stop)])[2]
+    others = [request(10 + k, tuple(runner.tokenizer.encode(f"other prompt {k}")), k, grammar_of(FORMAT), stop)
+              for k in range(7)]
+    beside = run(Engine(runner, SchedulerConfig(num_lanes=8, grid=8, cache=False)),
+                 [*others, request(3, prompt, 7, grammar, stop)])[3]
+    assert cold == resumed == beside
+    text = text_of(runner, cold)
+    assert text.endswith(".") and set(text[:-1]) <= set("abcdefghijklmnopqrstuvwxyz ")
+
+
+def test_forced_tool_call_parses(runner):
+    builder = RequestBuilder(runner.tokenizer, {"vocab_size": runner.info.vocab_size}, Limits())
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    built = builder.generate({"type": "generate", "id": 1, "messages": [{"role": "user", "content": "weather?"}],
+                              "tools": tools, "tool_choice": "required", "max_tokens": 40,
+                              "sampling": {"temperature": 1.0, "seed": 3}}, 1)
+    engine = Engine(runner, SchedulerConfig(num_lanes=8, grid=8, cache=False))
+    ids = run(engine, [built.request])[1]
+    _, calls = parse_tool_calls(text_of(runner, ids))
+    assert [c.name for c in calls] == ["get_weather"] and json.loads(calls[0].arguments)["city"] in ("Paris", "Oslo")
+
+
+def test_an_unsatisfiable_schema_is_a_bad_request(runner):
+    builder = RequestBuilder(runner.tokenizer, {"vocab_size": runner.info.vocab_size}, Limits())
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["a"]}
+    with pytest.raises(ProtocolError) as info:
+        builder.generate({"type": "generate", "id": 1, "prompt": "x", "response_format": {
+            "type": "json_schema", "json_schema": {"schema": schema}}}, 1)
+    assert info.value.code.value == "bad_request"
+    assert info.value.message.startswith("response_format: Unsatisfiable schema")
+
+
+def logprob_run(engine: Engine, stream_id: int, prompt: tuple[int, ...]) -> list:
+    events: list = []
+    sampling = SamplingParams(temperature=0.8, seed=5, logprobs=3)
+    run(engine, [StreamRequest(stream_id, prompt, 6, sampling=sampling, want_logits=True)], events)
+    return [e for e in events if e.stream_id == stream_id]
+
+
+def test_logprobs_come_from_the_sampled_row_and_hold_cold_resumed_and_beside_others(runner):
+    prompt = tuple(runner.tokenizer.encode("Count: one two three"))
+    engine = Engine(runner, SchedulerConfig(num_lanes=8, grid=8, cache=True))
+    cold = logprob_run(engine, 1, prompt)
+    assert len(cold) == 6
+    for event in cold:
+        [token], [lp] = event.ids, event.logprobs
+        row = torch.log_softmax(event.logits[0].float(), dim=0)
+        assert lp.logprob == float(row[token])
+        values, ids = torch.sort(row, descending=True, stable=True)
+        assert lp.top == tuple((int(i), float(v)) for i, v in zip(ids[:3].tolist(), values[:3].tolist()))
+    resumed = logprob_run(engine, 2, prompt)
+    crowded = Engine(runner, SchedulerConfig(num_lanes=8, grid=8, cache=False))
+    for k in range(7):
+        crowded.submit(StreamRequest(10 + k, tuple(runner.tokenizer.encode(f"noise {k}")), 6,
+                                     sampling=SamplingParams(temperature=1.0, seed=k, logprobs=2)))
+    beside = logprob_run(crowded, 3, prompt)
+    key = lambda events: [(e.ids, e.logprobs) for e in events]  # noqa: E731
+    assert key(cold) == key(resumed) == key(beside)
