@@ -7,18 +7,29 @@ Prints one markdown table: prefill tok/s at 512/2048/4096 prompt tokens, single-
 decode tok/s at 4K context, aggregate decode tok/s at 8 lanes, each beside llama.cpp
 (llama-cpp-python, when importable) on the same GGUF file and thread count, measured in
 the same run; medians of several repeats. Every runner mode that exists gets a column.
+
+    python bench/runtime.py --busy-core   # also: every row again beside one busy process
+
+With --busy-core each engine is measured quiet, then again while one other process spins
+on a core, and a second table gives the busy rates and the slowdown (quiet / busy) of each
+engine side by side. prefixd runs the daemon's thread policy (prefixd/gpu/threads.py:
+torch threads = the cores other processes leave free, re-measured every second) unless
+--fixed-threads.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import gc
 import math
 import os
 import random
+import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,6 +44,7 @@ from bench.common import (  # noqa: E402
     rate,
     time_calls,
 )
+from prefixd.gpu.threads import CpuThreads  # noqa: E402
 from prefixd.scheduler.records import LaneWork, RoundPlan, SamplerSetup, SamplingParams  # noqa: E402
 
 
@@ -73,7 +85,8 @@ class Measure:
 
 
 class RunnerMeasure(Measure):
-    def __init__(self, checkpoint, *, device: torch.device, dtype: torch.dtype, mode: str, sizes: Sizes, grid: int):
+    def __init__(self, checkpoint, *, device: torch.device, dtype: torch.dtype, mode: str, sizes: Sizes, grid: int,
+                 threads: CpuThreads | None = None):
         from prefixd.gpu.runner import ModelRunner
 
         page_size = 16
@@ -95,6 +108,7 @@ class RunnerMeasure(Measure):
         self.grid = grid
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.last: dict[int, int] = {}
+        self.threads = threads  # ticked before each round, as the daemon's engine thread does
 
     def _pages(self, lane: int, rows: int) -> tuple[int, ...]:
         return self.tables[lane][: math.ceil(rows / self.page_size)]
@@ -120,6 +134,8 @@ class RunnerMeasure(Measure):
         self.sync()
 
     def _run(self, work: list[LaneWork]) -> None:
+        if self.threads is not None:
+            self.threads.tick()
         for result in self.runner.run_round(RoundPlan(tuple(work))).lanes:
             if result.sampled:
                 self.last[result.lane] = result.sampled[-1]
@@ -187,23 +203,54 @@ def decode_cases(sizes: Sizes, vocab: int) -> list[tuple[str, dict[int, list[int
     ]
 
 
-def run_engines(args: argparse.Namespace, sizes: Sizes) -> tuple[dict[str, dict[str, float]], list[str], dict[str, str]]:
+@contextlib.contextmanager
+def busy_core() -> Iterator[None]:
+    """One other process spinning on a core for the duration (a desktop's busy neighbour)."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+Results = dict[str, dict[str, float]]
+
+
+def measure_engine(m: Measure, name: str, sizes: Sizes, vocab: int, busy: bool,
+                   results: Results, busy_results: Results) -> None:
+    """Quiet rates into results[name]; with `busy`, the same again beside busy_core()."""
+    results[name] = measure_all(m, sizes, vocab)
+    if busy:
+        with busy_core():
+            busy_results[name] = measure_all(m, sizes, vocab)
+
+
+def run_engines(args: argparse.Namespace, sizes: Sizes) -> tuple[Results, Results, list[str], dict[str, str]]:
     from prefixd.gpu.loading import load_checkpoint
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     checkpoint = load_checkpoint(args.model, device=device, dtype=dtype)
     vocab = checkpoint.tokenizer.vocab_size
-    results: dict[str, dict[str, float]] = {}
+    num_threads = torch.get_num_threads()  # llama.cpp's too; the policy may lower prefixd's per round
+    results: Results = {}
+    busy_results: Results = {}
     notes: list[str] = []
-    versions = {"model": str(checkpoint.path), "dtype": args.dtype, "grid": str(args.grid)}
+    versions = {"model": str(checkpoint.path), "dtype": args.dtype, "grid": str(args.grid),
+                "threads": str(num_threads),
+                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "(unset)")}
+    policy = None if args.fixed_threads or device.type != "cpu" else CpuThreads.up_to_current()
     for mode in args.modes.split(","):
         try:
-            m = RunnerMeasure(checkpoint, device=device, dtype=dtype, mode=mode, sizes=sizes, grid=args.grid)
+            # the model takes the tensors it uses out of the dict: each mode gets its own dict
+            own = dataclasses.replace(checkpoint, tensors=dict(checkpoint.tensors))
+            m = RunnerMeasure(own, device=device, dtype=dtype, mode=mode, sizes=sizes, grid=args.grid,
+                              threads=policy)
         except (ValueError, NotImplementedError) as exc:
             notes.append(f"prefixd mode {mode!r} not available: {exc}")
             continue
         m._prefill_lanes({0: prompt_tokens(min(2 * args.grid, sizes.longest), vocab)})  # warm-up: allocator, kernels
-        results[f"prefixd {mode}"] = measure_all(m, sizes, vocab)
+        measure_engine(m, f"prefixd {mode}", sizes, vocab, args.busy_core, results, busy_results)
         if args.profile:
             notes.extend(profile(m, sizes, vocab, mode))
         del m
@@ -212,16 +259,20 @@ def run_engines(args: argparse.Namespace, sizes: Sizes) -> tuple[dict[str, dict[
         notes.append("llama.cpp skipped (--no-llama-cpp)")
     elif str(checkpoint.path).endswith(".gguf") and args.device == "cpu":
         try:
-            llama = LlamaCppMeasure(str(checkpoint.path), threads=torch.get_num_threads(), sizes=sizes)
+            llama = LlamaCppMeasure(str(checkpoint.path), threads=num_threads, sizes=sizes)
         except ImportError:
             notes.append("llama.cpp skipped: llama-cpp-python is not importable (pip install llama-cpp-python)")
         else:
             versions["llama-cpp-python"] = llama.llama.version
             llama.prefill(prompt_tokens(min(2 * args.grid, sizes.longest), vocab))  # warm-up
-            results["llama.cpp"] = measure_all(llama, sizes, vocab)
+            measure_engine(llama, "llama.cpp", sizes, vocab, args.busy_core, results, busy_results)
     else:
         notes.append("llama.cpp skipped: it is compared on the CPU with a GGUF model only")
-    return results, notes, versions
+    if policy is not None:
+        torch.set_num_threads(policy.max_threads)
+        notes.append(f"prefixd thread policy: up to {policy.max_threads} threads, the free cores each second "
+                     f"(last count {policy.threads})")
+    return results, busy_results, notes, versions
 
 
 def profile(m: RunnerMeasure, sizes: Sizes, vocab: int, mode: str) -> list[str]:
@@ -265,13 +316,28 @@ def render(results: dict[str, dict[str, float]], sizes: Sizes) -> str:
     return "\n".join(lines)
 
 
+def render_busy(results: Results, busy: Results) -> str:
+    """Busy-core rates and each engine's slowdown (quiet / busy), engines side by side."""
+    engines = list(busy)
+    labels = list(next(iter(busy.values()))) if busy else []
+    headers = ["beside one busy core", *(f"{e} tok/s" for e in engines), *(f"{e} slowdown" for e in engines)]
+    rows = []
+    for label in labels:
+        rates = [fmt_rate(busy[e].get(label)) for e in engines]
+        slowdowns = [fmt_ratio(results[e].get(label), busy[e].get(label)) for e in engines]
+        rows.append([label, *rates, *slowdowns])
+    return markdown_table(headers, rows)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, fewer repeats (a smoke run)")
     parser.add_argument("--model", default="default", help='"default", a .gguf path or a HF directory')
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    parser.add_argument("--modes", default="invariant,fast", help="runner modes to measure, comma separated")
+    parser.add_argument("--modes", default="invariant,int4", help="runner modes to measure, comma separated")
+    parser.add_argument("--busy-core", action="store_true", help="measure again beside one spinning process")
+    parser.add_argument("--fixed-threads", action="store_true", help="no thread policy: torch's count throughout")
     parser.add_argument("--grid", type=int, default=256, help="prefill chunk rows per round")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--no-llama-cpp", action="store_true")
@@ -280,9 +346,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     if args.repeats:
         sizes = Sizes(sizes.prefill, sizes.decode_context, sizes.lanes, sizes.lane_context, sizes.decode_steps, args.repeats)
-    results, notes, versions = run_engines(args, sizes)
+    results, busy_results, notes, versions = run_engines(args, sizes)
     print_machine(versions)
     print(render(results, sizes))
+    if busy_results:
+        print()
+        print(render_busy(results, busy_results))
     for note in notes:
         print(f"- {note}")
     print(f"- medians of {sizes.repeats} repeats; decode: {sizes.decode_steps} rounds per repeat, greedy")

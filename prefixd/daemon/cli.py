@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=None, help='"default", a FILE.gguf or a Hugging Face model dir')
     serve.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
     serve.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="compute dtype (default bf16)")
+    serve.add_argument("--mode", default=None, choices=("auto", "invariant", "int4"),
+                       help="numeric mode: int4 = 4-bit weights (CPU bf16); auto (default): int4 where it exists on CPU bf16")
     serve.add_argument("--lanes", type=int, default=None, help="concurrent streams (default 8 on CPU)")
     serve.add_argument("--allow-group", default=None, metavar="GROUP", help="also accept peers of this group")
     serve.add_argument("--metrics-addr", default=None, metavar="HOST:PORT",

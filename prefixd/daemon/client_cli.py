@@ -172,7 +172,7 @@ def _status(args: argparse.Namespace) -> int:
     model = info.get("model", {})
     print(f"prefixd at {info.get('socket') or _socket_path(args)}  ({info.get('server', '?')})")
     print(f"model     {model.get('name', '?')} ({model.get('family', '?')}, {model.get('device', '?')}, "
-          f"{model.get('dtype', '?')}), context {info.get('max_context', '?')}")
+          f"{model.get('dtype', '?')}, {model.get('mode', '?')}), context {info.get('max_context', '?')}")
     print(f"lanes     {info.get('lanes_busy', 0)} busy, {info.get('lanes_resident', 0)} resident, "
           f"{len(info.get('lanes', []))} total; {info.get('waiting', 0)} waiting")
     print(f"pages     {info.get('pages_used', 0)} used, {info.get('pages_free', 0)} free "

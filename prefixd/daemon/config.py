@@ -20,6 +20,8 @@ DEFAULT_CPU_MAX_CONTEXT = 4096
 # `--cache-budget auto`: this share of the memory left after weights, lanes and workspace.
 AUTO_CACHE_FRACTION = 0.5
 AUTO_CACHE_MAX_BYTES_CPU = 4 << 30  # host RAM is shared with everything else on the machine
+# numeric modes (prefixd.gpu.model.MODES); "auto" is resolved by prefixd.gpu.families.resolve_mode
+MODES = ("auto", "invariant", "int4")
 DEFAULT_DISK_BUDGET_BYTES = 8 << 30
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -49,6 +51,7 @@ class DaemonConfig:
     grid: int = DEFAULT_GRID
     max_context: int | None = None  # None: the model's, capped on CPU
     log_level: str = "info"
+    mode: str = "auto"  # "auto" | "invariant" (weights in dtype) | "int4" (4-bit weights, CPU bf16)
     http_addr: str = ""  # "HOST:PORT" serves the OpenAI-compatible HTTP front; "" does not
     http_token_file: Path | None = None  # a bearer token clients must send; needed off loopback
     disk_cache_dir: Path | None = None  # None: no disk tier (config_from_args fills the default)
@@ -110,6 +113,10 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"--device {cfg.device!r}: expected cpu or cuda[:N]")
     if cfg.dtype not in ("bf16", "fp32"):
         raise ConfigError(f"--dtype {cfg.dtype!r}: expected bf16 or fp32")
+    if cfg.mode not in MODES:
+        raise ConfigError(f"--mode {cfg.mode!r}: expected one of {', '.join(MODES)}")
+    if cfg.mode == "int4" and (cfg.device != "cpu" or cfg.dtype != "bf16"):
+        raise ConfigError("--mode int4 runs on the CPU in bf16 only")
     if cfg.lanes is not None and cfg.lanes < 1:
         raise ConfigError(f"--lanes {cfg.lanes}: needs at least 1")
     if cfg.page_size < 1 or cfg.grid < 1 or cfg.grid % cfg.page_size:
@@ -173,6 +180,7 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
             grid=int(pick("grid", "PREFIXD_GRID", DEFAULT_GRID)),
             max_context=None if max_context is None else int(max_context),
             log_level=str(pick("log_level", "PREFIXD_LOG_LEVEL", "info")),
+            mode=str(pick("mode", "PREFIXD_MODE", "auto")),
             http_addr=str(pick("http", "PREFIXD_HTTP", "")),
             http_token_file=_opt_path(pick("http_token_file", "PREFIXD_HTTP_TOKEN_FILE", None)),
             disk_cache_dir=default_disk_cache_dir(env) if disk_dir is None else (Path(str(disk_dir)) if disk_dir else None),

@@ -69,8 +69,10 @@ class EngineHost:
     """
 
     def __init__(self, engine: Any, *, event_buffer: int = DEFAULT_EVENT_BUFFER,
-                 on_overflow: Callable[[int], None] | None = None) -> None:
+                 on_overflow: Callable[[int], None] | None = None,
+                 before_round: Callable[[], object] | None = None) -> None:
         self.engine = engine
+        self._before_round = before_round  # called on the engine thread (thread policy)
         self._event_buffer = event_buffer
         self._on_overflow = on_overflow
         self._cond = threading.Condition()
@@ -176,6 +178,8 @@ class EngineHost:
                 for command in commands:
                     command()
                 if not self.engine.idle and not self._stopping:
+                    if self._before_round is not None:
+                        self._before_round()
                     events = self._step()
                     if events:
                         self._post(self._dispatch, [_host_event(e) for e in events])

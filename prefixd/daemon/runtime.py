@@ -28,6 +28,7 @@ class Runtime:
     model_info: dict[str, Any]
     decoder_factory: Callable[[], Any] | None = None  # None: prefixd.gpu.tokenizer.StreamDecoder
     disk: Any = None  # prefixd.disk.tier.DiskTier, or None when the disk tier is off
+    before_round: Callable[[], Any] | None = None  # on the engine thread: the CPU thread policy
 
 
 def plan_num_pages(cfg: DaemonConfig, *, kv_bytes_per_page: int, max_context: int,
@@ -75,8 +76,10 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
                  progress: Callable[[str, int, int], None] | None = None) -> Runtime:
     """Load the model named by `cfg.model` and build the engine around it (blocking)."""
     from prefixd.gpu.backend import free_device_bytes, resolve
+    from prefixd.gpu.families import resolve_mode
     from prefixd.gpu.loading import load_checkpoint
     from prefixd.gpu.runner import ModelRunner
+    from prefixd.gpu.threads import CpuThreads
     from prefixd.scheduler.config import SchedulerConfig
     from prefixd.scheduler.engine import Engine
 
@@ -88,8 +91,9 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         cfg, kv_bytes_per_page=kv_bytes_per_page(checkpoint.config, cfg),
         max_context=max_context, available_bytes=available,
     )
+    mode = resolve_mode(cfg.mode, checkpoint.config.family, device, dtype)  # the disk tier keys on it
     runner = ModelRunner(checkpoint, device=device, dtype=dtype, num_lanes=cfg.num_lanes,
-                         num_pages=num_pages, page_size=cfg.page_size)
+                         num_pages=num_pages, page_size=cfg.page_size, mode=mode)
     sched = SchedulerConfig(num_lanes=cfg.num_lanes, grid=cfg.grid, max_context=max_context,
                             cache=cfg.cache, cache_budget_bytes=cfg.cache_budget_bytes)
     disk = build_disk_tier(cfg, checkpoint.path, runner, device.type, observer) if cfg.cache else None
@@ -104,13 +108,16 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         "max_context": engine.max_context,
         "device": cfg.device,
         "dtype": cfg.dtype,
+        "mode": runner.model.mode,
         "lanes": cfg.num_lanes,
         "page_size": info.page_size,
         "num_pages": info.num_pages,
         "weights_bytes": info.weights_bytes,
         "sampling_defaults": sampling_defaults(Path(str(checkpoint.path)), checkpoint.source),
     }
-    return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info, disk=disk)
+    threads = CpuThreads.up_to_current() if cfg.device == "cpu" else None
+    return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info, disk=disk,
+                   before_round=None if threads is None else threads.tick)
 
 
 def build_disk_tier(cfg: DaemonConfig, model_path: Any, runner: Any, device_kind: str, observer: Any) -> Any:

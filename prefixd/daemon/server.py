@@ -137,7 +137,7 @@ class Server:
         if warning is not None:
             log.warning("%s", warning)
             self._out.write(f"prefixd: warning: {warning}\n")
-        self._host = EngineHost(self._runtime.engine)
+        self._host = EngineHost(self._runtime.engine, before_round=self._runtime.before_round)
         await self._host.start()
         addr = parse_metrics_addr(self.cfg.metrics_addr)
         if addr is not None:

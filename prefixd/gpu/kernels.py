@@ -108,7 +108,8 @@ def mm_t(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
     """x (M, K) @ weight (N, K).T -> (M, N) in `out_dtype` (default weight's dtype)."""
     out_dtype = out_dtype or weight.dtype
     if not _use_triton(x):
-        return torch.nn.functional.linear(x, weight).to(out_dtype)
+        out = torch.nn.functional.linear(x, weight)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
     return bmm(x.unsqueeze(0), weight.t().unsqueeze(0), out_dtype)[0]
 
 

@@ -7,9 +7,16 @@ other bits at M = 1 (a GEMV path; rare, since outputs are rounded to bf16). So c
 padded to at least `MIN_FP32_ROWS` / `MIN_LOW_ROWS` rows. docs/runtime.md has the probe.
 On CUDA the product runs in kernels.py (one fixed Triton configuration for every M); the
 padding is harmless there. Its invariance is checked by the CUDA tests.
+
+Mode "int4" (CPU, bf16) keeps each projection as 4-bit codes in groups of 32 inputs with a
+bf16 scale and zero per group (`Int4Weight`), run by torch's weight-packed CPU kernel with
+bf16 activations: w = (q - 8) * scale + zero, 5 bits per weight streamed. The probe
+(bench/probe_cpu.py, docs/runtime.md) found its rows invariant for every M and row position.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -34,13 +41,70 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, pad], dim=0)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 (M, out) = x (M, in) @ weight.T (+ bias), the GEMM in weight's dtype.
+INT4_GROUP = 32  # inputs sharing one scale and zero: a GGUF Q4_0 / Q4_1 block
+_INT4_INNER_K_TILES = 2  # packing layout of the CPU kernel (any of 1, 2, 4, 8 gives the same bits)
 
-    x must already hold `invariant_rows(M, weight.dtype)` rows; the bias is added in fp32
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """A (out, in) projection as 4-bit codes: w[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n].
+
+    g = k // INT4_GROUP. `packed` is the CPU kernel's (out, in / 2) uint8 layout of q;
+    `scale_zeros` is (in / INT4_GROUP, out, 2) bf16: [..., 0] the scale, [..., 1] the zero.
+    """
+
+    packed: torch.Tensor
+    scale_zeros: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale_zeros.nbytes
+
+
+def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes (N, K) int32 in 0..15, scale (N, K/32), zero (N, K/32)) of an (N, K) weight.
+
+    Asymmetric per group of 32 inputs: scale = (max - min) / 15, zero = min + 8 * scale, both
+    rounded to bf16 (the kernel's), codes rounded to the nearest step from min. Weights
+    dequantized from a GGUF Q4_1 block (x = d*q + m, q spanning 0..15) come back with their
+    own codes q, and d, m up to the rounding of scale and zero to bf16.
+    """
+    n, k = weight.shape
+    if k % INT4_GROUP:
+        raise ValueError(f"int4 weights need in_features divisible by {INT4_GROUP}, got {k}")
+    groups = weight.float().reshape(n, k // INT4_GROUP, INT4_GROUP)  # (N, G, 32)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (N, G)
+    scale = ((high - low) / 15).to(torch.bfloat16).float()
+    step = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = (low + 8 * scale).to(torch.bfloat16).float()
+    codes = torch.round((groups - (zero - 8 * scale)[..., None]) / step[..., None]).clamp_(0, 15)
+    return codes.reshape(n, k).to(torch.int32), scale, zero
+
+
+def quantize_int4(weight: torch.Tensor) -> Int4Weight:
+    """The (N, K) weight as 4-bit group-32 codes packed for the CPU kernel (`int4_codes`)."""
+    n, k = weight.shape
+    codes, scale, zero = int4_codes(weight)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), _INT4_INNER_K_TILES)
+    scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # (G, N, 2)
+    return Int4Weight(packed=packed, scale_zeros=scale_zeros, shape=(n, k))
+
+
+Weight = torch.Tensor | Int4Weight
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 (M, out) = x (M, in) @ weight.T (+ bias), the GEMM in weight's dtype (bf16 for int4).
+
+    x must already hold `invariant_rows(M, dtype)` rows; the bias is added in fp32
     outside the GEMM so its bits do not depend on a fused epilogue.
     """
-    out = kernels.mm_t(x.to(weight.dtype), weight).float()
+    if isinstance(weight, Int4Weight):
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), weight.packed, INT4_GROUP, weight.scale_zeros).float()
+    else:
+        out = kernels.mm_t(x.to(weight.dtype), weight).float()
     if bias is not None:
         out = out + bias
     return out

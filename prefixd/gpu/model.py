@@ -8,6 +8,8 @@ Per layer, every row of the round in one batch::
 
 The residual stream, norms, rope, attention and the SiLU product are fp32; GEMM inputs and
 weights are in the compute dtype (bf16 by default) and their outputs come back as fp32.
+Mode "int4" keeps the four projections of every layer as 4-bit group-32 codes (linear.py);
+embeddings and the lm_head stay in the compute dtype.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from prefixd.gpu import kernels
 from prefixd.gpu.attention import AttentionSpan, AttentionTile, attend
 from prefixd.gpu.config import ModelConfig
 from prefixd.gpu.kv_pool import KVPool
-from prefixd.gpu.linear import fuse, invariant_rows, linear, pad_rows
-from prefixd.gpu.rope import RopeTable, apply_rope
+from prefixd.gpu.linear import Weight, fuse, invariant_rows, linear, pad_rows, quantize_int4
+from prefixd.gpu.rope import RopeTable, rotate, rotation_tables
 
 
 @dataclass(frozen=True)
@@ -45,27 +47,44 @@ class RoundInputs:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 RMSNorm over the last dim."""
+    """fp32 RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight.
+
+    On CPU torch's fused rms_norm gives the composite's bits in one op (tests/gpu/test_ops.py);
+    on CUDA the mean runs in kernels.py's fixed order.
+    """
+    if not x.is_cuda:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
     return x * torch.rsqrt(kernels.mean_last(x.pow(2)) + eps) * weight
 
 
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Weight
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Weight
+    down: Weight
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in tensors:
         raise KeyError(f"checkpoint has no tensor {name!r}")
     return tensors.pop(name)
+
+
+MODES = ("invariant", "int4")
+
+
+def check_mode(mode: str, device: torch.device, dtype: torch.dtype) -> None:
+    """ValueError unless `mode` runs on this device and dtype ("int4": CPU, bf16 only)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not available (have: {', '.join(MODES)})")
+    if mode == "int4" and (device.type != "cpu" or dtype != torch.bfloat16):
+        raise ValueError(f"mode 'int4' runs on the CPU in bf16 only (got {device.type}, {dtype})")
 
 
 class LlamaModel:
@@ -79,8 +98,7 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], *,
                  device: torch.device, dtype: torch.dtype, mode: str = "invariant") -> None:
-        if mode != "invariant":
-            raise ValueError(f"mode {mode!r} is not available (have: invariant)")
+        check_mode(mode, device, dtype)
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -100,6 +118,7 @@ class LlamaModel:
     def _layer(self, t: dict[str, torch.Tensor], i: int, f32, lin) -> _Layer:
         p = f"model.layers.{i}."
         a = p + "self_attn."
+        pack = quantize_int4 if self.mode == "int4" else lin
         qkv = fuse([_take(t, a + f"{n}_proj.weight").to(self.dtype) for n in "qkv"])
         bias = None
         if self.config.attention_bias:
@@ -108,10 +127,10 @@ class LlamaModel:
         kn = f32(_take(t, a + "k_norm.weight")) if self.config.qk_norm else None
         gate_up = fuse([_take(t, p + f"mlp.{n}_proj.weight").to(self.dtype) for n in ("gate", "up")])
         return _Layer(
-            input_norm=f32(_take(t, p + "input_layernorm.weight")), qkv=lin(qkv), qkv_bias=bias,
-            q_norm=qn, k_norm=kn, o=lin(_take(t, a + "o_proj.weight")),
+            input_norm=f32(_take(t, p + "input_layernorm.weight")), qkv=pack(qkv), qkv_bias=bias,
+            q_norm=qn, k_norm=kn, o=pack(lin(_take(t, a + "o_proj.weight"))),
             post_norm=f32(_take(t, p + "post_attention_layernorm.weight")),
-            gate_up=lin(gate_up), down=lin(_take(t, p + "mlp.down_proj.weight")))
+            gate_up=pack(gate_up), down=pack(lin(_take(t, p + "mlp.down_proj.weight"))))
 
     # FamilyModel: lane state (none for attention-only families)
     def new_lane_states(self, num_lanes: int) -> None:
@@ -146,31 +165,28 @@ class LlamaModel:
     def forward(self, inputs: RoundInputs, kv: KVPool) -> torch.Tensor:
         """Run every layer; writes K/V of the real rows; returns final-normed fp32 hidden."""
         c = self.config
-        h = self.embed_rows(inputs)
-        cos, sin = self.rope.lookup(inputs.positions)
+        h = self.embed_rows(inputs)  # (rows, hidden) fp32, a fresh tensor: updated in place
+        cos, sin = rotation_tables(*self.rope.lookup(inputs.positions))  # (rows, 1, head_dim) each
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, c.rms_norm_eps), cos, sin,
-                                    inputs, kv)
+            h += self._attention(i, layer, rms_norm(h, layer.input_norm, c.rms_norm_eps), cos, sin, inputs, kv)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + linear(torch.nn.functional.silu(gate) * up, layer.down)
+            h += linear(torch.nn.functional.silu(gate) * up, layer.down)
         return rms_norm(h, self.final_norm, c.rms_norm_eps)
 
     def _attention(self, i: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    inputs: RoundInputs, kv: KVPool) -> torch.Tensor:
         c = self.config
-        rows = x.shape[0]
         qkv = linear(x, layer.qkv, layer.qkv_bias)
-        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = q.reshape(rows, c.num_heads, c.head_dim)
-        k = k.reshape(rows, c.num_kv_heads, c.head_dim)
-        v = v.reshape(rows, c.num_kv_heads, c.head_dim)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
-        q = apply_rope(q, cos, sin) * self.scale
-        k = apply_rope(k, cos, sin)
+        qk_dim = (c.num_heads + c.num_kv_heads) * c.head_dim
+        qk = qkv[:, :qk_dim].unflatten(-1, (c.num_heads + c.num_kv_heads, c.head_dim))  # (rows, H + KV, hd)
+        v = qkv[:, qk_dim:].unflatten(-1, (c.num_kv_heads, c.head_dim))
+        if layer.q_norm is None:
+            qk = rotate(qk, cos, sin)  # q and k heads in one pass: rope is per head
+            q, k = qk[:, : c.num_heads] * self.scale, qk[:, c.num_heads :]
+        else:
+            q = rotate(rms_norm(qk[:, : c.num_heads], layer.q_norm, c.rms_norm_eps), cos, sin) * self.scale
+            k = rotate(rms_norm(qk[:, c.num_heads :], layer.k_norm, c.rms_norm_eps), cos, sin)
         n = inputs.num_rows
         kv.write(i, inputs.slots, k[:n], v[:n])
         out = attend(q, kv.k[i], kv.v[i], inputs.tiles)

@@ -67,6 +67,26 @@ class RopeTable:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
+def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos|cos, -sin|sin), each (rows, 1, 2 * half): the full-width tables `rotate` reads.
+
+    Built once per round from `RopeTable.lookup` and shared by every layer.
+    """
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def rotate(x: torch.Tensor, cos_full: torch.Tensor, sin_full: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` over the whole head (rotary_dim == head_dim) in four ops, with its bits.
+
+    x * (cos|cos) + (x2|x1) * (-sin|sin): x2 * -sin is exactly -(x2 * sin) and a + (-b) is
+    exactly a - b, so each half equals apply_rope's. x: (rows, heads, head_dim) fp32, any
+    row and head strides (a column slice of the fused qkv).
+    """
+    half = x.shape[-1] // 2
+    swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # (rows, heads, head_dim): x2 | x1
+    return x * cos_full + swapped * sin_full
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate fp32 x (rows, heads, head_dim) on its first rotary_dim features."""
     half = cos.shape[-1]

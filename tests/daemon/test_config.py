@@ -83,3 +83,15 @@ def test_bad_values_name_the_flag(flags, needle):
 def test_bad_number_in_env_is_a_config_error():
     with pytest.raises(ConfigError, match="PREFIXD_"):
         config_from_args(_args(), env={"PREFIXD_LANES": "many"})
+
+
+def test_mode_defaults_to_auto_and_flags_win_over_env():
+    assert config_from_args(_args(), env={}).mode == "auto"
+    assert config_from_args(_args(), env={"PREFIXD_MODE": "invariant"}).mode == "invariant"
+    assert config_from_args(_args(mode="int4"), env={"PREFIXD_MODE": "invariant"}).mode == "int4"
+
+
+@pytest.mark.parametrize("flags", [{"mode": "int3"}, {"mode": "int4", "dtype": "fp32"}, {"mode": "int4", "device": "cuda"}])
+def test_bad_mode_names_the_flag(flags):
+    with pytest.raises(ConfigError, match="--mode"):
+        config_from_args(_args(**flags), env={})

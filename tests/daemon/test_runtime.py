@@ -46,3 +46,21 @@ def test_mem_available_reads_meminfo(tmp_path):
     meminfo.write_text("MemTotal:  100 kB\nMemAvailable:   2048 kB\n")
     assert mem_available_bytes(meminfo) == 2048 * 1024
     assert mem_available_bytes(tmp_path / "missing") is None
+
+
+def test_loaded_runtime_reports_the_resolved_mode_and_runs_the_thread_policy(tmp_path):
+    import torch
+
+    from prefixd.daemon.runtime import load_runtime
+    from tests.helpers.tiny_models import make_tiny_hf_dir
+
+    model = make_tiny_hf_dir(tmp_path / "tiny", "llama", seed=1, tie_word_embeddings=True)
+    threads = torch.get_num_threads()
+    try:
+        for dtype, mode in (("bf16", "int4"), ("fp32", "invariant")):
+            cfg = DaemonConfig(model=str(model), dtype=dtype, lanes=1, max_context=64, cache=False)
+            runtime = load_runtime(cfg, observer=None)
+            assert (runtime.model_info["mode"], runtime.model_info["dtype"]) == (mode, dtype)
+            assert runtime.before_round is not None and runtime.before_round() >= 1
+    finally:
+        torch.set_num_threads(threads)  # the policy may have lowered this thread's count

@@ -1,7 +1,7 @@
 """Row invariance: a row's KV and logits bits depend only on its own tokens and context.
 
 Bit equality (`torch.equal`) on tiny random llama / qwen2 / qwen3 models and on the default
-model, in bf16 and fp32. Prompts are longer than one attention block (256 rows) so several
+model, in bf16 and fp32, and in mode "int4" (4-bit weights, CPU bf16). Prompts are longer than one attention block (256 rows) so several
 blocks, partially masked blocks and chunks that straddle a block edge are exercised.
 """
 
@@ -11,22 +11,29 @@ import pytest
 import torch
 
 from prefixd.scheduler.records import LaneWork, RoundPlan
-from tests.gpu.runner_helpers import kv_equal, lane_pages, make_runner, prompt, run_chunks, work
+from tests.gpu.runner_helpers import DEVICE, kv_equal, lane_pages, make_runner, prompt, run_chunks, work
 
 DTYPES = [torch.bfloat16, torch.float32]
 FAMILIES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"]
+# (dtype, mode): the int4 mode runs on the CPU in bf16 only
+NUMERICS = [(d, "invariant") for d in DTYPES] + ([(torch.bfloat16, "int4")] if DEVICE.type == "cpu" else [])
 
 
-@pytest.fixture(scope="module", params=[(f, d) for f in FAMILIES for d in DTYPES],
-                ids=lambda p: f"{p[0][5:-4]}-{str(p[1])[6:]}")
+def _numerics_id(p: tuple[torch.dtype, str]) -> str:
+    return str(p[0])[6:] + ("" if p[1] == "invariant" else f"-{p[1]}")
+
+
+@pytest.fixture(scope="module", params=[(f, n) for f in FAMILIES for n in NUMERICS],
+                ids=lambda p: f"{p[0][5:-4]}-{_numerics_id(p[1])}")
 def tiny_runner(request):
-    family, dtype = request.param
-    return make_runner(request.getfixturevalue(family), dtype)
+    family, (dtype, mode) = request.param
+    return make_runner(request.getfixturevalue(family), dtype, mode=mode)
 
 
-@pytest.fixture(scope="module", params=DTYPES, ids=lambda d: str(d)[6:])
+@pytest.fixture(scope="module", params=NUMERICS, ids=_numerics_id)
 def default_runner(request, default_gguf):
-    return make_runner(default_gguf, request.param)
+    dtype, mode = request.param
+    return make_runner(default_gguf, dtype, mode=mode)
 
 
 def check_chunking(runner, n: int, *, fives: bool = True) -> None:

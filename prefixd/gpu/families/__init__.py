@@ -26,6 +26,7 @@ class FamilyModel(Protocol):
 
     config: Any  # ModelConfig
     dtype: torch.dtype
+    mode: str  # the numeric mode it runs ("invariant", "int4")
     num_kv_layers: int
     invariant_rows: bool  # True: every row's bits are invariant (decode == prefill)
     lane_state_bytes: int  # bytes of one lane's state (0: attention only)
@@ -57,30 +58,49 @@ class FamilyModel(Protocol):
 Builder = Callable[[Any, torch.device, torch.dtype, str], FamilyModel]
 
 _BUILDERS: dict[str, Builder] = {}
+_MODES: dict[str, tuple[str, ...]] = {}
 _PLUGINS = {"qwen3_5": "prefixd.gpu.families.qwen3_5"}
+# "auto": int4 where the family has it on CPU bf16 (docs/benchmarks.md), else invariant
+CPU_DEFAULT_MODE = "int4"
 
 
-def register(family: str, builder: Builder) -> None:
-    """Make `builder(checkpoint, device, dtype, mode)` the model code for `family`."""
+def register(family: str, builder: Builder, modes: tuple[str, ...] = ("invariant",)) -> None:
+    """Make `builder(checkpoint, device, dtype, mode)` the model code for `family`, for `modes`."""
     _BUILDERS[family] = builder
+    _MODES[family] = modes
+
+
+def resolve_mode(mode: str, family: str, device: torch.device, dtype: torch.dtype) -> str:
+    """`mode` itself, or for "auto" the family's default on this device and dtype."""
+    if mode != "auto":
+        return mode
+    _load(family)
+    cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+    return CPU_DEFAULT_MODE if cpu_bf16 and CPU_DEFAULT_MODE in _MODES.get(family, ()) else "invariant"
 
 
 def build_family(checkpoint: Any, device: torch.device, dtype: torch.dtype,
                  mode: str = "invariant") -> FamilyModel:
-    """The FamilyModel for `checkpoint.config.family`; ValueError when none is registered."""
+    """The FamilyModel for `checkpoint.config.family` in `mode` ("auto": `resolve_mode`);
+    ValueError when no model code is registered or the family has no such mode."""
     family = checkpoint.config.family
-    if family not in _BUILDERS and family in _PLUGINS:
-        importlib.import_module(_PLUGINS[family])
+    _load(family)
     if family not in _BUILDERS:
         raise ValueError(f"no model code for family {family!r}; have {sorted(_BUILDERS)}")
-    return _BUILDERS[family](checkpoint, device, dtype, mode)
+    return _BUILDERS[family](checkpoint, device, dtype, resolve_mode(mode, family, device, dtype))
+
+
+def _load(family: str) -> None:
+    """Import the module that registers `family` when it is a plugin not yet loaded."""
+    if family not in _BUILDERS and family in _PLUGINS:
+        importlib.import_module(_PLUGINS[family])
 
 
 def _register_builtins() -> None:
     from prefixd.gpu.model import build_llama
 
     for name in ("llama", "qwen2", "qwen3"):
-        register(name, build_llama)
+        register(name, build_llama, modes=("invariant", "int4"))
 
 
 _register_builtins()

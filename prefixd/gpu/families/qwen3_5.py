@@ -59,6 +59,7 @@ class HybridModel:
     `qwen3_5`); K/V of its full-attention layers live in the runner's KVPool."""
 
     invariant_rows = False
+    mode = "invariant"
 
     def __init__(self, config: HybridConfig, tensors: Mapping[str, torch.Tensor], *,
                  device: torch.device, dtype: torch.dtype) -> None:

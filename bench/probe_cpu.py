@@ -1,0 +1,128 @@
+"""CPU probe: are torch's weight-packed (int4 / int8) matmuls row-invariant, and how fast are they?
+
+    python bench/probe_cpu.py            # invariance over M = 1..64 and larger, then timings
+    python bench/probe_cpu.py --quick    # fewer row counts, fewer repeats
+
+For each kernel and the default model's projection shapes, a reference call of R rows is
+compared with calls of M rows (the reference's first M rows) and with the reference rows
+rotated to other positions in the call: a row is "invariant" when its bits never change.
+Timings are medians of a few calls per row count beside bf16 `F.linear` on the same shape.
+Prints markdown tables; asserts nothing (docs/runtime.md keeps the results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.common import markdown_table, median, time_calls  # noqa: E402
+
+GROUP = 32
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576))  # (N, K): qkv, o, gate|up, down, lm_head
+REFERENCE_ROWS = 512
+
+
+def _int4(n: int, k: int, x_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    scale = torch.rand(k // GROUP, n) * 0.02
+    zero = torch.randn(k // GROUP, n) * 0.01
+    sz = torch.stack([scale, zero], dim=-1).to(x_dtype)  # (K/G, N, 2)
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(x_dtype), packed, GROUP, sz)
+
+
+def _int8(n: int, k: int, x_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scales = (torch.rand(n) * 0.01).to(x_dtype)
+    return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(x_dtype), w, scales)
+
+
+def _dense(n: int, k: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    w = (torch.randn(n, k) * 0.05).to(dtype)
+    return lambda x: torch.nn.functional.linear(x.to(dtype), w)
+
+
+PROBED = ("bf16 F.linear", "int4pack bf16 x", "int8pack bf16 x")  # fp32 / fp16 x: far too slow at large M
+
+KERNELS: dict[str, Callable[[int, int], Callable[[torch.Tensor], torch.Tensor]]] = {
+    "bf16 F.linear": lambda n, k: _dense(n, k, torch.bfloat16),
+    "int4pack fp32 x": lambda n, k: _int4(n, k, torch.float32),
+    "int4pack fp16 x": lambda n, k: _int4(n, k, torch.float16),
+    "int4pack bf16 x": lambda n, k: _int4(n, k, torch.bfloat16),
+    "int8pack bf16 x": lambda n, k: _int8(n, k, torch.bfloat16),
+    "int8pack fp32 x": lambda n, k: _int8(n, k, torch.float32),
+}
+
+
+def bad_row_counts(fn: Callable[[torch.Tensor], torch.Tensor], k: int, counts: Sequence[int]) -> list[int]:
+    """Row counts M whose call gives some row other bits than the reference call."""
+    x = torch.randn(REFERENCE_ROWS, k)
+    ref = fn(x)
+    return [m for m in counts if not torch.equal(fn(x[:m].contiguous()), ref[:m])]
+
+
+def bad_positions(fn: Callable[[torch.Tensor], torch.Tensor], k: int, rows: int) -> list[int]:
+    """Rotations s for which a `rows`-row call with its rows rotated by s changes some row's bits."""
+    x = torch.randn(rows, k)
+    ref = fn(x)
+    return [s for s in range(1, rows) if not torch.equal(fn(torch.roll(x, s, 0)), torch.roll(ref, s, 0))]
+
+
+def invariance(counts: Sequence[int], shapes: Sequence[tuple[int, int]]) -> None:
+    rows = []
+    for name in PROBED:
+        for n, k in shapes:
+            torch.manual_seed(0)
+            make = KERNELS[name]
+            fn = make(n, k)
+            bad = bad_row_counts(fn, k, counts)
+            pos = sorted({s for m in (4, 16) for s in bad_positions(fn, k, m)})
+            rows.append([name, f"{n}x{k}", _ranges(bad) or "none", _ranges(pos) or "none"])
+    print(f"Row invariance (reference: {REFERENCE_ROWS} rows; M tried: {_ranges(list(counts))})\n")
+    print(markdown_table(["kernel", "N x K", "M with other bits", "rotations with other bits (M=4,16)"], rows))
+
+
+def timings(counts: Sequence[int], shapes: Sequence[tuple[int, int]], repeats: int) -> None:
+    rows = []
+    for n, k in shapes:
+        for name, make in KERNELS.items():
+            fn = make(n, k)
+            cells = []
+            for m in counts:
+                x = torch.randn(m, k)
+                cells.append(f"{median(time_calls(lambda: fn(x), repeats, warmup=2)) * 1e6:,.0f}")
+            rows.append([f"{n}x{k}", name, *cells])
+    print(f"\nMicroseconds per call (median of {repeats}, {torch.get_num_threads()} threads)\n")
+    print(markdown_table(["N x K", "kernel", *(f"M={m}" for m in counts)], rows))
+
+
+def _ranges(values: list[int]) -> str:
+    out: list[str] = []
+    for v in values:
+        if out and out[-1][1] == v - 1:
+            out[-1] = (out[-1][0], v)
+        else:
+            out.append((v, v))  # type: ignore[arg-type]
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)  # type: ignore[misc]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    counts = [1, 2, 3, 4, 5, 7, 8, 16, 17, 64, 200] if args.quick else [*range(1, 18), 31, 32, 33, 63, 64, 65, 100, 128, 256, 300, 512]
+    shapes = SHAPES[:2] if args.quick else SHAPES[:4]  # lm_head: timed only
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}\n")
+    invariance(counts, shapes)
+    timings([1, 4, 16, 256], shapes if args.quick else SHAPES, 3 if args.quick else 10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The engine's CPU thread policy on a shared machine: use only the cores others leave free.
+
+torch's CPU ops split each op across an OpenMP team. When another process keeps a core
+busy, a team as wide as the machine waits at every op's barrier for the member the kernel
+has descheduled (and its spinning members take time from that process too). So
+`CpuThreads.tick()`, called on the engine thread before each round, re-reads the CPU time
+other processes used over the last `interval_s` (from /proc/stat minus this process) and
+sets torch's thread count to the cores they leave free, between 1 and `max_threads`. A team
+of one has no barrier to wait at. (OMP_WAIT_POLICY=PASSIVE instead halves prefill on an
+idle machine: every op then wakes sleeping workers; docs/runtime.md.)
+
+A thread count never changes a row's bits (tests/gpu/test_threads.py), so switching between
+rounds keeps every exactness rule. torch keeps the count per thread: `tick` must run on the
+thread that runs the rounds. This module imports torch only when a count is set.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+DEFAULT_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """Cumulative CPU seconds: busy over all cores, and this process's own."""
+
+    busy_s: float
+    own_s: float
+    wall_s: float
+
+
+def read_sample(stat_path: Path = Path("/proc/stat"), cores: frozenset[int] | None = None) -> CpuSample | None:
+    """Now's cumulative busy seconds over `cores` (default: this process's affinity) and its
+    own CPU seconds; None where /proc/stat cannot be read."""
+    cores = usable_cores() if cores is None else cores
+    try:
+        lines = stat_path.read_text().splitlines()
+    except OSError:
+        return None
+    busy_ticks = 0
+    for line in lines:
+        fields = line.split()
+        if not fields or not fields[0].startswith("cpu") or fields[0] == "cpu":
+            continue
+        if int(fields[0][3:]) in cores:
+            # user nice system idle iowait irq softirq steal: busy is all but idle and iowait
+            values = [int(v) for v in fields[1:9]]
+            busy_ticks += sum(values) - values[3] - values[4]
+    times = os.times()
+    return CpuSample(busy_s=busy_ticks / os.sysconf("SC_CLK_TCK"), own_s=times.user + times.system,
+                     wall_s=time.monotonic())
+
+
+def usable_cores() -> frozenset[int]:
+    """The cores this process may run on."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return frozenset(range(os.cpu_count() or 1))
+
+
+def free_cores(before: CpuSample, after: CpuSample, num_cores: int) -> float:
+    """Cores other processes left idle between two samples (0..num_cores)."""
+    wall = after.wall_s - before.wall_s
+    if wall <= 0:
+        return float(num_cores)
+    others = (after.busy_s - before.busy_s) - (after.own_s - before.own_s)
+    return min(float(num_cores), max(0.0, num_cores - others / wall))
+
+
+def threads_for(free: float, max_threads: int) -> int:
+    """Threads to run beside other processes: the free cores, rounded, at least one.
+
+    A core counts as free when other processes used less than half of it.
+    """
+    return max(1, min(max_threads, int(free + 0.5)))
+
+
+class CpuThreads:
+    """Adapts torch's intra-op thread count to the cores other processes leave free.
+
+    `tick()` may change the calling thread's torch thread count; it returns the count in use.
+    `sample` and `set_threads` are injectable for tests.
+    """
+
+    def __init__(self, max_threads: int, *, interval_s: float = DEFAULT_INTERVAL_S,
+                 num_cores: int | None = None,
+                 sample: Callable[[], CpuSample | None] = read_sample,
+                 set_threads: Callable[[int], None] | None = None) -> None:
+        if max_threads < 1:
+            raise ValueError(f"max_threads {max_threads}: needs at least 1")
+        self.max_threads = max_threads
+        self.interval_s = interval_s
+        self.num_cores = num_cores or len(usable_cores())
+        self._sample = sample
+        self._set_threads = set_threads or _torch_set_threads
+        self._last = sample()
+        self.threads = max_threads
+        self._applied: int | None = None
+
+    @classmethod
+    def up_to_current(cls) -> CpuThreads:
+        """A policy that never goes above torch's thread count now (OMP_NUM_THREADS, or the cores)."""
+        import torch
+
+        return cls(max_threads=torch.get_num_threads())
+
+    def tick(self) -> int:
+        """Re-measure when `interval_s` has passed; apply the count if it changed."""
+        now = self._sample()
+        if now is not None and self._last is not None and now.wall_s - self._last.wall_s >= self.interval_s:
+            self.threads = threads_for(free_cores(self._last, now, self.num_cores), self.max_threads)
+            self._last = now
+        elif self._last is None:
+            self._last = now
+        if self.threads != self._applied:
+            self._set_threads(self.threads)
+            self._applied = self.threads
+        return self.threads
+
+
+def _torch_set_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
