@@ -1,8 +1,8 @@
 """HTTP front benchmark: what the OpenAI-compatible front costs beside the msgpack socket,
 and what constrained decoding costs beside unconstrained, on one daemon.
 
-    python bench/http.py            # the full table (minutes; run it on an idle machine)
-    python bench/http.py --quick    # a smoke run with small sizes
+    python bench/http_front.py            # the full table (minutes; run it on an idle machine)
+    python bench/http_front.py --quick    # a smoke run with small sizes
 
 Spawns `prefixd serve --lanes 8 --http 127.0.0.1:0` on the default model and measures, with
 the same chat prompts, seeds and max_tokens through both fronts, taken back to back in pairs:
@@ -21,8 +21,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Run as a script, this file's folder leads sys.path and its name would shadow the stdlib's http.
-sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
+sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
 import json  # noqa: E402
