@@ -41,7 +41,7 @@ def test_stop_ids_are_sent_as_ids_but_not_as_text_and_usage_passes_through():
     [done] = out.done(_Done("stop", 3))
     assert done.to_wire() == {"type": "done", "id": 7, "finish_reason": "stop", "usage": {
         "prompt_tokens": 3, "cached_tokens": 0, "prefilled_tokens": 3, "completion_tokens": 3,
-        "ttft_s": 0.5, "total_s": 1.0, "cache": "miss"}}
+        "ttft_s": 0.5, "total_s": 1.0, "cache": "miss", "draft_tokens": 0, "accepted_tokens": 0}}
 
 
 async def test_a_turn_cut_by_a_stop_string_leaves_only_rows_the_next_turn_repeats(tmp_path):

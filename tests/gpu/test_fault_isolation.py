@@ -118,7 +118,7 @@ def test_a_failing_sampler_fails_its_lane_alone(llama_runner, monkeypatch):
     def start_stream(lane, sampling, history):
         real_start(lane, sampling, history)
         if lane == BAD_LANE:
-            def broken(logits):
+            def broken(*args):
                 raise RuntimeError("logits row has no finite probability mass")
             monkeypatch.setattr(runner._samplers[lane], "sample", broken)
 
