@@ -155,13 +155,7 @@ class PageTables:
         if row > lane.num_rows:
             raise RuntimeError(f"lane {lane.index}: rewind to row {row} past its {lane.num_rows} rows")
         must_copy = self.cow_pages_needed(lane, row)
-        keep = pages_for(row, self.page_size)
-        self.allocator.decref(lane.pages[keep:])
-        del lane.pages[keep:]
-        del lane.ids[row:]
-        lane.prefilled_upto = min(lane.prefilled_upto, row)
-        lane.cut_states = {c: st for c, st in lane.cut_states.items() if c <= row}
-        lane.num_borrowed = min(lane.num_borrowed, keep)
+        self._forget_rows(lane, row)
         copied = self._copy_last_page(lane) if must_copy else 0
         if must_copy or row % self.page_size == 0:
             lane.num_borrowed = min(lane.num_borrowed, row // self.page_size)
@@ -172,6 +166,10 @@ class PageTables:
         `row` later rewinds first). A row at or past its rows changes nothing."""
         if row >= lane.num_rows:
             return
+        self._forget_rows(lane, row)
+
+    def _forget_rows(self, lane: Lane, row: int) -> None:
+        """Drop the lane's rows [row, ...): the pages past the one holding row - 1, ids, cut states."""
         keep = pages_for(row, self.page_size)
         self.allocator.decref(lane.pages[keep:])
         del lane.pages[keep:]
