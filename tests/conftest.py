@@ -1,4 +1,4 @@
-"""Shared fixtures for tests/text: the default GGUF and a tiny HF model directory."""
+"""Fixtures every test folder may use: the default GGUF and a tiny llama directory."""
 
 from __future__ import annotations
 
