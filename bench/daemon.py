@@ -63,12 +63,17 @@ def spawn_daemon(flags: Sequence[str], *, model: str = "default", metrics: bool 
             url = f"http://127.0.0.1:{port.group(1)}/metrics" if port else None
             yield DaemonHandle(sock, url, log)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM (the daemon's graceful stop), then SIGKILL if it has not exited in `timeout_s`."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _wait_ready(proc: subprocess.Popen, log: Path, timeout_s: float, metrics: bool) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,7 @@ from typing import Iterator, Sequence
 
 import anyio
 
+from bench.daemon import stop_process
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.messages import HelloReply
 
@@ -48,12 +48,7 @@ class Daemon:
                 daemon._wait_ready()
                 yield daemon
             finally:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                stop_process(proc)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
