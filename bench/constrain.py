@@ -21,7 +21,7 @@ from prefixd.gpu.constrain import GrammarMask
 from prefixd.gpu.default_model import default_model_path
 from prefixd.gpu.loading import load_checkpoint
 from prefixd.gpu.runner import ModelRunner
-from prefixd.scheduler.records import LaneWork, RoundPlan, SamplingParams
+from prefixd.scheduler.records import LaneWork, RoundPlan, SamplerSetup, SamplingParams
 from prefixd.text.grammar import grammar_of, ll_tokenizer
 
 SCHEMA = {"type": "object", "required": ["name", "tags", "score"], "additionalProperties": False, "properties": {
@@ -50,8 +50,7 @@ def mask_cost_s(runner: ModelRunner, num_tokens: int) -> tuple[float, float]:
 
 def decode_round_s(runner: ModelRunner, num_lanes: int, rounds: int = 8) -> float:
     page_size = runner.info.page_size
-    for lane in range(num_lanes):
-        runner.start_stream(lane, SamplingParams(), ())
+    runner.run_round(RoundPlan(samplers=tuple(SamplerSetup(lane, SamplingParams(), ()) for lane in range(num_lanes))))
     tables = [tuple(range(lane * 8, lane * 8 + 8)) for lane in range(num_lanes)]
     prompt = tuple(runner.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 2))
     runner.run_round(RoundPlan(tuple(LaneWork(lane, 0, prompt, tables[lane], prefill=True, sample_rows=(len(prompt) - 1,))

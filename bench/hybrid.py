@@ -34,7 +34,8 @@ from prefixd.gpu.families.qwen3_5_config import (hybrid_config_from_hf, hybrid_t
                                                  model_config)
 from prefixd.gpu.families.qwen3_5_tiny import random_tensors  # noqa: E402
 from prefixd.gpu.runner import ModelRunner  # noqa: E402
-from prefixd.scheduler.records import LaneWork, RoundPlan, SamplingParams  # noqa: E402
+from prefixd.scheduler.records import (Capture, LaneWork, Restore, RoundPlan, SamplerSetup,  # noqa: E402
+                                       SamplingParams)
 
 # Shaped like the smallest Qwen3.5 text model: 3 Gated DeltaNet layers per gated-attention
 # layer, 16 GDN heads of 128x128 state, 8 query / 2 KV heads of 256 (a quarter rotary);
@@ -83,8 +84,7 @@ def _runner(fields: dict, device: torch.device, dtype: torch.dtype, lanes: int, 
     pages = lanes * (-(-rows // PAGE))
     runner = ModelRunner(checkpoint, device=device, dtype=dtype, num_lanes=lanes,
                          num_pages=pages, page_size=PAGE)
-    for lane in range(lanes):
-        runner.start_stream(lane, SamplingParams(), history=())
+    runner.run_round(RoundPlan(samplers=tuple(SamplerSetup(lane, SamplingParams(), ()) for lane in range(lanes))))
     return runner
 
 
@@ -115,7 +115,7 @@ def bench_prefill(fields, sizes, device, dtype) -> list[list[str]]:
     out = []
     for n in sizes.prefill:
         def run() -> None:
-            runner.reset_lane(0)
+            runner.run_round(RoundPlan(resets=(0,)))
             _prefill(runner, 0, n, sizes.grid, rows)
         out.append([f"prefill {n}", fmt_rate(rate(n, time_calls(run, sizes.repeats)))])
     return out
@@ -147,12 +147,14 @@ def bench_snapshot(fields, sizes, device, dtype) -> list[list[str]]:
     runner = _runner(fields, device, dtype, 2, sizes.grid)
     _prefill(runner, 0, sizes.grid, sizes.grid, sizes.grid)
     state_bytes = runner.info.lane_state_bytes
-    snap = runner.capture(0)
+    capture = RoundPlan(captures=(Capture(0, sizes.grid),))
+    snap = runner.run_round(capture).captured[0].state
+    restore = RoundPlan(restores=(Restore(1, snap),))
     src = torch.zeros(state_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     reps = max(5, 5 * sizes.repeats)
-    capture_s = median(time_calls(lambda: (runner.capture(0), _sync(device)), reps))
-    restore_s = median(time_calls(lambda: (runner.restore(1, snap), _sync(device)), reps))
+    capture_s = median(time_calls(lambda: (runner.run_round(capture), _sync(device)), reps))
+    restore_s = median(time_calls(lambda: (runner.run_round(restore), _sync(device)), reps))
     clone_s = median(time_calls(lambda: (src.clone(), _sync(device)), reps))
     copy_s = median(time_calls(lambda: (dst.copy_(src), _sync(device)), reps))
     logits_row = runner.info.logits_row_bytes

@@ -123,7 +123,7 @@ def measure(fields: dict, dtype: torch.dtype, shape: TraceShape = QUICK_TRACE, r
     from prefixd.gpu.loading import load_checkpoint
     from prefixd.gpu.runner import ModelRunner
     from prefixd.scheduler.planner import plan_schedule
-    from prefixd.scheduler.records import SamplingParams
+    from prefixd.scheduler.records import RoundPlan, SamplerSetup, SamplingParams
 
     with tempfile.TemporaryDirectory(prefix="prefixd-hybrid-") as tmp:
         model = write_model_dir(Path(tmp) / "model", fields, dtype)
@@ -144,7 +144,7 @@ def measure(fields: dict, dtype: torch.dtype, shape: TraceShape = QUICK_TRACE, r
             n = len(ids)
             schedule = plan_schedule(n, sorted({s for s in starts if 0 < s < n}), GRID)
             new = n - new_start
-            runner.start_stream(0, SamplingParams(), ids)
+            runner.run_round(RoundPlan(samplers=(SamplerSetup(0, SamplingParams(), tuple(ids)),)))
             chunks = schedule.chunks(usage.cached_tokens)
             reply_chunks = [c for c in chunks if c[1] <= new_start]
             full = statistics.median(_prefill_s(runner, ids, chunks, pages) for _ in range(repeats))

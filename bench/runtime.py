@@ -45,7 +45,7 @@ from bench.common import (  # noqa: E402
     time_calls,
 )
 from prefixd.gpu.threads import CpuThreads  # noqa: E402
-from prefixd.scheduler.records import LaneWork, RoundPlan, SamplingParams  # noqa: E402
+from prefixd.scheduler.records import LaneWork, RoundPlan, SamplerSetup, SamplingParams  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,8 @@ class RunnerMeasure(Measure):
 
     def _prefill_lanes(self, prompts: dict[int, Sequence[int]]) -> None:
         """Prefill every lane chunk by chunk (grid rows), lanes side by side in each round."""
-        for lane, tokens in prompts.items():
-            self.runner.start_stream(lane, SamplingParams(), tokens)
+        self.runner.run_round(RoundPlan(samplers=tuple(SamplerSetup(lane, SamplingParams(), tuple(tokens))
+                                                       for lane, tokens in prompts.items())))
         num_rounds = max(math.ceil(len(t) / self.grid) for t in prompts.values())
         for r in range(num_rounds):
             work = []

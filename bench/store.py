@@ -108,10 +108,10 @@ class FloorMeter:
     def measure(self, t: TurnRecord) -> float | None:
         """Seconds to the first token from the cached rows; None when nothing was cached."""
         from prefixd.scheduler.planner import plan_schedule
-        from prefixd.scheduler.records import SamplingParams
+        from prefixd.scheduler.records import RoundPlan, SamplerSetup, SamplingParams
 
         ids, n = t.prompt_ids, t.context
-        self.runner.start_stream(0, SamplingParams(), ids)
+        self.runner.run_round(RoundPlan(samplers=(SamplerSetup(0, SamplingParams(), tuple(ids)),)))
         valid = lcp(self.written.get(t.conversation, ()), ids)
         self._prefill(t.conversation, ids, [(a, min(a + self.grid, t.cached)) for a in range(valid, t.cached, self.grid)])
         chunks = plan_schedule(n, [s for s in t.starts if 0 < s < n], self.grid).chunks(t.cached)

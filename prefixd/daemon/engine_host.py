@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import hashlib
 import logging
 import threading
 from collections import deque
@@ -21,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import anyio
-import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 log = logging.getLogger("prefixd.engine")
@@ -44,16 +42,6 @@ class StreamTokens:
 
 class EngineFailed(RuntimeError):
     """The engine thread stopped on an error; every open stream ends with finish_reason error."""
-
-
-def logits_sha256(rows: Any) -> tuple[str, ...]:
-    """Hex sha256 of each row's float32 bytes (rows: a (n, vocab) float32 array-like)."""
-    if hasattr(rows, "detach"):  # device tensors come back to host memory first
-        rows = rows.detach().cpu()
-    array = np.ascontiguousarray(np.asarray(rows, dtype=np.float32))
-    if array.ndim == 1:
-        array = array[None, :]
-    return tuple(hashlib.sha256(row.tobytes()).hexdigest() for row in array)
 
 
 def retain_freed_memory() -> bool:
@@ -113,6 +101,8 @@ class EngineHost:
             self._cond.notify()
         if self._thread is not None:
             await anyio.to_thread.run_sync(self._thread.join)
+            if self.failure is None:  # a failed device is left as it is
+                self.engine.close()  # the thread is gone: nothing steps the engine any more
         for sink in self._sinks.values():
             sink.close()
         self._sinks.clear()
@@ -267,13 +257,11 @@ def log_done(event: Any) -> None:
 
 
 def _host_event(event: Any) -> Any:
-    """Engine events as the loop sees them: tokens with digests instead of device rows."""
+    """Engine events as the loop sees them: tokens with the digests the device computed."""
     ids = getattr(event, "ids", None)
     if ids is None:
         return event  # a DoneEvent passes through unchanged
-    rows = getattr(event, "logits", None)
-    digests = None if rows is None else logits_sha256(rows)
-    return StreamTokens(event.stream_id, tuple(ids), digests, getattr(event, "logprobs", None))
+    return StreamTokens(event.stream_id, tuple(ids), event.logits_sha256, event.logprobs)
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

@@ -1,14 +1,18 @@
 """ModelRunner: the torch implementation of `prefixd.scheduler.device.Device`.
 
-One `run_round` is one batched forward: the plan's lanes are concatenated into one row
-batch, every row's K/V goes into its lane's pages, attention reads only through each
-lane's page table, and the lm_head runs only on rows that are sampled or returned.
+`run_round` is the only call the scheduler makes. It runs a `RoundPlan` in its fixed order:
+fences, rollbacks, resets, restores, page copies, sampler set-up, stored-row samples, then
+one batched forward (the plan's lanes concatenated into one row batch; every row's K/V goes
+into its lane's pages, attention reads only through each lane's page table, and the lm_head
+runs only on rows that are sampled, returned or digested), the samples, and the captures.
+Verify rows (a lane's `LaneWork.drafts`) are sampled up to the first rejected draft, and the
+lane's state is rolled back to the last accepted row in the same round.
 
 A failure that belongs to one lane ends that lane alone (`LaneResult.error`): image rows of the
 wrong shape keep the lane out of the forward; a non-finite logits row or a sampler error is
-found per lane after it. Other lanes' rows never read the failed lane's (attention reads only
-through each lane's page table), so their bits are unchanged. A failure of the forward itself
-raises: the device, not one lane, failed.
+found per lane after it (a stored-row sample included). Other lanes' rows never read the failed
+lane's (attention reads only through each lane's page table), so their bits are unchanged. A
+failure of the forward itself raises: the device, not one lane, failed.
 """
 
 from __future__ import annotations
@@ -22,14 +26,15 @@ import torch
 from prefixd.gpu.attention import AttentionSpan, plan_attention
 from prefixd.gpu.constrain import GrammarMask
 from prefixd.gpu.copy import CopyEngine
+from prefixd.gpu.digest import logits_sha256
 from prefixd.gpu.families import build_family
 from prefixd.gpu.kv_pool import KVPool
 from prefixd.gpu.model import RoundInputs
 from prefixd.gpu.sampling import LaneSampler
 from prefixd.scheduler.device import DeviceInfo
 from prefixd.gpu.families.qwen3_5_state import HybridState
-from prefixd.scheduler.records import (DiskLoad, LaneResult, LaneWork, PagePayload, RoundPlan, RoundResult,
-                                       SamplingParams, TokenLogprob)
+from prefixd.scheduler.records import (CapturedState, DiskLoad, LaneResult, LaneWork, PageCopy, PagePayload,
+                                       RoundPlan, RoundResult, SamplerSetup, SamplingParams, StoredSample)
 from prefixd.text.grammar import ll_tokenizer
 
 # Errors a lane's sampler may raise on its own row; device-wide ones (a CUDA fault, no memory)
@@ -65,12 +70,72 @@ class ModelRunner:
         self._ll_tokenizer: Any = None
 
     # Device protocol -------------------------------------------------------------------
-    def start_stream(self, lane: int, sampling: SamplingParams, history: Sequence[int]) -> None:
-        self._check_lane(lane)
+    def run_round(self, plan: RoundPlan) -> RoundResult:
+        self._check_plan(plan)
+        with torch.inference_mode():
+            self._before_forward(plan)
+            stored = tuple(self._sample_stored(item) for item in plan.stored)
+            lanes, forward_s = self._forward(plan.lanes) if plan.lanes else ((), 0.0)
+            if plan.captures:
+                self.copies.wait_all()  # a capture never holds a row an in-flight copy is replacing
+            captured = tuple(CapturedState(c.lane, c.cut, self.model.capture(c.lane)) for c in plan.captures)
+        return RoundResult(lanes=lanes, forward_s=forward_s, stored=stored, captured=captured)
+
+    def close(self) -> None:
+        """Let every copy land and drop the samplers; the weights go with the runner."""
+        self.copies.wait_all()
+        self._samplers.clear()
+
+    # Plan steps before the forward --------------------------------------------------------
+    def _before_forward(self, plan: RoundPlan) -> None:
+        if plan.fences:
+            self.copies.wait_all()  # CPU and one copy stream: a lane's fence is every copy's
+        for item in plan.rollbacks:
+            self._rollback(item.lane, item.keep_rows)
+        if plan.resets or plan.restores:
+            self.copies.wait_all()  # a rolled-back row must never land after a reset or restore
+        for lane in plan.resets:
+            self.model.reset(lane)
+        for item in plan.restores:
+            self.model.restore(item.lane, item.state)
+        self._copy_pages(plan.page_copies)
+        for item in plan.samplers:
+            self._samplers[item.lane] = self._new_sampler(item)
+        self.copies.wait_all()  # a round must not read pages a copy is still writing
+
+    def _rollback(self, lane: int, num_rows: int) -> int:
+        """Keep the first `num_rows` rows of the lane's last multi-row decode (a rejected draft
+        tail). KV rows past them are simply overwritten later; a family with lane state restores
+        it from its per-row record. The copy is issued on the copy engine and may still be in
+        flight on return: every later round, capture, restore and reset waits for it.
+        Returns bytes copied (0 for attention-only families)."""
+        rollback_copy = getattr(self.model, "rollback_copy", None)
+        if rollback_copy is None:
+            return 0
+        src, dst = rollback_copy(lane, num_rows)
+        return self.copies.scatter([src], [dst]).nbytes
+
+    def _copy_pages(self, copies: Sequence[PageCopy]) -> None:
+        """Copy pages of every attention layer in plan order: a batch goes to the copy engine in one
+        launch until a page it would write is one an earlier copy of the batch reads, or the reverse."""
+        batch: list[PageCopy] = []
+        for copy in copies:
+            touched = {c.src for c in batch} | {c.dst for c in batch}
+            if copy.src in touched or copy.dst in touched:
+                self._launch_copies(batch)
+                batch = []
+            batch.append(copy)
+        self._launch_copies(batch)
+
+    def _launch_copies(self, batch: list[PageCopy]) -> None:
+        if batch:
+            self.copies.copy_pages(self.kv.pools(), [c.src for c in batch], [c.dst for c in batch]).wait()
+
+    def _new_sampler(self, item: SamplerSetup) -> LaneSampler:
         vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
-        self._samplers[lane] = LaneSampler(sampling, history, vocab_size=self.config.vocab_size,
-                                           tokenizer_vocab=min(vocab, self.config.vocab_size),
-                                           device=self.device, constraint=self._constraint(sampling))
+        return LaneSampler(item.sampling, item.history, vocab_size=self.config.vocab_size,
+                           tokenizer_vocab=min(vocab, self.config.vocab_size), device=self.device,
+                           constraint=self._constraint(item.sampling))
 
     def _constraint(self, sampling: SamplingParams) -> GrammarMask | None:
         if sampling.grammar is None:
@@ -79,69 +144,23 @@ class ModelRunner:
             self._ll_tokenizer = ll_tokenizer(self.tokenizer)
         return GrammarMask(self._ll_tokenizer, sampling.grammar, vocab_size=self.config.vocab_size)
 
-    def run_round(self, plan: RoundPlan) -> RoundResult:
-        refused = {w.lane: err for w in plan.lanes if (err := self._image_error(w)) is not None}
-        runnable = tuple(w for w in plan.lanes if w.lane not in refused)
-        if not runnable:
-            return RoundResult(lanes=tuple(LaneResult(lane, error=err) for lane, err in refused.items()))
-        self.copies.wait_all()  # a round must not read pages a copy is still writing
-        with torch.inference_mode():
-            run = RoundPlan(runnable)
-            inputs = self._inputs(run)
-            t0 = time.perf_counter()
-            hidden = self.model.forward(inputs, self.kv)
-            wanted, where = self._wanted_rows(run, inputs)
-            logits = self.model.logits(hidden.index_select(0, wanted)) if where else None
-            finite = torch.isfinite(logits).all(dim=1).tolist() if logits is not None else []
-            forward_s = time.perf_counter() - t0
-            results = {w.lane: self._lane_result(w, logits, where, finite) for w in runnable}
-        results.update((lane, LaneResult(lane, error=err)) for lane, err in refused.items())
-        return RoundResult(lanes=tuple(results[w.lane] for w in plan.lanes), forward_s=forward_s)
+    def _sample_stored(self, item: StoredSample) -> LaneResult:
+        """The lane's first token from a stored logits row, or the lane's error."""
+        row = item.logits[item.row]
+        if not bool(torch.isfinite(row).all()):
+            return LaneResult(item.lane, error="the stored logits row is not finite (NaN or inf)")
+        digests = logits_sha256(row) if item.digest else ()
+        sampler = self._sampler(item.lane)
+        try:
+            token = sampler.sample(row, sampler.first_position)
+        except _DEVICE_ERRORS:
+            raise
+        except _LANE_ERRORS as e:
+            return LaneResult(item.lane, error=f"sampling failed: {e}")
+        logprobs = (sampler.last_logprob,) if sampler.params.logprobs is not None else None
+        return LaneResult(lane=item.lane, sampled=(token,), digests=digests, logprobs=logprobs)
 
-    def sample(self, lane: int, logits: torch.Tensor, row: int = 0) -> int:
-        sampler = self._sampler(lane)  # a stored row: the stream's first token
-        return sampler.sample(logits[row], sampler.first_position)
-
-    def last_logprob(self, lane: int) -> TokenLogprob | None:
-        return self._sampler(lane).last_logprob
-
-    def capture(self, lane: int) -> Any:
-        self._check_lane(lane)
-        self.copies.wait_all()
-        return self.model.capture(lane)
-
-    def restore(self, lane: int, state: Any) -> int:
-        self._check_lane(lane)
-        self.copies.wait_all()
-        return self.model.restore(lane, state)
-
-    def reset_lane(self, lane: int) -> None:
-        self._check_lane(lane)
-        self.copies.wait_all()
-        self.model.reset(lane)
-
-    def rollback(self, lane: int, num_rows: int) -> int:
-        """Keep the first `num_rows` rows of the lane's last multi-row decode (a rejected draft
-        tail). KV rows past them are simply overwritten later; a family with lane state restores
-        it from its per-row record. The copy is issued on the copy engine and may still be in
-        flight on return: every later round, capture, restore and reset waits for it.
-        Returns bytes copied (0 for attention-only families)."""
-        self._check_lane(lane)
-        rollback_copy = getattr(self.model, "rollback_copy", None)
-        if rollback_copy is None:
-            return 0
-        src, dst = rollback_copy(lane, num_rows)
-        return self.copies.scatter([src], [dst]).nbytes
-
-    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
-        """Copy pages of every attention layer through the copy engine; waits for it."""
-        if len(src) != len(dst):
-            raise ValueError(f"copy_pages: {len(src)} sources for {len(dst)} destinations")
-        if not src:
-            return 0
-        self.copies.copy_pages(self.kv.pools(), src, dst).wait()
-        return len(src) * self.kv.bytes_per_page
-
+    # The disk tier's own calls (scheduler.device.DiskPages), outside the round ------------
     def export_pages(self, pages: Sequence[int], state: Any, logits: torch.Tensor | None) -> PagePayload:
         """Host copies for the disk tier: the pages page-major (n, 2, layers, P, kv_heads, head_dim), the lane state's bytes and the float32 logits rows. Runs on the engine
         thread; the writer thread only reads the returned buffers."""
@@ -185,8 +204,43 @@ class ModelRunner:
 
     def _sampler(self, lane: int) -> LaneSampler:
         if lane not in self._samplers:
-            raise RuntimeError(f"lane {lane} samples before start_stream")
+            raise RuntimeError(f"lane {lane} samples before a SamplerSetup (start of its stream)")
         return self._samplers[lane]
+
+    def _forward(self, work: tuple[LaneWork, ...]) -> tuple[tuple[LaneResult, ...], float]:
+        """The forward over every lane whose image rows fit, then each lane's result (its error
+        alone when its rows are not finite or its sampler fails)."""
+        refused = {w.lane: err for w in work if (err := self._image_error(w)) is not None}
+        runnable = RoundPlan(tuple(w for w in work if w.lane not in refused))
+        results = {lane: LaneResult(lane, error=err) for lane, err in refused.items()}
+        forward_s = 0.0
+        if runnable.lanes:
+            inputs = self._inputs(runnable)
+            t0 = time.perf_counter()
+            hidden = self.model.forward(inputs, self.kv)
+            wanted, where = self._wanted_rows(runnable, inputs)
+            logits = self.model.logits(hidden.index_select(0, wanted)) if where else None
+            finite = torch.isfinite(logits).all(dim=1).tolist() if logits is not None else []
+            forward_s = time.perf_counter() - t0
+            results.update((w.lane, self._lane_result(w, logits, where, finite)) for w in runnable.lanes)
+        return tuple(results[w.lane] for w in work), forward_s
+
+    def _check_plan(self, plan: RoundPlan) -> None:
+        """Raise ValueError (running nothing) on a plan the device cannot run as asked."""
+        seen: set[int] = set()
+        for w in plan.lanes:
+            self._check_work(w, seen)
+        for lane in (*plan.fences, *(r.lane for r in plan.rollbacks), *plan.resets,
+                     *(r.lane for r in plan.restores), *(s.lane for s in plan.samplers),
+                     *(s.lane for s in plan.stored), *(c.lane for c in plan.captures)):
+            self._check_lane(lane)
+        for c in plan.page_copies:
+            if not (0 <= c.src < self.info.num_pages and 0 <= c.dst < self.info.num_pages) or c.src == c.dst:
+                raise ValueError(f"page copy {c.src} -> {c.dst} outside [0, {self.info.num_pages}) or onto itself")
+        set_up = {s.lane for s in plan.samplers}
+        for lane in {*(s.lane for s in plan.stored), *(w.lane for w in plan.lanes if w.sample_rows)}:
+            if lane not in set_up and lane not in self._samplers:
+                raise RuntimeError(f"lane {lane} samples before a SamplerSetup (start of its stream)")
 
     def _inputs(self, plan: RoundPlan) -> RoundInputs:
         p = self.info.page_size
@@ -194,9 +248,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         spans = []
-        seen = set()
         for w in plan.lanes:
-            self._check_work(w, seen)
             pos = range(w.start, w.start + len(w.tokens))
             spans.append(AttentionSpan(len(tokens), w.start, len(w.tokens), tuple(w.page_table)))
             tokens += w.tokens
@@ -228,9 +280,11 @@ class ModelRunner:
             raise ValueError(f"lane {w.lane}: page id outside [0, {self.info.num_pages})")
         if any(not 0 <= t < self.config.vocab_size for t in w.tokens):
             raise ValueError(f"lane {w.lane}: token id outside [0, {self.config.vocab_size})")
-        for r in (*w.sample_rows, *w.logits_rows):
+        for r in (*w.sample_rows, *w.logits_rows, *w.digest_rows):
             if not 0 <= r < len(w.tokens):
                 raise ValueError(f"lane {w.lane}: row {r} outside its {len(w.tokens)} rows")
+        if w.drafts and (w.sample_rows != tuple(range(len(w.tokens))) or len(w.tokens) != len(w.drafts) + 1):
+            raise ValueError(f"lane {w.lane}: verify rows must be 1 + {len(w.drafts)} rows, each sampled")
 
     def _images(self, plan: RoundPlan, spans: list[AttentionSpan]):
         """(round row indices, fp32 rows) for image rows overlapping this round's rows."""
@@ -249,7 +303,7 @@ class ModelRunner:
         where: dict[tuple[int, int], int] = {}
         rows: list[int] = []
         for w, span in zip(plan.lanes, inputs.spans):
-            for r in sorted(set(w.sample_rows) | set(w.logits_rows)):
+            for r in sorted({*w.sample_rows, *w.logits_rows, *w.digest_rows}):
                 where[(w.lane, r)] = len(rows)
                 rows.append(span.row + r)
         return torch.tensor(rows, dtype=torch.long, device=self.device), where
@@ -267,12 +321,10 @@ class ModelRunner:
                      finite: list[bool]) -> LaneResult:
         """The lane's sampled tokens and logits rows, or its error when a row it samples from or
         returns is not finite, or its sampler fails."""
-        bad = [r for r in sorted(set(w.sample_rows) | set(w.logits_rows)) if not finite[where[(w.lane, r)]]]
+        bad = [r for r in sorted({*w.sample_rows, *w.logits_rows, *w.digest_rows}) if not finite[where[(w.lane, r)]]]
         if bad:
             return LaneResult(w.lane, error=f"the logits row at position {w.start + bad[0]} is not "
                                             "finite (NaN or inf)")
-        if w.drafts and (w.sample_rows != tuple(range(len(w.tokens))) or len(w.tokens) != len(w.drafts) + 1):
-            raise ValueError(f"lane {w.lane}: verify rows must be 1 + {len(w.drafts)} rows, each sampled")
         sampler = self._sampler(w.lane) if w.sample_rows else None
         sampled, logprobs = [], []
         try:
@@ -286,13 +338,17 @@ class ModelRunner:
         except _LANE_ERRORS as e:
             return LaneResult(w.lane, error=f"sampling failed: {e}")
         if w.drafts and len(sampled) < len(w.tokens):
-            self.rollback(w.lane, len(sampled))  # the copy may still be in flight: later steps wait
+            self._rollback(w.lane, len(sampled))  # the copy may still be in flight: later steps wait
         rows = None
         if w.logits_rows:
             idx = torch.tensor([where[(w.lane, r)] for r in w.logits_rows], device=self.device)
             rows = logits.index_select(0, idx)
+        digests = ()
+        if w.digest_rows:
+            digests = logits_sha256(logits.index_select(0, torch.tensor([where[(w.lane, r)] for r in w.digest_rows],
+                                                                        device=self.device)))
         wants = sampler is not None and sampler.params.logprobs is not None
-        return LaneResult(lane=w.lane, sampled=tuple(sampled), logits=rows,
+        return LaneResult(lane=w.lane, sampled=tuple(sampled), logits=rows, digests=digests,
                           logprobs=tuple(logprobs) if wants else None)
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
-from prefixd.scheduler.device import Device
-from prefixd.scheduler.events import EngineObserver
 from prefixd.scheduler.lanes import (Lane, PageTables, ResidentMatch, best_resident, free_seat, pages_for,
                                      resident_resume, resident_victims, starts_below)
-from prefixd.scheduler.planner import Schedule, plan_schedule
+from prefixd.scheduler.planner import plan_schedule
+from prefixd.scheduler.records import DeviceRows, DeviceState, PageCopy
 from prefixd.scheduler.store import Hit, PrefixStore, Snapshot, make_key
 from prefixd.scheduler.streams import Stream
 
@@ -40,19 +39,26 @@ class WaitQueue:
 
 @dataclass(frozen=True, slots=True)
 class Seating:
-    """A stream seated this step; `first` is its first token when a full hit sampled it."""
+    """Admission's decision for one stream. The lane's pages and row identity are already set
+    (later decisions count on them); the engine binds the stream and turns the rest into the
+    round's plan items, which the device runs before the round's forward.
+    """
 
     stream: Stream
-    first: int | None = None
-    logits: object | None = None
-    logprob: object | None = None  # records.TokenLogprob of `first`, when the stream asks
+    lane: int
+    resume: int  # rows reused: the lane's own (resident) or a hit's borrowed pages
+    result: str  # "resident" | "hit" | "miss" | "off"
+    reset: bool = False  # zero the lane's non-page state
+    restore: DeviceState | None = None  # or put this state on it (a snapshot or a resident cut)
+    page_copies: tuple[PageCopy, ...] = ()  # copy-on-write of the page holding row `resume`
+    stored_logits: DeviceRows | None = None  # a full hit: the first token comes from this row
 
 
 class Admitter:
     """Seats waiting streams on lanes: resident continuation, store hit, or cold.
 
     Owns the wait queue; may evict resident lanes (publishing them first) and ask the store
-    for room. Never runs a forward: a full-prompt hit samples from the stored logits row.
+    for room. Makes no device call: each seating says what the device must do for it.
     """
 
     def __init__(
@@ -60,31 +66,26 @@ class Admitter:
         *,
         lanes: list[Lane],
         tables: PageTables,
-        device: Device,
         store: PrefixStore | None,
-        schedules: dict[int, Schedule],
-        observer: EngineObserver,
-        clock: Callable[[], float],
         grid: int,
         headroom_rows: int,
         max_context: int,
         cache: bool,
+        invariant_rows: bool,
+        lookahead: int,
         disk: Any = None,
     ) -> None:
         self.lanes = lanes
         self.tables = tables
-        self.device = device
         self.store = store
-        self.schedules = schedules
-        self.observer = observer
-        self.clock = clock
         self.grid = grid
         self.headroom_rows = headroom_rows
         self.max_context = max_context
         self.cache = cache
+        self.invariant_rows = invariant_rows
+        self.lookahead = lookahead
+        self.page_size = tables.page_size
         self.disk = disk  # a DiskTier (prefixd.disk.tier) or None: asked when RAM misses
-        self.invariant_rows = device.info.invariant_rows
-        self.page_size = device.info.page_size
         self.waiting = WaitQueue()
 
     def reuse_allowed(self, stream: Stream) -> bool:
@@ -118,8 +119,7 @@ class Admitter:
     def _resident_match(self, stream: Stream) -> ResidentMatch | None:
         if not self.reuse_allowed(stream):
             return None
-        schedule = self.schedules[stream.stream_id]
-        match = best_resident(self.lanes, stream, schedule, invariant_rows=self.invariant_rows)
+        match = best_resident(self.lanes, stream, stream.schedule, invariant_rows=self.invariant_rows)
         if match is None:
             return None
         need = self._pages_to_seat(stream, match.rows) + self.tables.cow_pages_needed(match.lane, match.rows)
@@ -158,10 +158,9 @@ class Admitter:
         """Ask the store once per stream; a hit's pages are held (and its entry pinned) from now
         on, so making room for the stream cannot evict what it resumes from."""
         stream.looked_up = True
-        schedule = self.schedules[stream.stream_id]
-        hit = self.store.lookup(stream.key, schedule)
-        if self.disk is not None and self.disk.fetch(stream.key, schedule, hit.rows if hit is not None else 0):
-            hit = self.store.lookup(stream.key, schedule, count=False)  # the disk entry, now in RAM
+        hit = self.store.lookup(stream.key, stream.schedule)
+        if self.disk is not None and self.disk.fetch(stream.key, stream.schedule, hit.rows if hit is not None else 0):
+            hit = self.store.lookup(stream.key, stream.schedule, count=False)  # the disk entry, now in RAM
         if hit is not None:
             self.tables.allocator.incref(hit.pages)
             self.store.pin(hit)
@@ -171,8 +170,7 @@ class Admitter:
         """True if some waiting stream would continue resident `lane`."""
         for stream in waiting:
             if lane.resident and self.reuse_allowed(stream):
-                schedule = self.schedules[stream.stream_id]
-                if resident_resume(lane, stream, schedule, invariant_rows=self.invariant_rows) > 0:
+                if resident_resume(lane, stream, stream.schedule, invariant_rows=self.invariant_rows) > 0:
                     return True
         return False
 
@@ -204,7 +202,7 @@ class Admitter:
         """Free a resident lane; an invariant family's rows are published to the store first."""
         if self.store is not None and self.invariant_rows and lane.num_rows > 0:
             key, _ = make_key(lane.ids, namespace=lane.namespace, frame=lane.frame, images=lane.images,
-                              lookahead=self.device.info.lookahead)
+                              lookahead=self.lookahead)
             if key is not None and key.has_rows(lane.num_rows):
                 n = lane.num_rows
                 schedule = plan_schedule(n, starts_below(lane.starts, n), self.grid)
@@ -217,59 +215,41 @@ class Admitter:
         self.waiting.remove(stream)
         if result == "resident":
             self._drop_hit(stream)  # found while it waited; continuing in place wins over any copy
-            self._continue_resident(stream, lane, resume)
+            state = self._continue_resident(stream, lane, resume)
         else:
             self.tables.release(lane)
-            self._restore(lane, stream, hit)
-        copied = self.tables.rewind(lane, resume)
-        if copied:
-            self.observer.on_snapshot_copy("restore", copied)
+            state = self._take_hit(lane, stream, hit)
+        copies = self.tables.rewind(lane, resume)
         lane.stream = stream
         lane.namespace, lane.frame = req.namespace, req.frame
         lane.images = tuple(im.identity for im in req.images)
         lane.starts = req.chunk_starts
         if not self.tables.grow(lane, stream.num_prompt):
             raise RuntimeError(f"lane {lane.index}: pages checked free for admission are gone")
-        stream.lane = lane.index
-        stream.admit_s = self.clock()
-        stream.cache_result = result
-        stream.cached_tokens = resume
-        stream.prefilled_tokens = stream.num_prompt - resume
-        stream.chunks = self.schedules[stream.stream_id].chunks(resume)
-        self.device.start_stream(lane.index, req.sampling, history=req.tokens)
-        self.observer.on_admit(stream.admit_s - stream.submit_s)
-        if result != "off":
-            self.observer.on_lookup(result, stream.num_prompt, resume)
+        stored = None
         if resume == stream.num_prompt:  # a full hit: the first token comes from the stored logits row
-            logits = hit.snapshot.logits if hit is not None and hit.snapshot is not None else None
-            if logits is None:
+            stored = hit.snapshot.logits if hit is not None and hit.snapshot is not None else None
+            if stored is None:
                 raise RuntimeError(f"stream {stream.stream_id}: a hit on the whole prompt without a logits row")
-            first = self.device.sample(lane.index, logits)
-            logprob = self.device.last_logprob(lane.index) if req.sampling.logprobs is not None else None
-            return Seating(stream, first, logits if req.want_logits else None, logprob)
-        return Seating(stream)
+        reset = result != "resident" and state is None
+        return Seating(stream, lane.index, resume, result, reset=reset, restore=state, page_copies=copies,
+                       stored_logits=stored)
 
-    def _continue_resident(self, stream: Stream, lane: Lane, resume: int) -> None:
+    def _continue_resident(self, stream: Stream, lane: Lane, resume: int) -> DeviceState | None:
+        """The lane keeps its rows; a non-invariant family goes back to its state at `resume`."""
         lane.resident = False
-        if not self.invariant_rows:
-            copied = self.device.restore(lane.index, lane.cut_states[resume])
-            self.observer.on_snapshot_copy("restore", copied)
         if self.store is not None:
             self.store.note_latest(stream.key)
+        return None if self.invariant_rows else lane.cut_states[resume]
 
-    def _restore(self, lane: Lane, stream: Stream, hit: Hit | None) -> None:
-        """Start `lane` from `hit` (borrowed pages + snapshot state) or from zero."""
+    def _take_hit(self, lane: Lane, stream: Stream, hit: Hit | None) -> DeviceState | None:
+        """Start `lane` from `hit` (borrowed pages; returns its snapshot state) or from zero (None)."""
         stream.hit = None
         if hit is None:
-            self.device.reset_lane(lane.index)
-            return
+            return None
         lane.pages.extend(hit.pages)  # the stream's references pass to the lane
         lane.num_borrowed = len(hit.pages)
         lane.ids.extend(stream.key_tokens[: hit.rows])
         lane.prefilled_upto = hit.rows
         lane.restored = hit
-        state = hit.snapshot.state if hit.snapshot is not None else None
-        if state is None:
-            self.device.reset_lane(lane.index)
-        else:
-            self.observer.on_snapshot_copy("restore", self.device.restore(lane.index, state))
+        return hit.snapshot.state if hit.snapshot is not None else None

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from prefixd.scheduler.records import (DeviceRows, DeviceState, DiskLoad, PagePayload, RoundPlan, RoundResult,
-                                       SamplingParams, TokenLogprob)
+from prefixd.scheduler.records import DeviceRows, DeviceState, DiskLoad, PagePayload, RoundPlan, RoundResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,33 +33,25 @@ class DeviceInfo:
 
 
 class Device(Protocol):
+    """A round is the only call: the scheduler hands over a `RoundPlan`, the device runs every
+    item in the plan's fixed order and answers with a `RoundResult`."""
+
     info: DeviceInfo
 
-    def start_stream(self, lane: int, sampling: SamplingParams, history: Sequence[int]) -> None:
-        """Bind sampling state (per-lane generator seeded from `sampling.seed`, repetition
-        history = `history`) to `lane`. Does not touch KV or recurrent state."""
-
     def run_round(self, plan: RoundPlan) -> RoundResult:
-        """Run one batched forward; writes KV of every row into its lane's pages, advances
-        recurrent state of every lane in the plan, samples where asked."""
+        """Run `plan`: its fences, rollbacks, resets, restores and page copies, sampler set-up
+        and stored-row samples, then one batched forward (writing every row's KV into its
+        lane's pages, advancing every planned lane's recurrent state, sampling where asked),
+        then its captures. Returns tokens, logits rows and digests, and captured states."""
 
-    def sample(self, lane: int, logits: DeviceRows, row: int = 0) -> int:
-        """Sample one token for `lane` from a stored logits row (a full cache hit: no forward)."""
+    def close(self) -> None:
+        """Release device resources; no round runs after it."""
 
-    def last_logprob(self, lane: int) -> TokenLogprob | None:
-        """The logprobs of the token `lane` sampled last, when its sampling asks for them."""
 
-    def capture(self, lane: int) -> DeviceState:
-        """Copy the lane's non-page state (waits for in-flight copies first)."""
-
-    def restore(self, lane: int, state: DeviceState) -> int:
-        """Overwrite the lane's non-page state with `state`; returns bytes copied."""
-
-    def reset_lane(self, lane: int) -> None:
-        """Zero the lane's non-page state (waits for in-flight copies first)."""
-
-    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
-        """Copy KV pages src[i] -> dst[i] (copy-on-write of a partial page); returns bytes."""
+class DiskPages(Protocol):
+    """The disk tier's page export and load (`prefixd.disk.tier`), called by the tier itself
+    outside the round: a write-through reads kept pages, a disk hit writes pages before any
+    round reads them. Not yet plan items."""
 
     def export_pages(self, pages: Sequence[int], state: DeviceState | None,
                      logits: DeviceRows | None) -> PagePayload:

@@ -2,9 +2,10 @@
 
 One `step()` is one lane round: `_schedule()` (drop cancels, admit, plan) ->
 `device.run_round()` -> `_postprocess()` (append tokens, keep cuts, finish streams).
-A lane the device reports failed (`LaneResult.error`) ends its stream alone; the round's other
-lanes go on.
-Single-threaded: the daemon calls it from one engine thread.
+The round's plan is the only device call: seatings, lane work and captures are decided on
+the host and run by the device in one go. A lane the device reports failed (`LaneResult.error`)
+ends its stream alone; the round's other lanes go on. Single-threaded: the daemon calls it
+from one engine thread.
 """
 
 from __future__ import annotations
@@ -14,25 +15,26 @@ import itertools
 import time
 from typing import Any, Callable
 
-from prefixd.scheduler.admission import Admitter
+from prefixd.scheduler.admission import Admitter, Seating
 from prefixd.scheduler.config import SchedulerConfig, store_budget_bytes
+from prefixd.scheduler.cuts import CutKeeper
 from prefixd.scheduler.device import Device
 from prefixd.scheduler.drafting import new_drafter
 from prefixd.scheduler.events import EngineObserver, NullObserver
-from prefixd.scheduler.lanes import Lane, PageTables, check_page_refs
+from prefixd.scheduler.engine_state import check_engine, engine_status
+from prefixd.scheduler.lanes import Lane, PageTables
 from prefixd.scheduler.pages import PageAllocator
-from prefixd.scheduler.planner import Schedule, plan_schedule
-from prefixd.scheduler.records import DeviceRows, LaneResult, LaneWork, RoundPlan, RoundResult, TokenLogprob
+from prefixd.scheduler.planner import plan_schedule
+from prefixd.scheduler.program import PlanBuilder
+from prefixd.scheduler.records import LaneResult, LaneWork, RoundPlan, RoundResult, TokenLogprob
 from prefixd.scheduler.rounds import PlannedWork, plan_round
-from prefixd.scheduler.store import PrefixStore, Snapshot, make_key
-from prefixd.scheduler.streams import DoneEvent, Stream, StreamRequest, TokenEvent, context_full_note, validate_request
+from prefixd.scheduler.store import PrefixStore, make_key
+from prefixd.scheduler.streams import (DoneEvent, Stream, StreamRequest, TokenEvent, context_full_note,
+                                       validate_request)
+from prefixd.scheduler.verify import Verifies
 
 Event = TokenEvent | DoneEvent
 OUT_OF_PAGES_NOTE = "stopped early: no KV pages left for another row"
-# A resident lane of a non-invariant family keeps its state at the last cuts of its pass: the
-# prompt's end and the chunk start before it (a chat's generation-prompt start, where the next
-# turn's schedule cuts too).
-RESIDENT_CUTS = 2
 
 
 class Engine:
@@ -63,7 +65,7 @@ class Engine:
         self.clock = clock
         self.max_context = config.context_for(info)
         self.allocator = PageAllocator(info.num_pages)
-        self.tables = PageTables(self.allocator, device, info.page_size)
+        self.tables = PageTables(self.allocator, info.page_size)
         self.lanes = [Lane(i) for i in range(config.num_lanes)]
         self.store: PrefixStore | None = None
         if config.cache:
@@ -74,17 +76,20 @@ class Engine:
         if self.disk is not None:
             self.disk.attach(store=self.store, allocator=self.allocator, device=device)
         self._streams: dict[int, Stream] = {}
-        self._schedules: dict[int, Schedule] = {}
         self._seq = itertools.count()
         self._tick = itertools.count(1)
         self._store_touched = True
-        self._drafted = [0, 0]  # drafted, accepted tokens since start
         self.admitter = Admitter(
-            lanes=self.lanes, tables=self.tables, device=device, store=self.store,
-            schedules=self._schedules, observer=self.observer, clock=clock, grid=config.grid,
+            lanes=self.lanes, tables=self.tables, store=self.store, grid=config.grid,
             headroom_rows=config.decode_headroom_rows, max_context=self.max_context, cache=config.cache,
+            invariant_rows=info.invariant_rows, lookahead=info.lookahead,
             disk=self.disk,
         )
+        self.verifies = Verifies(tables=self.tables, free_pages=lambda n: self.admitter.free_pages(n, spare=()),
+                                 observer=self.observer, max_context=self.max_context,
+                                 invariant_rows=info.invariant_rows)
+        self.cuts = CutKeeper(store=self.store, info=info, observer=self.observer,
+                              reuse_allowed=self.admitter.reuse_allowed)
 
     # -- public API -------------------------------------------------------------------
 
@@ -96,7 +101,8 @@ class Engine:
             raise ValueError(f"stream id {req.stream_id} is already in use")
         if req.chunk_starts and req.chunk_starts[0] == 0:
             req = dataclasses.replace(req, chunk_starts=tuple(req.chunk_starts[1:]))  # row 0 always starts one
-        stream = Stream(req=req, submit_s=self.clock(), seq=next(self._seq))
+        schedule = plan_schedule(len(req.tokens), req.chunk_starts, self.config.grid)
+        stream = Stream(req=req, submit_s=self.clock(), seq=next(self._seq), schedule=schedule)
         stream.drafter = new_drafter(self.config.draft if req.draft else "off", req.tokens, self.config.draft_max)
         if self.config.cache and req.cache:
             stream.key, stream.note = make_key(
@@ -104,7 +110,6 @@ class Engine:
                 images=[im.identity for im in req.images], lookahead=self.info.lookahead,
             )
         self._streams[req.stream_id] = stream
-        self._schedules[req.stream_id] = plan_schedule(len(req.tokens), req.chunk_starts, self.config.grid)
         self.admitter.waiting.push(stream)
 
     def cancel(self, stream_id: int, keep_rows: int | None = None) -> bool:
@@ -135,13 +140,17 @@ class Engine:
         events: list[Event] = []
         if self.disk is not None:
             self.disk.poll()
-        planned = self._schedule(events)
-        plan = RoundPlan(tuple(p.work for p in planned))
+        builder = PlanBuilder()
+        planned = self._schedule(events, builder)
+        for p in planned:
+            if self.cuts.captures_at(p):
+                builder.capture(p.lane.index, p.cut)
+        plan = builder.build(tuple(p.work for p in planned))
         forward_s = 0.0
-        if planned:
+        if not plan.empty:
             result = self.device.run_round(plan)
             forward_s = result.forward_s
-            self._postprocess(planned, result, events)
+            self._postprocess(planned, plan, result, events)
         self._report_store()
         busy = sum(1 for lane in self.lanes if lane.busy)
         self.observer.on_round(self.clock() - t0, forward_s, plan.num_rows, busy, len(self.admitter.waiting))
@@ -161,6 +170,10 @@ class Engine:
         self._report_store()
         return events
 
+    def close(self) -> None:
+        """Release the device; call once no step() runs and none will."""
+        self.device.close()
+
     @property
     def idle(self) -> bool:
         """Nothing running or waiting."""
@@ -168,58 +181,21 @@ class Engine:
 
     def status(self) -> dict:
         """Lanes (busy/resident/free), waiting count, pages free/used, store stats."""
-        lanes = []
-        for lane in self.lanes:
-            state = "busy" if lane.busy else "resident" if lane.resident else "free"
-            entry: dict = {"lane": lane.index, "state": state, "rows": lane.num_rows, "pages": len(lane.pages)}
-            if lane.stream is not None:
-                entry["stream_id"] = lane.stream.stream_id
-            lanes.append(entry)
-        out = {
-            "lanes": lanes,
-            "lanes_busy": sum(1 for lane in self.lanes if lane.busy),
-            "lanes_resident": sum(1 for lane in self.lanes if lane.resident),
-            "waiting": len(self.admitter.waiting),
-            "pages_free": self.allocator.num_free,
-            "pages_used": self.allocator.num_used,
-            "page_size": self.info.page_size,
-            "max_context": self.max_context,
-            "draft": {"mode": self.config.draft, "max": self.config.draft_max,
-                      "drafted_tokens": self._drafted[0], "accepted_tokens": self._drafted[1]},
-        }
-        if self.store is not None:
-            out["store"] = dataclasses.asdict(self.store.stats())
-        if self.disk is not None:
-            self.disk.poll()
-            out["disk"] = dataclasses.asdict(self.disk.stats())
-        return out
+        return engine_status(self)
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if lanes, streams, the store and page refcounts disagree."""
-        for lane in self.lanes:
-            stream = lane.stream
-            if stream is not None and (stream.lane != lane.index or self._streams.get(stream.stream_id) is not stream):
-                raise RuntimeError(f"lane {lane.index} and its stream disagree")
-        running = sum(1 for lane in self.lanes if lane.busy)
-        if running + len(self.admitter.waiting) != len(self._streams):
-            raise RuntimeError(f"{len(self._streams)} streams, {running} running, {len(self.admitter.waiting)} waiting")
-        store_pages = 0
-        if self.store is not None:
-            self.store.check_integrity()
-            store_pages = self.store.stats().pages
-        waiting_pages = [p for s in self.admitter.waiting if s.hit is not None for p in s.hit.pages]
-        check_page_refs(self.allocator, self.lanes, self.info.page_size, waiting_pages, store_pages)
+        check_engine(self, self._streams)
 
     # -- schedule ---------------------------------------------------------------------
 
-    def _schedule(self, events: list[Event]) -> list[PlannedWork]:
+    def _schedule(self, events: list[Event], builder: PlanBuilder) -> list[PlannedWork]:
         self._drop_cancelled(events)
         for seating in self.admitter.admit():
             self._store_touched = True
-            if seating.first is not None:
-                self._emit(seating.stream, seating.first, seating.logits, events, seating.logprob)
+            self._seat(seating, builder)
         busy = sorted((lane for lane in self.lanes if lane.busy), key=lambda lane: lane.stream.seq)
-        decoding = [lane for lane in busy if not lane.stream.prefilling]
+        decoding = [lane for lane in busy if lane.stream.decoding]
         prefilling = [lane for lane in busy if lane.stream.prefilling]
         _, planned = plan_round(
             decoding,
@@ -227,45 +203,41 @@ class Engine:
             page_size=self.info.page_size,
             row_budget=self.config.round_row_budget,
             room_for_row=self._room_for_row,
-            cuts_of=lambda s: self._schedules[s.stream_id].cuts,
-            keep_cuts_of=self._publishes,
-            drafts_of=self._drafts_for,
+            cuts_of=lambda s: s.schedule.cuts,
+            keep_cuts_of=self.cuts.publishes,
+            drafts_of=self.verifies.drafts_for,
         )
-        if not planned and busy:
-            # Every busy lane decodes and none found a page: clear the store, else end the newest.
+        if not planned and decoding:
+            # Every decoding lane needs a page and none is left: clear the store, else end the newest.
             if self.store is not None and self.store.clear():
-                return self._schedule(events)
+                return self._schedule(events, builder)
             self._finish(decoding[-1].stream, "length", events, note=OUT_OF_PAGES_NOTE, keep=False)
-            return self._schedule(events)
+            return self._schedule(events, builder)
         return planned
+
+    def _seat(self, seating: Seating, builder: PlanBuilder) -> None:
+        """Bind a seated stream to its lane; the device side goes into this round's plan."""
+        stream, resume = seating.stream, seating.resume
+        copied = len(seating.page_copies) * self.info.kv_bytes_per_page
+        if seating.restore is not None:
+            copied += seating.restore.nbytes
+        if copied:
+            self.observer.on_snapshot_copy("restore", copied)
+        stream.lane = seating.lane
+        stream.admit_s = self.clock()
+        stream.cache_result = seating.result
+        stream.cached_tokens = resume
+        stream.prefilled_tokens = stream.num_prompt - resume
+        stream.chunks = stream.schedule.chunks(resume)
+        builder.seat(seating)
+        self.observer.on_admit(stream.admit_s - stream.submit_s)
+        if seating.result != "off":
+            self.observer.on_lookup(seating.result, stream.num_prompt, resume)
 
     def _room_for_row(self, lane: Lane) -> bool:
         rows = lane.num_rows + 1
         need = self.tables.pages_needed(lane, rows)
         return need == 0 or (self.admitter.free_pages(need, spare=()) and self.tables.grow(lane, rows))
-
-    def _drafts_for(self, lane: Lane) -> tuple[int, ...]:
-        """Tokens the lane's stream drafts this round: none without a drafter, past the stream's
-        token or context limit, or when pages for the verify rows are short."""
-        stream = lane.stream
-        if stream is None or stream.drafter is None:
-            return ()
-        done = stream.num_prompt + len(stream.generated)
-        limit = min(stream.req.max_tokens - len(stream.generated), self.max_context - done) - 1
-        drafts = stream.drafter.propose(stream.generated, limit)
-        rows = lane.num_rows + 1 + len(drafts)
-        need = self.tables.pages_needed(lane, rows)
-        if drafts and need and not (self.admitter.free_pages(need, spare=()) and self.tables.grow(lane, rows)):
-            return ()
-        return drafts
-
-    def _keeps_cuts(self, stream: Stream) -> bool:
-        """Whether `stream` keeps anything at its cuts (a snapshot, or the lane's state at its last cut)."""
-        return self.admitter.reuse_allowed(stream) and (self.store is not None or not self.info.invariant_rows)
-
-    def _publishes(self, stream: Stream) -> bool:
-        """Whether `stream` publishes to the store (its chunks ending at cuts return their logits row)."""
-        return self.store is not None and self.admitter.reuse_allowed(stream)
 
     def _drop_cancelled(self, events: list[Event]) -> None:
         for stream in [s for s in self._streams.values() if s.cancelled]:
@@ -277,8 +249,22 @@ class Engine:
 
     # -- postprocess ------------------------------------------------------------------
 
-    def _postprocess(self, planned: list[PlannedWork], result: RoundResult, events: list[Event]) -> None:
+    def _postprocess(self, planned: list[PlannedWork], plan: RoundPlan, result: RoundResult,
+                     events: list[Event]) -> None:
+        if len(result.stored) != len(plan.stored) or len(result.captured) != len(plan.captures):
+            raise RuntimeError(f"the device answered {len(result.stored)} stored samples and "
+                               f"{len(result.captured)} captures for {len(plan.stored)} and {len(plan.captures)}")
+        for res in result.stored:  # full hits: the first token, sampled from the stored row
+            stream = self.lanes[res.lane].stream
+            if stream is not None and res.error is not None:
+                self._fail_lane(stream, res.error, events)
+                continue
+            if stream is None or len(res.sampled) != 1:
+                raise RuntimeError(f"lane {res.lane}: a stored-row sample {res} for no seated stream")
+            logprob = res.logprobs[0] if res.logprobs else None
+            self._emit(stream, res.sampled[0], res.digests if stream.req.want_logits else None, events, logprob)
         by_lane = result.by_lane()
+        captured = {c.lane: c.state for c in result.captured}
         for p in planned:
             lane, stream, work = p.lane, p.stream, p.work
             res = by_lane.get(lane.index)
@@ -290,74 +276,33 @@ class Engine:
                 lane.ids.extend(stream.key_tokens[work.start : end])
                 lane.prefilled_upto = end
                 stream.next_chunk += 1
-                if p.cut is not None and self._keeps_cuts(stream):
-                    self._keep_cut(lane, stream, p.cut, res)
+                if p.cut is not None and self.cuts.keeps(stream):
+                    logits = res.logits if res is not None else None
+                    self._store_touched |= self.cuts.keep(lane, stream, p.cut, logits, captured.get(lane.index))
             else:
                 self._postprocess_decode(lane, stream, work, res, events)
                 continue
             if work.sample_rows:
                 if res is None or len(res.sampled) != len(work.sample_rows):
                     raise RuntimeError(f"lane {lane.index}: the device sampled {res} for rows {work.sample_rows}")
-                logprob = res.logprobs[0] if res.logprobs else None
-                self._emit(stream, res.sampled[0], res.logits if stream.req.want_logits else None, events, logprob)
+                digests = res.digests if stream.req.want_logits else None
+                self._emit(stream, res.sampled[0], digests, events, res.logprobs[0] if res.logprobs else None)
 
     def _postprocess_decode(self, lane: Lane, stream: Stream, work: LaneWork, res: LaneResult | None,
                             events: list[Event]) -> None:
-        """Decode or verify rows: keep the rows whose tokens are emitted, emit them, trim pages
-        that held only rejected rows, and count the draft."""
-        if res is None or not 1 <= len(res.sampled) <= len(work.tokens):
-            raise RuntimeError(f"lane {lane.index}: the device sampled {res} for {len(work.tokens)} rows")
-        if work.drafts:
-            accepted = len(res.sampled) - 1
-            stream.draft_tokens += len(work.drafts)
-            stream.accepted_tokens += accepted
-            stream.drafter.record(len(work.drafts), accepted)
-            self.observer.on_draft(len(work.drafts), accepted)
-            self._drafted[0] += len(work.drafts)
-            self._drafted[1] += accepted
-        num = self._num_emitted(stream, res.sampled)
-        lane.ids.extend(work.tokens[:num])  # row i gave token i; later rows were rejected or unneeded
-        if self.info.invariant_rows:
-            lane.prefilled_upto = work.start + num
-        self.tables.trim(lane)
-        rows = res.logits if stream.req.want_logits else None
+        """Decode or verify rows: settle the verify, then emit the tokens the stream keeps."""
+        num = self.verifies.settle(lane, stream, work, res)
+        digests = res.digests if stream.req.want_logits else None
         for i, token in enumerate(res.sampled[:num]):
             logprob = res.logprobs[i] if res.logprobs else None
-            self._emit(stream, token, rows if rows is None or not work.drafts else rows[i:i + 1], events, logprob)
-
-    def _num_emitted(self, stream: Stream, sampled: tuple[int, ...]) -> int:
-        """How many of `sampled` the stream emits: up to and including one that ends it."""
-        done = stream.num_prompt + len(stream.generated)
-        for i, token in enumerate(sampled):
-            if (token in stream.req.stop_ids or len(stream.generated) + i + 1 >= stream.req.max_tokens
-                    or done + i + 1 >= self.max_context):
-                return i + 1
-        return len(sampled)
+            self._emit(stream, token, None if digests is None else digests[i:i + 1], events, logprob)
 
     def _fail_lane(self, stream: Stream, error: str, events: list[Event]) -> None:
         """The device failed this lane alone: end its stream with "error"; the lane is freed, not
         kept resident, and its rows of this round reach neither the store nor a snapshot."""
         self._finish(stream, "error", events, note=f"this request failed in its lane round: {error}", keep=False)
 
-    def _keep_cut(self, lane: Lane, stream: Stream, cut: int, res: LaneResult | None) -> None:
-        """A prefill chunk ended at a cut: capture the lane's state and publish the rows below it."""
-        last_cuts = self._schedules[stream.stream_id].cuts[-RESIDENT_CUTS:]
-        if self.store is None and cut not in last_cuts:
-            return  # without a store only the last cuts are resumed, in place
-        state = None
-        if self.info.lane_state_bytes:
-            state = self.device.capture(lane.index)
-            self.observer.on_snapshot_copy("save", state.nbytes)
-        if not self.info.invariant_rows and cut in last_cuts:
-            lane.cut_states[cut] = state
-        if self.store is not None:
-            self._store_touched = True
-            logits = res.logits if res is not None else None
-            self.store.publish(stream.key, self._schedules[stream.stream_id], cut, lane.pages,
-                               Snapshot(state=state, logits=logits), prefilled_upto=lane.prefilled_upto,
-                               restored=lane.restored)
-
-    def _emit(self, stream: Stream, token: int, logits: DeviceRows | None, events: list[Event],
+    def _emit(self, stream: Stream, token: int, digests: tuple[str, ...] | None, events: list[Event],
               logprob: TokenLogprob | None = None) -> None:
         now = self.clock()
         if stream.first_token_s is None:
@@ -367,7 +312,7 @@ class Engine:
             self.observer.on_token_gap(now - stream.last_token_s)
         stream.last_token_s = now
         stream.generated.append(token)
-        events.append(TokenEvent(stream.stream_id, (token,), logits, None if logprob is None else (logprob,)))
+        events.append(TokenEvent(stream.stream_id, (token,), digests, None if logprob is None else (logprob,)))
         if token in stream.req.stop_ids:
             self._finish(stream, "stop", events)
         elif len(stream.generated) >= stream.req.max_tokens:
@@ -396,7 +341,6 @@ class Engine:
 
     def _done(self, stream: Stream, reason: str, events: list[Event]) -> None:
         del self._streams[stream.stream_id]
-        del self._schedules[stream.stream_id]
         usage = stream.usage(self.clock())
         events.append(DoneEvent(stream.stream_id, reason, usage, stream.note))
         self.observer.on_done(reason, usage.prompt_tokens, usage.completion_tokens)

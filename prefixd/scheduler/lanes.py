@@ -17,9 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from prefixd.scheduler.device import Device
 from prefixd.scheduler.pages import PageAllocator
-from prefixd.scheduler.records import ImageIdentity
+from prefixd.scheduler.records import ImageIdentity, PageCopy
 from prefixd.scheduler.streams import Stream
 
 
@@ -117,11 +116,13 @@ def _common_prefix(ids: list[int], key: Sequence[int]) -> int:
 
 
 class PageTables:
-    """Grows, rewinds and releases lanes' page tables against the shared allocator."""
+    """Grows, rewinds and releases lanes' page tables against the shared allocator.
 
-    def __init__(self, allocator: PageAllocator, device: Device, page_size: int) -> None:
+    Never touches the device: a copy-on-write comes back as a `PageCopy` for the round's plan.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
         self.allocator = allocator
-        self.device = device
         self.page_size = page_size
 
     def pages_needed(self, lane: Lane, rows: int) -> int:
@@ -146,8 +147,9 @@ class PageTables:
             self.allocator.decref(lane.pages[keep:])
             del lane.pages[keep:]
 
-    def rewind(self, lane: Lane, row: int) -> int:
-        """Forget rows [row, ...) of `lane` and make row `row` writable; returns bytes copied.
+    def rewind(self, lane: Lane, row: int) -> tuple[PageCopy, ...]:
+        """Forget rows [row, ...) of `lane` and make row `row` writable; returns the page copy
+        the round must run before its forward (none when the page holding `row` is the lane's own).
 
         Needs one free page when the page holding `row` must be copied (`cow_pages_needed`);
         raises if none is free.
@@ -156,10 +158,10 @@ class PageTables:
             raise RuntimeError(f"lane {lane.index}: rewind to row {row} past its {lane.num_rows} rows")
         must_copy = self.cow_pages_needed(lane, row)
         self._forget_rows(lane, row)
-        copied = self._copy_last_page(lane) if must_copy else 0
+        copies = (self._copy_last_page(lane),) if must_copy else ()
         if must_copy or row % self.page_size == 0:
             lane.num_borrowed = min(lane.num_borrowed, row // self.page_size)
-        return copied
+        return copies
 
     def truncate(self, lane: Lane, row: int) -> None:
         """Forget rows [row, ...) of a lane that is not running (no copy: whoever writes at
@@ -191,15 +193,16 @@ class PageTables:
         overwrite = row < lane.num_rows
         return 1 if overwrite and self.allocator.refcount(lane.pages[idx]) > 1 else 0
 
-    def _copy_last_page(self, lane: Lane) -> int:
+    def _copy_last_page(self, lane: Lane) -> PageCopy:
+        """Swap the lane's last page for a fresh one. The old page may be freed and taken again
+        this round: the plan runs copies in order and before the forward, so it is read first."""
         fresh = self.allocator.allocate(1)
         if fresh is None:
             raise RuntimeError(f"lane {lane.index}: no free page for a copy-on-write")
         old = lane.pages[-1]
-        copied = self.device.copy_pages([old], fresh)
         self.allocator.decref([old])
         lane.pages[-1] = fresh[0]
-        return copied
+        return PageCopy(old, fresh[0])
 
     def release(self, lane: Lane) -> None:
         """Drop every page and the identity of `lane`'s rows."""

@@ -74,7 +74,7 @@ class ImageRows:
 
 @dataclass(frozen=True, slots=True)
 class LaneWork:
-    """One lane's share of a round.
+    """One lane's rows in the round's forward.
 
     Rows are positions [start, start + len(tokens)). `page_table` lists the lane's pages in
     order and covers every row up to start + len(tokens); the device writes this work's KV
@@ -83,7 +83,8 @@ class LaneWork:
     Verify rows: with `drafts`, tokens are (last accepted token, *drafts) and every row is
     sampled; the device samples row i only while rows before it matched their draft, returns
     the accepted drafts plus one more token in `sampled` (1..k+1 tokens), and rolls the lane's
-    state back to the last accepted row itself (captures and later rounds wait for that).
+    state back to the last accepted row itself, in the same round (a later step that touches
+    the lane waits for that copy).
     """
 
     lane: int
@@ -92,18 +93,96 @@ class LaneWork:
     page_table: tuple[int, ...]
     prefill: bool  # True: a prefill chunk; False: 1+k decode/verify rows
     sample_rows: tuple[int, ...] = ()  # row indices (0-based in tokens) to sample a token after
-    logits_rows: tuple[int, ...] = ()  # row indices whose float32 logits come back
+    logits_rows: tuple[int, ...] = ()  # row indices whose float32 logits come back (the store keeps them)
     images: tuple[ImageRows, ...] = ()  # embeddings overlapping these rows
     drafts: tuple[int, ...] = ()  # drafted tokens verified by rows 1..k (see above)
+    digest_rows: tuple[int, ...] = ()  # row indices whose logits' sha256 comes back
+
+
+@dataclass(frozen=True, slots=True)
+class Rollback:
+    """Keep only the first `keep_rows` rows of the lane's last multi-row decode (a rejected
+    draft tail): recurrent state goes back to that row; KV rows past it are overwritten later."""
+
+    lane: int
+    keep_rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """Overwrite the lane's non-page state with a captured `state` (a snapshot or a resident cut)."""
+
+    lane: int
+    state: DeviceState
+
+
+@dataclass(frozen=True, slots=True)
+class PageCopy:
+    """Copy KV page `src` to page `dst` in every attention layer (copy-on-write of a partial page)."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerSetup:
+    """Bind a fresh sampler to the lane: a generator seeded from `sampling.seed` and the
+    repetition history `history`. Touches no KV or recurrent state."""
+
+    lane: int
+    sampling: SamplingParams
+    history: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSample:
+    """Sample the lane's next token from a stored logits row, without a forward (a full hit)."""
+
+    lane: int
+    logits: DeviceRows
+    row: int = 0
+    digest: bool = False  # True: the row's sha256 comes back too
+
+
+@dataclass(frozen=True, slots=True)
+class Capture:
+    """Copy the lane's non-page state after the forward; `cut` is the row count it holds."""
+
+    lane: int
+    cut: int
 
 
 @dataclass(frozen=True, slots=True)
 class RoundPlan:
-    lanes: tuple[LaneWork, ...]
+    """Everything the device does in one round, run in this fixed order:
+
+        fences -> rollbacks -> resets -> restores -> page copies -> sampler set-up
+          -> stored samples -> forward (lanes) -> samples -> captures
+
+    Each step runs its items in the order listed. A lane appears at most once in `lanes`,
+    `resets`/`restores` (one of them), `stored` and `captures`. A fence makes every later
+    step that touches the lane wait for its in-flight rollback copies; resets, restores and
+    captures wait for them in any case.
+    """
+
+    lanes: tuple[LaneWork, ...] = ()
+    fences: tuple[int, ...] = ()
+    rollbacks: tuple[Rollback, ...] = ()
+    resets: tuple[int, ...] = ()
+    restores: tuple[Restore, ...] = ()
+    page_copies: tuple[PageCopy, ...] = ()
+    samplers: tuple[SamplerSetup, ...] = ()
+    stored: tuple[StoredSample, ...] = ()
+    captures: tuple[Capture, ...] = ()
 
     @property
     def num_rows(self) -> int:
         return sum(len(w.tokens) for w in self.lanes)
+
+    @property
+    def empty(self) -> bool:
+        return not any((self.lanes, self.fences, self.rollbacks, self.resets, self.restores,
+                        self.page_copies, self.samplers, self.stored, self.captures))
 
 
 class DeviceRows(Protocol):
@@ -128,6 +207,8 @@ class DeviceState(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class LaneResult:
+    """What one `LaneWork` (or one `StoredSample`) gave back."""
+
     lane: int
     sampled: tuple[int, ...] = ()  # one token per entry of LaneWork.sample_rows (verify: 1..k+1)
     logits: DeviceRows | None = None  # rows for LaneWork.logits_rows, in that order
@@ -136,6 +217,14 @@ class LaneResult:
     # lane's rows of this round are unusable, `sampled` and `logits` are empty, and every other
     # lane of the round is unaffected.
     error: str | None = None
+    digests: tuple[str, ...] = ()  # sha256 hex of each LaneWork.digest_rows row's float32 bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedState:
+    lane: int
+    cut: int
+    state: DeviceState
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,9 +238,11 @@ class TokenLogprob:
 
 @dataclass(frozen=True, slots=True)
 class RoundResult:
-    lanes: tuple[LaneResult, ...]
+    lanes: tuple[LaneResult, ...]  # one per RoundPlan.lanes entry
     forward_s: float = 0.0  # time spent inside the model forward
     extra: dict[str, float] = field(default_factory=dict)
+    stored: tuple[LaneResult, ...] = ()  # one per RoundPlan.stored entry
+    captured: tuple[CapturedState, ...] = ()  # one per RoundPlan.captures entry
 
     def by_lane(self) -> dict[int, LaneResult]:
         return {r.lane: r for r in self.lanes}

@@ -38,7 +38,7 @@ def decode_work(lane: Lane, stream: Stream, page_size: int, drafts: tuple[int, .
         page_table=tuple(lane.pages[: pages_for(row + len(rows), page_size)]),
         prefill=False,
         sample_rows=rows,
-        logits_rows=rows if stream.req.want_logits else (),
+        digest_rows=rows if stream.req.want_logits else (),
         drafts=drafts,
     )
 
@@ -47,7 +47,7 @@ def prefill_work(lane: Lane, stream: Stream, page_size: int, cuts: Sequence[int]
     """The stream's next prefill chunk; the last chunk samples the first token.
 
     With `keep_cuts`, the last chunk also returns its logits row for the snapshot at the
-    prompt's end. Earlier cuts keep no logits row: a chat prompt ends with its generation
+    prompt's end; with `want_logits`, the digest of the row it samples from. Earlier cuts keep no logits row: a chat prompt ends with its generation
     prompt, never at a message start, so only a request repeating the whole prompt can use one.
     """
     start, end = stream.chunks[stream.next_chunk]
@@ -57,7 +57,6 @@ def prefill_work(lane: Lane, stream: Stream, page_size: int, cuts: Sequence[int]
     final = stream.next_chunk == len(stream.chunks) - 1
     cut = end if end in cuts else None
     sample_rows = (last,) if final else ()
-    want = final and (stream.req.want_logits or keep_cuts)
     work = LaneWork(
         lane=lane.index,
         start=start,
@@ -65,8 +64,9 @@ def prefill_work(lane: Lane, stream: Stream, page_size: int, cuts: Sequence[int]
         page_table=tuple(lane.pages[: pages_for(end, page_size)]),
         prefill=True,
         sample_rows=sample_rows,
-        logits_rows=(last,) if want else (),
+        logits_rows=(last,) if final and keep_cuts else (),
         images=images_over(stream.req.images, start, end),
+        digest_rows=sample_rows if stream.req.want_logits else (),
     )
     return PlannedWork(lane, stream, work, cut)
 

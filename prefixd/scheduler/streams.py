@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixd.scheduler.records import DeviceRows, ImageRows, SamplingParams, TokenLogprob
+from prefixd.scheduler.planner import Schedule
+from prefixd.scheduler.records import ImageRows, SamplingParams, TokenLogprob
 
 
 class RequestError(Exception):
@@ -58,11 +59,12 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
-    """Tokens sampled for a stream this round; `logits` rows match `ids` when asked for."""
+    """Tokens sampled for a stream this round; when asked for, the sha256 hex of the float32
+    logits row each id was sampled from (computed by the device, where the rows are)."""
 
     stream_id: int
     ids: tuple[int, ...]
-    logits: DeviceRows | None = None
+    logits_sha256: tuple[str, ...] | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # per id, when the stream asks
 
 
@@ -121,6 +123,7 @@ class Stream:
     req: StreamRequest
     submit_s: float
     seq: int  # admission order
+    schedule: Schedule  # the prompt's prefill schedule (chunks and cuts)
     lane: int | None = None
     admit_s: float | None = None
     first_token_s: float | None = None
@@ -152,6 +155,12 @@ class Stream:
     @property
     def prefilling(self) -> bool:
         return self.next_chunk < len(self.chunks)
+
+    @property
+    def decoding(self) -> bool:
+        """Seated, prefilled and holding a sampled token to feed (a full hit has none until its
+        stored-row sample comes back)."""
+        return self.lane is not None and not self.prefilling and bool(self.generated)
 
     @property
     def key_tokens(self) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ streams so tests can act while they run; no test asserts on time.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import numpy as np
 
 from prefixd.daemon.runtime import Runtime
 from prefixd.scheduler.device import DeviceInfo
-from prefixd.scheduler.records import LaneResult, RoundPlan, RoundResult, SamplingParams
+from prefixd.scheduler.records import CapturedState, LaneResult, RoundPlan, RoundResult, StoredSample
 
 EOS = 0
 VOCAB = 259
@@ -110,9 +111,7 @@ class LetterDevice:
         self.waiting = False  # True while a round waits for the gate
         self.rounds = 0
         self.fail_rounds = False
-
-    def start_stream(self, lane: int, sampling: SamplingParams, history: Sequence[int]) -> None:
-        return None
+        self.closed = False
 
     def run_round(self, plan: RoundPlan) -> RoundResult:
         self.waiting = True
@@ -124,6 +123,9 @@ class LetterDevice:
             time.sleep(self.round_delay_s)
         self.rounds += 1
         p = self.info.page_size
+        for copy in plan.page_copies:
+            self.pool[copy.dst] = self.pool[copy.src]
+        stored = tuple(self._sample_stored(item) for item in plan.stored)
         results = []
         for work in plan.lanes:
             for i, tok in enumerate(work.tokens):
@@ -133,8 +135,17 @@ class LetterDevice:
             logits = None
             if work.logits_rows:
                 logits = np.stack([self._row(work.start + r) for r in work.logits_rows])
-            results.append(LaneResult(lane=work.lane, sampled=sampled, logits=logits))
-        return RoundResult(tuple(results))
+            digests = tuple(_sha256(self._row(work.start + r)) for r in work.digest_rows)
+            results.append(LaneResult(lane=work.lane, sampled=sampled, logits=logits, digests=digests))
+        captured = tuple(CapturedState(c.lane, c.cut, FakeState()) for c in plan.captures)
+        return RoundResult(tuple(results), stored=stored, captured=captured)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def _sample_stored(self, item: StoredSample) -> LaneResult:
+        row = item.logits[item.row]
+        return LaneResult(item.lane, sampled=(int(np.argmax(row)),), digests=(_sha256(row),) if item.digest else ())
 
     def _next(self, position: int, token: int) -> int:
         if token == ord("!") + 3:
@@ -146,25 +157,9 @@ class LetterDevice:
         row[position % VOCAB] = 1.0
         return row
 
-    def sample(self, lane: int, logits: Any, row: int = 0) -> int:
-        return int(np.argmax(logits[row]))
 
-    def last_logprob(self, lane: int) -> None:
-        return None
-
-    def capture(self, lane: int) -> FakeState:
-        return FakeState()
-
-    def restore(self, lane: int, state: FakeState) -> int:
-        return 0
-
-    def reset_lane(self, lane: int) -> None:
-        return None
-
-    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
-        for s, d in zip(src, dst, strict=True):
-            self.pool[d] = self.pool[s]
-        return len(src) * self.info.kv_bytes_per_page
+def _sha256(row: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(row, dtype=np.float32).tobytes()).hexdigest()
 
 
 def fake_runtime_factory(device: LetterDevice, *, cache: bool = True):

@@ -132,6 +132,15 @@ async def test_detokenize_and_logits_digests(tmp_path):
         assert result.logits_sha256 == (digest(1), digest(2))
 
 
+async def test_shutdown_closes_the_device_after_the_engine_thread_ends(tmp_path):
+    device = LetterDevice()
+    async with running_server(tmp_path, device) as server:
+        async with await AsyncClient.connect(server.socket_path) as client:
+            result = await client.generate(tokens=[10, 11], max_tokens=1).collect()
+        assert len(result.ids) == 1 and not device.closed
+    assert device.closed
+
+
 async def test_metrics_endpoint_exposes_the_names_after_a_request(tmp_path):
     async with running_server(tmp_path) as server:
         async with await AsyncClient.connect(server.socket_path) as client:

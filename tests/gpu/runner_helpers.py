@@ -10,7 +10,7 @@ import torch
 
 from prefixd.gpu.loading import load_checkpoint
 from prefixd.gpu.runner import ModelRunner
-from prefixd.scheduler.records import LaneWork, RoundPlan
+from prefixd.scheduler.records import Capture, LaneWork, RoundPlan, SamplerSetup, SamplingParams
 from tests.helpers.device import TEST_DEVICE
 
 DEVICE = torch.device(TEST_DEVICE)
@@ -59,6 +59,17 @@ def run_chunks(runner: ModelRunner, lane: int, tokens: Sequence[int], table: tup
     if at != len(tokens):
         raise ValueError(f"chunks cover {at} of {len(tokens)} tokens")
     return torch.cat(out)
+
+
+def start_sampler(runner: ModelRunner, lane: int, history: Sequence[int] = (),
+                  sampling: SamplingParams = SamplingParams()) -> None:
+    """A round with only a sampler set-up for `lane` (what the engine plans when it seats a stream)."""
+    runner.run_round(RoundPlan(samplers=(SamplerSetup(lane, sampling, tuple(history)),)))
+
+
+def capture(runner: ModelRunner, lane: int, cut: int = 0):
+    """A round with only a capture of `lane`'s state; returns the state."""
+    return runner.run_round(RoundPlan(captures=(Capture(lane, cut),))).captured[0].state
 
 
 def kv_equal(a: ModelRunner, table_a: Sequence[int], b: ModelRunner, table_b: Sequence[int], n: int) -> bool:

@@ -17,7 +17,8 @@ from prefixd.ipc.errors import ProtocolError  # noqa: E402
 from prefixd.ipc.framing import Limits  # noqa: E402
 from prefixd.scheduler.config import SchedulerConfig  # noqa: E402
 from prefixd.scheduler.engine import Engine  # noqa: E402
-from prefixd.scheduler.records import SamplingParams  # noqa: E402
+from prefixd.gpu.digest import logits_sha256  # noqa: E402
+from prefixd.scheduler.records import LaneWork, RoundPlan, SamplingParams  # noqa: E402
 from prefixd.scheduler.streams import StreamRequest, TokenEvent  # noqa: E402
 from prefixd.text.grammar import grammar_of  # noqa: E402
 from prefixd.text.tools import parse_tool_calls  # noqa: E402
@@ -122,17 +123,21 @@ def logprob_run(engine: Engine, stream_id: int, prompt: tuple[int, ...]) -> list
     return [e for e in events if e.stream_id == stream_id]
 
 
+def sampled_rows(runner: ModelRunner, prompt: tuple[int, ...], ids: list[int]) -> torch.Tensor:
+    """The fp32 logits rows `ids` were sampled from, recomputed in one prefill chunk (rows are
+    row-invariant, so their bits equal the engine's)."""
+    tokens = prompt + tuple(ids[:-1])
+    first = len(prompt) - 1
+    work = LaneWork(0, 0, tokens, tuple(range(-(-len(tokens) // runner.info.page_size))), True,
+                    logits_rows=tuple(range(first, len(tokens))))
+    return runner.run_round(RoundPlan((work,))).lanes[0].logits
+
+
 def test_logprobs_come_from_the_sampled_row_and_hold_cold_resumed_and_beside_others(runner):
     prompt = tuple(runner.tokenizer.encode("Count: one two three"))
     engine = Engine(runner, SchedulerConfig(num_lanes=8, grid=8, cache=True))
     cold = logprob_run(engine, 1, prompt)
     assert len(cold) == 6
-    for event in cold:
-        [token], [lp] = event.ids, event.logprobs
-        row = torch.log_softmax(event.logits[0].float(), dim=0)
-        assert lp.logprob == float(row[token])
-        values, ids = torch.sort(row, descending=True, stable=True)
-        assert lp.top == tuple((int(i), float(v)) for i, v in zip(ids[:3].tolist(), values[:3].tolist()))
     resumed = logprob_run(engine, 2, prompt)
     crowded = Engine(runner, SchedulerConfig(num_lanes=8, grid=8, cache=False))
     for k in range(7):
@@ -141,3 +146,11 @@ def test_logprobs_come_from_the_sampled_row_and_hold_cold_resumed_and_beside_oth
     beside = logprob_run(crowded, 3, prompt)
     key = lambda events: [(e.ids, e.logprobs) for e in events]  # noqa: E731
     assert key(cold) == key(resumed) == key(beside)
+    rows = sampled_rows(runner, prompt, [e.ids[0] for e in cold])  # the engines are done with the pool
+    assert logits_sha256(rows) == tuple(d for e in cold for d in e.logits_sha256)  # the very rows sampled from
+    for event, raw in zip(cold, rows, strict=True):
+        [token], [lp] = event.ids, event.logprobs
+        row = torch.log_softmax(raw.float(), dim=0)
+        assert lp.logprob == float(row[token])
+        values, ids = torch.sort(row, descending=True, stable=True)
+        assert lp.top == tuple((int(i), float(v)) for i, v in zip(ids[:3].tolist(), values[:3].tolist()))

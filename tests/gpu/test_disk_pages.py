@@ -11,14 +11,14 @@ import torch
 
 from prefixd.gpu.families.qwen3_5_tiny import make_tiny_hybrid_dir
 from prefixd.gpu.runner import ModelRunner
-from prefixd.scheduler.records import DiskLoad, LaneWork, PageLoad, RoundPlan, SamplingParams
-from tests.gpu.runner_helpers import kv_equal, make_runner, prompt
+from prefixd.scheduler.records import DiskLoad, LaneWork, PageLoad, Restore, RoundPlan
+from tests.gpu.runner_helpers import capture, kv_equal, make_runner, prompt, start_sampler
 
 N = 40  # rows: pages 0, 1 and 8 rows of page 2
 
 
 def _prefill(runner: ModelRunner, table: tuple[int, ...], tokens) -> torch.Tensor:
-    runner.start_stream(0, SamplingParams(), history=())
+    start_sampler(runner, 0)
     res = runner.run_round(RoundPlan((LaneWork(0, 0, tuple(tokens), table, True, logits_rows=(len(tokens) - 1,)),)))
     return res.lanes[0].logits
 
@@ -46,7 +46,7 @@ def test_leading_pages_of_an_export_load_alone_and_decoding_goes_on_with_the_sam
                                         None, _bytes(child.logits)))
     assert state is None and torch.equal(rows, logits)
     assert kv_equal(a, (0, 1, 2), b, (7, 3, 9), N)
-    b.start_stream(0, SamplingParams(), history=())
+    start_sampler(b, 0)
     assert torch.equal(_decode(a, (0, 1, 2, 3), N, 123), _decode(b, (7, 3, 9, 4), N, 123))
 
 
@@ -65,11 +65,10 @@ def test_a_hybrid_lane_state_round_trips_through_bytes(hybrid_dir):
     b = make_runner(hybrid_dir, torch.float32, num_lanes=1, num_pages=8)
     tokens = prompt(N, seed=4)
     _prefill(a, (0, 1, 2, 3), tokens)
-    captured = a.capture(0)
+    captured = capture(a, 0, cut=N)
     out = a.export_pages([0, 1, 2], captured, None)
     assert out.state.nbytes == a.info.lane_state_bytes > 0
     state, rows = b.load_pages(DiskLoad((PageLoad((4, 5, 6), _bytes(out.kv)),), _bytes(out.state), None))
     assert rows is None and torch.equal(state.data, captured.data)
-    b.start_stream(0, SamplingParams(), history=())
-    b.restore(0, state)
+    b.run_round(RoundPlan(restores=(Restore(0, state),)))
     assert torch.equal(_decode(a, (0, 1, 2, 3), N, 77), _decode(b, (4, 5, 6, 7), N, 77))

@@ -12,7 +12,7 @@ import torch
 
 from prefixd.gpu.families.qwen3_5_tiny import make_tiny_hybrid_dir
 from prefixd.gpu.runner import ModelRunner
-from prefixd.scheduler.records import ImageIdentity, ImageRows, LaneWork, RoundPlan, SamplingParams
+from prefixd.scheduler.records import ImageIdentity, ImageRows, LaneWork, RoundPlan, SamplerSetup, SamplingParams
 from tests.gpu.runner_helpers import lane_pages, make_runner, prompt
 
 NUM_LANES = 8
@@ -57,9 +57,7 @@ def run_lanes(runner: ModelRunner, lanes: list[int], images: dict[int, tuple[Ima
     """Prefill `lanes` in one round, then decode them together: {lane: [(token, logits row)]},
     a lane's list ending at its error string when it fails."""
     out: dict[int, list] = {lane: [] for lane in lanes}
-    for lane in lanes:
-        runner.reset_lane(lane)
-        runner.start_stream(lane, SamplingParams(), history=())
+    start_lanes(runner, lanes)
     plan = [prefill(lane, images.get(lane, ())) for lane in lanes]
     for step in range(NUM_DECODES + 1):
         live = []
@@ -73,6 +71,12 @@ def run_lanes(runner: ModelRunner, lanes: list[int], images: dict[int, tuple[Ima
                                  logits_rows=(0,)))
         plan = live
     return out
+
+
+def start_lanes(runner: ModelRunner, lanes: list[int]) -> None:
+    """A round that only resets `lanes` and gives each a fresh greedy sampler (a seating)."""
+    runner.run_round(RoundPlan(resets=tuple(lanes),
+                               samplers=tuple(SamplerSetup(lane, SamplingParams(), ()) for lane in lanes)))
 
 
 def assert_same(got: list, want: list) -> None:
@@ -102,8 +106,7 @@ def test_a_nan_image_fails_its_lane_alone_in_an_eight_lane_round(which, request)
     for lane, want in solo.items():
         assert_same(together[lane], want)
     # the failed lane's pages (NaN rows) serve the next lane that gets them, bit for bit
-    runner.reset_lane(0)
-    runner.start_stream(0, SamplingParams(), history=())
+    start_lanes(runner, [0])
     w = prefill(0)
     again = runner.run_round(RoundPlan((LaneWork(0, 0, w.tokens, lane_pages(BAD_LANE), True, sample_rows=w.sample_rows,
                                                  logits_rows=w.logits_rows),))).lanes[0]
@@ -113,16 +116,17 @@ def test_a_nan_image_fails_its_lane_alone_in_an_eight_lane_round(which, request)
 def test_a_failing_sampler_fails_its_lane_alone(llama_runner, monkeypatch):
     runner = llama_runner
     solo = {lane: run_lanes(runner, [lane], {})[lane] for lane in range(NUM_LANES)}
-    real_start = runner.start_stream
+    real_new = runner._new_sampler
 
-    def start_stream(lane, sampling, history):
-        real_start(lane, sampling, history)
-        if lane == BAD_LANE:
+    def new_sampler(item):
+        sampler = real_new(item)
+        if item.lane == BAD_LANE:
             def broken(*args):
                 raise RuntimeError("logits row has no finite probability mass")
-            monkeypatch.setattr(runner._samplers[lane], "sample", broken)
+            monkeypatch.setattr(sampler, "sample", broken)
+        return sampler
 
-    monkeypatch.setattr(runner, "start_stream", start_stream)
+    monkeypatch.setattr(runner, "_new_sampler", new_sampler)
     together = run_lanes(runner, list(range(NUM_LANES)), {})
     assert together[BAD_LANE] == ["sampling failed: logits row has no finite probability mass"]
     for lane in range(NUM_LANES):
@@ -134,8 +138,7 @@ def test_image_rows_of_the_wrong_shape_keep_their_lane_out_of_the_round(llama_ru
     runner = llama_runner
     want = run_lanes(runner, [0], {})[0][0]
     bad = ImageRows(ImageIdentity(at=1, tokens=4, gh=2, gw=2, hash=b"x"), np.zeros((4, 3), dtype=np.float32))
-    runner.start_stream(0, SamplingParams(), history=())
-    runner.start_stream(1, SamplingParams(), history=())
+    start_lanes(runner, [0, 1])
     res = runner.run_round(RoundPlan((prefill(0), prefill(1, (bad,))))).lanes
     assert res[1].lane == 1 and res[1].sampled == () and res[1].logits is None
     assert res[1].error == f"image at row 1: rows of shape (4, 3), the model needs (4, {runner.config.hidden_size})"

@@ -11,7 +11,9 @@ import torch
 from prefixd.gpu.families.qwen3_5_tiny import make_tiny_hybrid_dir
 from prefixd.gpu.loading import load_checkpoint
 from prefixd.gpu.runner import ModelRunner
-from prefixd.scheduler.records import LaneWork, RoundPlan, SamplingParams
+from prefixd.scheduler.records import (LaneWork, PageCopy, Restore, Rollback, RoundPlan, SamplerSetup,
+                                       SamplingParams)
+from tests.gpu.runner_helpers import capture
 from tests.helpers.device import TEST_DEVICE
 
 PAGE = 16
@@ -33,8 +35,7 @@ def _runner(path: Path, num_lanes: int = 8) -> ModelRunner:
     checkpoint = load_checkpoint(path, device=cpu, dtype=torch.float32)
     runner = ModelRunner(checkpoint, device=cpu, dtype=torch.float32, num_lanes=num_lanes,
                          num_pages=num_lanes * PAGES_PER_LANE, page_size=PAGE)
-    for lane in range(num_lanes):
-        runner.start_stream(lane, SamplingParams(), history=())
+    runner.run_round(RoundPlan(samplers=tuple(SamplerSetup(lane, SamplingParams(), ()) for lane in range(num_lanes))))
     return runner
 
 
@@ -85,7 +86,7 @@ def test_runner_reports_the_hybrid_facts(hybrid_dir: Path) -> None:
     runner = _runner(hybrid_dir, num_lanes=2)
     info = runner.info
     assert info.invariant_rows is False
-    assert info.lane_state_bytes == runner.capture(0).nbytes > 0
+    assert info.lane_state_bytes == capture(runner, 0).nbytes > 0
     config = runner.model.hybrid
     assert info.kv_bytes_per_page == 2 * len(config.full_layers) * PAGE * config.num_kv_heads * config.head_dim * 4
 
@@ -95,10 +96,11 @@ def test_runner_resume_at_a_cut_equals_cold(hybrid_dir: Path) -> None:
     cold_tokens, cold_rows = _generate(_runner(hybrid_dir), 0, prompt, bounds, n=8)
     runner = _runner(hybrid_dir)
     runner.run_round(RoundPlan((_prefill(0, prompt, 0, 32),)))
-    snapshot = runner.capture(0)
-    runner.copy_pages(_pages(0)[:2], _pages(3)[:2])  # rows 0..31 fill two whole pages
-    runner.reset_lane(3)
-    assert runner.restore(3, snapshot) == runner.info.lane_state_bytes
+    snapshot = capture(runner, 0, cut=32)
+    copies = tuple(PageCopy(s, d) for s, d in zip(_pages(0)[:2], _pages(3)[:2]))  # rows 0..31: two whole pages
+    runner.run_round(RoundPlan(resets=(3,), page_copies=copies))
+    runner.run_round(RoundPlan(restores=(Restore(3, snapshot),)))
+    assert snapshot.nbytes == runner.info.lane_state_bytes
     tokens, rows = _generate(runner, 3, prompt, bounds[1:], n=8)
     assert tokens == cold_tokens
     for got, want in zip(rows, cold_rows[1:]):
@@ -123,7 +125,7 @@ def test_runner_rollback_equals_a_run_that_only_saw_the_kept_rows(hybrid_dir: Pa
     runner = _runner(hybrid_dir)
     runner.run_round(RoundPlan((_prefill(0, prompt, 0, 40),)))
     runner.run_round(RoundPlan((_decode_rows(0, 40, draft),)))
-    assert runner.rollback(0, keep) > 0
+    runner.run_round(RoundPlan(rollbacks=(Rollback(0, keep),)))
     got = runner.run_round(RoundPlan((_decode(0, 40 + keep, 7),))).by_lane()[0].logits
     ref = _runner(hybrid_dir)
     ref.run_round(RoundPlan((_prefill(0, prompt, 0, 40),)))
@@ -139,9 +141,8 @@ def test_reset_waits_for_an_in_flight_rollback_copy(hybrid_dir: Path) -> None:
     runner.run_round(RoundPlan((_prefill(0, _prompt(40, seed=4), 0, 40),)))
     runner.run_round(RoundPlan((_decode_rows(0, 40, [5, 6, 7]),)))
     with runner.copies.defer():
-        runner.rollback(0, 1)
-        runner.reset_lane(0)
-    assert not bool(runner.capture(0).data.any())
+        runner.run_round(RoundPlan(rollbacks=(Rollback(0, 1),), resets=(0,)))
+    assert not bool(capture(runner, 0).data.any())
 
 
 @pytest.mark.slow
@@ -173,12 +174,12 @@ def test_a_rejected_verify_then_an_immediate_capture_holds_only_accepted_rows(hy
     t0 = ref.run_round(RoundPlan((_prefill(0, prompt, 0, 40),))).by_lane()[0].sampled[0]
     t1 = ref.run_round(RoundPlan((_decode(0, 40, t0),))).by_lane()[0].sampled[0]
     t2 = ref.run_round(RoundPlan((_decode(0, 41, t1),))).by_lane()[0].sampled[0]
-    want = ref.capture(0).data
+    want = capture(ref, 0).data
     runner = _runner(hybrid_dir)
     runner.run_round(RoundPlan((_prefill(0, prompt, 0, 40),)))
     wrong = (t2 + 1) % VOCAB
     with runner.copies.defer():
         res = runner.run_round(RoundPlan((_verify(0, 40, t0, [t1, wrong, 5]),))).by_lane()[0]
         assert res.sampled == (t1, t2)  # t1 accepted, the wrong draft rejected: the model's t2
-        got = runner.capture(0).data
+        got = capture(runner, 0).data
     assert torch.equal(got, want)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixd.scheduler.records import LaneWork, RoundPlan, SamplingParams
-from tests.gpu.runner_helpers import make_runner, pages, prompt, run_chunks
+from prefixd.scheduler.records import LaneWork, RoundPlan
+from tests.gpu.runner_helpers import make_runner, pages, prompt, run_chunks, start_sampler
 
 LOGITS_ATOL = 2e-3
 
@@ -40,7 +40,7 @@ def hf_model(path):
 def greedy(runner, lane: int, ids: list[int], n: int) -> list[int]:
     """n greedy tokens: prefill in one chunk, then one row per round."""
     table = pages(12 * lane, 12)
-    runner.start_stream(lane, SamplingParams(), history=[])
+    start_sampler(runner, lane)
     res = runner.run_round(RoundPlan((LaneWork(lane, 0, tuple(ids), table, True,
                                                sample_rows=(len(ids) - 1,)),)))
     out = [res.lanes[0].sampled[0]]

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from prefixd.gpu.families import build_family
-from prefixd.scheduler.records import (ImageIdentity, ImageRows, LaneWork, RoundPlan,
-                                       SamplingParams)
-from tests.gpu.runner_helpers import make_runner, pages, prompt, run_chunks, work
+from prefixd.gpu.digest import logits_sha256
+from prefixd.scheduler.records import (Capture, ImageIdentity, ImageRows, LaneWork, PageCopy, Restore,
+                                       RoundPlan, SamplerSetup, SamplingParams, StoredSample)
+from tests.gpu.runner_helpers import capture, kv_equal, make_runner, pages, prompt, run_chunks, work
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +50,8 @@ def test_pages_can_be_shared_out_of_order(runner):
 def test_copy_pages_lets_a_lane_continue_from_copies(runner):
     tokens = prompt(41, seed=7)
     run_chunks(runner, 0, tokens[:33], pages(0, 3), [33])
-    copied = runner.copy_pages([0, 1, 2], [40, 41, 42])
-    assert copied == 3 * runner.info.kv_bytes_per_page
+    runner.run_round(RoundPlan(page_copies=tuple(PageCopy(s, d) for s, d in zip((0, 1, 2), (40, 41, 42)))))
+    assert kv_equal(runner, pages(0, 3), runner, (40, 41, 42), 33)
     direct = run_chunks(runner, 0, tokens[33:], pages(0, 3), [8], start=33)
     resumed = run_chunks(runner, 1, tokens[33:], (40, 41, 42), [8], start=33)
     assert torch.equal(direct, resumed)
@@ -72,21 +73,32 @@ def test_image_rows_replace_token_embeddings(runner):
 
 def test_greedy_sample_is_argmax_and_sample_from_stored_row_agrees(runner):
     tokens = prompt(20, seed=9)
-    runner.start_stream(3, SamplingParams(), history=tokens)
-    w = LaneWork(3, 0, tokens, pages(12, 2), True, sample_rows=(19,), logits_rows=(19,))
-    res = runner.run_round(RoundPlan((w,))).lanes[0]
+    setup = SamplerSetup(3, SamplingParams(), tokens)
+    w = LaneWork(3, 0, tokens, pages(12, 2), True, sample_rows=(19,), logits_rows=(19,), digest_rows=(19,))
+    res = runner.run_round(RoundPlan((w,), samplers=(setup,))).lanes[0]
     row = res.logits[0]
     tok_vocab = runner.tokenizer.vocab_size
     assert res.sampled == (int(torch.argmax(row[:tok_vocab])),)
-    runner.start_stream(3, SamplingParams(), history=tokens)
-    assert runner.sample(3, res.logits, 0) == res.sampled[0]
+    assert res.digests == logits_sha256(res.logits)  # computed where the row is, from its fp32 bytes
+    stored = runner.run_round(RoundPlan(samplers=(setup,), stored=(StoredSample(3, res.logits, 0, digest=True),)))
+    assert stored.lanes == () and stored.stored[0].sampled == res.sampled and stored.stored[0].digests == res.digests
+
+
+def test_page_copies_run_in_plan_order(runner):
+    """A page one copy reads may be the page a later copy of the same round writes."""
+    tokens = prompt(16, seed=12)
+    run_chunks(runner, 0, tokens, (50,), [16])
+    run_chunks(runner, 0, prompt(16, seed=13), (51,), [16])
+    runner.run_round(RoundPlan(page_copies=(PageCopy(51, 52), PageCopy(50, 51), PageCopy(51, 53))))
+    assert kv_equal(runner, (53,), runner, (50,), 16) and not kv_equal(runner, (52,), runner, (50,), 16)
 
 
 def test_attention_only_lane_state_is_empty(runner):
-    state = runner.capture(0)
+    state = capture(runner, 0)
     assert state.nbytes == 0
-    assert runner.restore(0, state) == 0
-    runner.reset_lane(0)
+    runner.run_round(RoundPlan(restores=(Restore(0, state),)))
+    res = runner.run_round(RoundPlan(resets=(0,), captures=(Capture(0, 0),)))
+    assert [(c.lane, c.cut, c.state.nbytes) for c in res.captured] == [(0, 0, 0)]
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -107,8 +119,8 @@ def test_a_lane_twice_in_one_round_raises(runner):
         runner.run_round(RoundPlan((w, w)))
 
 
-def test_sampling_without_start_stream_raises(runner):
-    with pytest.raises(RuntimeError, match="start_stream"):
+def test_sampling_without_a_sampler_set_up_raises(runner):
+    with pytest.raises(RuntimeError, match="SamplerSetup"):
         runner.run_round(RoundPlan((LaneWork(2, 0, (1,), (0,), True, sample_rows=(0,)),)))
 
 

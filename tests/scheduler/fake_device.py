@@ -8,6 +8,10 @@ restore of the wrong state therefore changes the sampled tokens.
 Non-invariant mode imitates a recurrent family: the state after a prefill chunk hashes the
 whole chunk, a decode row hashes its one token with another tag, so rows are reproduced only
 when computed with the same chunking.
+
+`run_round` is the only call the engine makes: it runs a plan's items in `RoundPlan`'s
+documented order, and any other method reached for raises (`SideCallError`), except the disk
+tier's own `export_pages` / `load_pages` (`scheduler.device.DiskPages`).
 """
 
 from __future__ import annotations
@@ -19,9 +23,19 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from prefixd.scheduler.device import DeviceInfo
-from prefixd.scheduler.records import DiskLoad, LaneResult, LaneWork, PagePayload, RoundPlan, RoundResult, SamplingParams
+from prefixd.scheduler.records import (CapturedState, DiskLoad, LaneResult, LaneWork, PagePayload, RoundPlan,
+                                       RoundResult, StoredSample)
 
 POISON = "nan"  # what a failed lane leaves in its rows: any later read of them changes a hash
+
+
+class SideCallError(AssertionError):
+    """The scheduler asked the device for something outside a round."""
+
+
+def fake_digest(value: int) -> str:
+    """A fake logits row's "sha256": its hash value in 64 hex digits (so tests can read it back)."""
+    return format(value, "064x")
 
 
 def _h(*parts: object) -> int:
@@ -82,11 +96,14 @@ class _Sampler:
 class FakeDevice:
     info: DeviceInfo = field(default_factory=make_info)
     plans: list[RoundPlan] = field(default_factory=list)
-    copied_bytes: int = 0  # copy_pages + restore
+    copied_bytes: int = 0  # page copies + restores
     resets: list[int] = field(default_factory=list)
     starts: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (lane, history)
     # fault(work) -> an error for that lane alone (its rows are then poisoned), or None
     fault: Callable[[LaneWork], str | None] | None = None
+    # stored_fault(item) -> an error for a stored-row sample (that lane alone), or None
+    stored_fault: Callable[[StoredSample], str | None] | None = None
+    closed: bool = False
 
     def __post_init__(self) -> None:
         p = self.info.page_size
@@ -96,17 +113,34 @@ class FakeDevice:
         self.exported: list[tuple[int, ...]] = []  # pages of each export_pages, in order
         self.loaded: list[tuple[int, ...]] = []  # pages of each load_pages, in order
 
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise SideCallError(f"device.{name} called outside run_round: the round is the only device call")
+
     # -- Device protocol --------------------------------------------------------------
 
-    def start_stream(self, lane: int, sampling: SamplingParams, history: Sequence[int]) -> None:
-        self.samplers[lane] = _Sampler(seed=sampling.seed or 0, greedy=sampling.greedy, first_position=len(history))
-        self.starts.append((lane, tuple(history)))
-
     def run_round(self, plan: RoundPlan) -> RoundResult:
+        if self.closed:
+            raise SideCallError("run_round after close")
         self.plans.append(plan)
-        lanes = [w.lane for w in plan.lanes]
-        if len(set(lanes)) != len(lanes):
-            raise AssertionError(f"a lane appears twice in {plan}")
+        self._check(plan)
+        if plan.rollbacks:
+            raise AssertionError("the fake device does not model drafting rollbacks")
+        for lane in plan.resets:
+            self.state[lane] = 0
+            self.resets.append(lane)
+        for item in plan.restores:
+            self.state[item.lane] = item.state.value
+            self.copied_bytes += item.state.nbytes
+        for copy in plan.page_copies:
+            self.pool[copy.dst] = list(self.pool[copy.src])
+            self.copied_bytes += self.info.kv_bytes_per_page
+        for item in plan.samplers:
+            self.samplers[item.lane] = _Sampler(seed=item.sampling.seed or 0, greedy=item.sampling.greedy,
+                                                first_position=len(item.history))
+            self.starts.append((item.lane, tuple(item.history)))
+        stored = tuple(self._sample_stored(item) for item in plan.stored)
         results = []
         for work in plan.lanes:
             error = self.fault(work) if self.fault is not None else None
@@ -118,33 +152,40 @@ class FakeDevice:
             sampled = self._verify(work, values) if work.drafts else tuple(
                 self._pick(work.lane, values[i], work.start + i + 1) for i in work.sample_rows)
             logits = FakeRows(tuple(values[i] for i in work.logits_rows), self.info.logits_row_bytes) if work.logits_rows else None
-            results.append(LaneResult(lane=work.lane, sampled=sampled, logits=logits))
-        return RoundResult(tuple(results), forward_s=0.0)
+            digests = tuple(fake_digest(values[i]) for i in work.digest_rows)
+            results.append(LaneResult(lane=work.lane, sampled=sampled, logits=logits, digests=digests))
+        return RoundResult(tuple(results), forward_s=0.0, stored=stored, captured=self._captures(plan))
 
-    def sample(self, lane: int, logits: FakeRows, row: int = 0) -> int:
-        return self._pick(lane, logits.values[row], self.samplers[lane].first_position)
+    def close(self) -> None:
+        self.closed = True
 
-    def last_logprob(self, lane: int) -> None:
-        return None
+    # -- plan items -------------------------------------------------------------------
 
-    def capture(self, lane: int) -> FakeState:
-        return FakeState(self.state[lane], self.info.lane_state_bytes)
+    def _check(self, plan: RoundPlan) -> None:
+        for name, lanes in (("lanes", [w.lane for w in plan.lanes]),
+                            ("resets/restores", [*plan.resets, *(r.lane for r in plan.restores)]),
+                            ("stored", [s.lane for s in plan.stored]), ("captures", [c.lane for c in plan.captures])):
+            if len(set(lanes)) != len(lanes):
+                raise AssertionError(f"a lane appears twice in the plan's {name}: {plan}")
+        worked = {w.lane for w in plan.lanes}
+        for item in plan.stored:
+            if item.lane in worked:
+                raise AssertionError(f"lane {item.lane} samples a stored row and runs rows in one round")
 
-    def restore(self, lane: int, state: FakeState) -> int:
-        self.state[lane] = state.value
-        self.copied_bytes += state.nbytes
-        return state.nbytes
+    def _sample_stored(self, item: StoredSample) -> LaneResult:
+        error = self.stored_fault(item) if self.stored_fault is not None else None
+        if error is not None:
+            return LaneResult(lane=item.lane, error=error)
+        value = item.logits.values[item.row]
+        digests = (fake_digest(value),) if item.digest else ()
+        token = self._pick(item.lane, value, self.samplers[item.lane].first_position)
+        return LaneResult(lane=item.lane, sampled=(token,), digests=digests)
 
-    def reset_lane(self, lane: int) -> None:
-        self.state[lane] = 0
-        self.resets.append(lane)
+    def _captures(self, plan: RoundPlan) -> tuple[CapturedState, ...]:
+        return tuple(CapturedState(c.lane, c.cut, FakeState(self.state[c.lane], self.info.lane_state_bytes))
+                     for c in plan.captures)
 
-    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
-        for s, d in zip(src, dst, strict=True):
-            self.pool[d] = list(self.pool[s])
-        nbytes = len(src) * self.info.kv_bytes_per_page
-        self.copied_bytes += nbytes
-        return nbytes
+    # -- the disk tier's own calls (scheduler.device.DiskPages) --------------------------
 
     def export_pages(self, pages: Sequence[int], state: FakeState | None, logits: FakeRows | None) -> PagePayload:
         """Each page as its rows' token ids (int64, -1 unwritten), padded to kv_bytes_per_page."""

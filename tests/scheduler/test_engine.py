@@ -252,10 +252,10 @@ def test_want_logits_returns_the_rows_tokens_were_sampled_from():
     engine.submit(req(1, range(6), max_tokens=3, want_logits=True))
     engine.submit(req(2, range(6), max_tokens=3))
     events = run_until_idle(engine)
-    rows = [ev.logits for ev in events if isinstance(ev, TokenEvent) and ev.stream_id == 1]
-    assert [r.values[0] % 1000 for r in rows] == reference_tokens(range(6), 3)
-    assert all(ev.logits is None for ev in events if isinstance(ev, TokenEvent) and ev.stream_id == 2)
-    assert all(len(p.lanes[0].logits_rows) == 1 for p in device.plans if p.lanes[0].lane == 0 and p.lanes[0].sample_rows)
+    digests = [ev.logits_sha256 for ev in events if isinstance(ev, TokenEvent) and ev.stream_id == 1]
+    assert [int(d[0], 16) % 1000 for d in digests] == reference_tokens(range(6), 3)
+    assert all(ev.logits_sha256 is None for ev in events if isinstance(ev, TokenEvent) and ev.stream_id == 2)
+    assert all(len(p.lanes[0].digest_rows) == 1 for p in device.plans if p.lanes[0].lane == 0 and p.lanes[0].sample_rows)
 
 
 def test_images_ride_with_the_chunks_they_overlap():

@@ -50,7 +50,7 @@ def conversations(vocab: int) -> dict[int, list[list[int]]]:
 
 
 def play(runner, *, num_lanes: int, cache: bool, budget: int | None, together: bool):
-    """Run every turn of both conversations; returns {(conv, turn): (ids, logits rows, usage)}.
+    """Run every turn of both conversations; returns {(conv, turn): (ids, logits digests, usage)}.
 
     Chunk starts are set as a chat template sets them: at each message and at each reply
     header, so the next turn shares the cut at the previous reply's header.
@@ -82,7 +82,8 @@ def play(runner, *, num_lanes: int, cache: bool, budget: int | None, together: b
             for r in group:
                 c = r.stream_id % 100
                 ids = [i for ev in events if isinstance(ev, TokenEvent) and ev.stream_id == r.stream_id for i in ev.ids]
-                rows = [ev.logits for ev in events if isinstance(ev, TokenEvent) and ev.stream_id == r.stream_id]
+                rows = [d for ev in events if isinstance(ev, TokenEvent) and ev.stream_id == r.stream_id
+                        for d in ev.logits_sha256]
                 done = next(ev for ev in events if isinstance(ev, DoneEvent) and ev.stream_id == r.stream_id)
                 out[c, t] = (ids, rows, done.usage)
                 prompts[c] = prompts[c] + ids
@@ -93,9 +94,8 @@ def assert_same(a, b):
     assert a.keys() == b.keys()
     for key in a:
         assert a[key][0] == b[key][0], key
-        assert len(a[key][1]) == len(b[key][1])
-        for x, y in zip(a[key][1], b[key][1]):
-            assert torch.equal(x, y), key
+        assert len(a[key][1]) == len(a[key][0])
+        assert a[key][1] == b[key][1], key  # sha256 of every sampled row's fp32 bytes
 
 
 def test_resumed_and_concurrent_turns_equal_cold_solo_in_ids_and_logits_bits(runner):
@@ -134,7 +134,7 @@ def test_a_whole_prompt_hit_equals_cold_without_a_forward_for_its_first_token(ru
             events += engine.step()
             engine.check_integrity()
         tok = [ev for ev in events if isinstance(ev, TokenEvent)]
-        return [i for ev in tok for i in ev.ids], [ev.logits for ev in tok], events[-1].usage
+        return [i for ev in tok for i in ev.ids], [d for ev in tok for d in ev.logits_sha256], events[-1].usage
 
     cold = run(Engine(runner, SchedulerConfig(num_lanes=1, grid=8, cache=False)), 1, prompt)
     engine = Engine(runner, SchedulerConfig(num_lanes=1, grid=8, cache_budget_bytes=1 << 30))  # logits rows fit
@@ -143,4 +143,4 @@ def test_a_whole_prompt_hit_equals_cold_without_a_forward_for_its_first_token(ru
     ids, rows, usage = run(engine, 3, prompt)
     assert (usage.cache, usage.cached_tokens, usage.prefilled_tokens) == ("hit", 19, 0)
     assert ids == cold[0]
-    assert all(torch.equal(a, b) for a, b in zip(rows, cold[1], strict=True))
+    assert len(rows) == len(ids) and rows == cold[1]

@@ -58,8 +58,9 @@ def test_a_whole_prompt_hit_samples_its_first_token_without_a_forward():
     out3, done3 = turn(engine, req(3, SYSTEM, want_logits=True))
     assert (done3.usage.cache, done3.usage.cached_tokens, done3.usage.prefilled_tokens) == ("hit", 10, 0)
     assert out3 == out1
-    first_plan = device.plans[num_plans]
-    assert [(w.start, w.prefill, w.tokens) for w in first_plan.lanes] == [(10, False, (out1[0],))]
+    first_plan, second_plan = device.plans[num_plans : num_plans + 2]
+    assert first_plan.lanes == () and [(s.lane, s.row, s.digest) for s in first_plan.stored] == [(0, 0, True)]
+    assert [(w.start, w.prefill, w.tokens) for w in second_plan.lanes] == [(10, False, (out1[0],))]
 
 
 def test_only_the_prompts_end_keeps_a_logits_row():
@@ -275,3 +276,24 @@ def test_with_nothing_running_entries_that_free_pages_only_together_are_evicted(
     evictions = engine.status()["store"]["evictions"]
     # make_room frees pages held only jointly by evicting the group in order: no clear() needed
     assert evictions["cleared"] == 0 and evictions["moved_past"] + evictions["never_hit"] > 0
+
+
+def test_a_failing_stored_row_sample_ends_its_stream_alone_and_the_entry_still_serves():
+    engine, device = make()
+    out1, _ = turn(engine, req(1, SYSTEM))
+    turn(engine, req(2, OTHER))
+    device.stored_fault = lambda item: "injected fault"
+    tokens, done = engine_turn_failing(engine, req(3, SYSTEM))
+    assert tokens == [] and done.finish_reason == "error"
+    assert done.note == "this request failed in its lane round: injected fault"
+    assert engine.status()["lanes"][0]["state"] == "free"  # freed, not kept resident
+    device.stored_fault = None
+    out4, done4 = turn(engine, req(4, SYSTEM))
+    assert (done4.usage.cache, done4.usage.cached_tokens, out4) == ("hit", 10, out1)
+
+
+def engine_turn_failing(engine, r):
+    """`turn` for a stream that emits no token."""
+    engine.submit(r)
+    events = run_until_idle(engine)
+    return tokens_by_stream(events).get(r.stream_id, []), done_by_stream(events)[r.stream_id]
