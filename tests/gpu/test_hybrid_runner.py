@@ -11,7 +11,7 @@ import torch
 from prefixd.gpu.families.qwen3_5_tiny import make_tiny_hybrid_dir
 from prefixd.gpu.loading import load_checkpoint
 from prefixd.gpu.runner import ModelRunner
-from prefixd.scheduler.records import (LaneWork, PageCopy, Restore, Rollback, RoundPlan, SamplerSetup,
+from prefixd.scheduler.records import (Capture, LaneWork, PageCopy, Restore, Rollback, RoundPlan, SamplerSetup,
                                        SamplingParams)
 from tests.gpu.runner_helpers import capture
 from tests.helpers.device import TEST_DEVICE
@@ -164,7 +164,9 @@ def _verify(lane: int, pos: int, last: int, drafts: list[int]) -> LaneWork:
                     drafts=tuple(drafts))
 
 
-def test_a_rejected_verify_then_an_immediate_capture_holds_only_accepted_rows(hybrid_dir: Path) -> None:
+@pytest.mark.parametrize("same_round", [False, True], ids=["next_round", "same_round"])
+def test_a_rejected_verify_then_an_immediate_capture_holds_only_accepted_rows(hybrid_dir: Path,
+                                                                              same_round: bool) -> None:
     """A verify whose second draft is wrong rolls the lane back inside the round; a capture
     taken at once (the rollback copy still in flight) must wait for it and hold the state of
     a lane that decoded only the accepted rows. Skipping the rollback, or capturing before
@@ -179,7 +181,8 @@ def test_a_rejected_verify_then_an_immediate_capture_holds_only_accepted_rows(hy
     runner.run_round(RoundPlan((_prefill(0, prompt, 0, 40),)))
     wrong = (t2 + 1) % VOCAB
     with runner.copies.defer():
-        res = runner.run_round(RoundPlan((_verify(0, 40, t0, [t1, wrong, 5]),))).by_lane()[0]
-        assert res.sampled == (t1, t2)  # t1 accepted, the wrong draft rejected: the model's t2
-        got = capture(runner, 0).data
+        captures = (Capture(0, 42),) if same_round else ()
+        out = runner.run_round(RoundPlan((_verify(0, 40, t0, [t1, wrong, 5]),), captures=captures))
+        assert out.by_lane()[0].sampled == (t1, t2)  # t1 accepted, the wrong draft rejected: the model's t2
+        got = (out.captured[0].state if same_round else capture(runner, 0)).data
     assert torch.equal(got, want)
