@@ -108,7 +108,8 @@ def main() -> None:
         masked.append(decode_tok_s(runner, prompts, grammar, args.tokens))
     f, m = statistics.median(free), statistics.median(masked)
     print(f"decode, {args.lanes} lanes x {args.tokens} tokens: unconstrained {f:.1f} tok/s, "
-          f"constrained (regex) {m:.1f} tok/s, ratio {m / f:.3f} (goal >= 0.90)")
+          f"constrained (regex) {m:.1f} tok/s, ratio {m / f:.3f} (goal >= 0.90); pairs "
+          + ", ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(free, masked)))
 
 
 if __name__ == "__main__":
