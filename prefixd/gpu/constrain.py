@@ -87,8 +87,8 @@ class GrammarMask:
         return torch.from_numpy(out)
 
     def advance(self, token: int) -> None:
-        """Take `token` (a wrong one puts the matcher in its error state: only the end follows),
-        and start computing the next mask."""
+        """Take `token` (a wrong one puts the matcher in its error state: only the end follows);
+        with `background`, start building the next mask."""
         self._settle()
         if not self._matcher.is_error():
             self._matcher.consume_token(token)
