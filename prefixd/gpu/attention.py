@@ -69,7 +69,7 @@ class AttentionTile:
     masked: torch.Tensor  # (num_lanes, num_blocks - mask_from, 1, rows * group, block) bool
     dead_from: tuple[int, ...]  # per lane: its first key past its last row (keys up to num_blocks * block)
     kv_group: int  # tiles of one group share one K/V gather: that of the group's widest tile
-    head_rows: dict = field(default_factory=dict, compare=False, repr=False)  # `_head_rows`' cache
+    index_cache: dict = field(default_factory=dict, compare=False, repr=False)  # `_head_rows`, `_key_rows`
 
 
 def block_size(page_size: int) -> int:
@@ -139,19 +139,34 @@ def plan_attention(spans: Sequence[AttentionSpan], *, total_rows: int, group: in
     return tiles
 
 
+def _key_rows(tile: AttentionTile, block: int, page_size: int, kv_heads: int) -> torch.Tensor:
+    """Rows of the pool viewed as (pages * P * kv_heads, D), in the tile's (lane, block,
+    kv head, key) order: one gather gives the bmm's layout. Built on the first layer, cached."""
+    key = ("keys", block, page_size, kv_heads)
+    if key not in tile.index_cache:
+        nl, nb, per_block = tile.num_lanes, tile.num_blocks, block // page_size
+        offsets = torch.arange(page_size, device=tile.page_index.device)
+        slots = tile.page_index.view(nl, nb, 1, per_block, 1) * page_size + offsets  # (nl, nb, 1, pages, P)
+        heads = torch.arange(kv_heads, device=tile.page_index.device).view(1, 1, kv_heads, 1)
+        tile.index_cache[key] = (slots.view(nl, nb, 1, block) * kv_heads + heads).reshape(-1)
+    return tile.index_cache[key]
+
+
 def _gather(pool: torch.Tensor, tile: AttentionTile, block: int, *, zero_dead: bool = False) -> torch.Tensor:
     """(lanes, blocks, kv_heads, block, D) keys or values of a tile's lanes, pool dtype.
 
     zero_dead (values): the rows past each lane's last row are zeroed, since their probability
     is 0 and 0 times a stale non-finite value would not be."""
-    _, _, kvh, d = pool.shape
-    pages = pool.index_select(0, tile.page_index)  # (lanes * pages, P, kvh, D): row copies
+    _, page_size, kvh, d = pool.shape
+    rows = _key_rows(tile, block, page_size, kvh)
+    x = pool.view(-1, d).index_select(0, rows).view(tile.num_lanes, tile.num_blocks, kvh, block, d)
     if zero_dead:
-        keys = pages.view(tile.num_lanes, tile.num_blocks * block, kvh * d)  # (lane, key) rows
-        for lane, end in enumerate(tile.dead_from):
-            keys[lane, end:].zero_()  # a slice per lane: cheaper than any index or mask fill
-    view = pages.view(tile.num_lanes, tile.num_blocks, block, kvh, d).permute(0, 1, 3, 2, 4)
-    return view.contiguous()
+        for lane, end in enumerate(tile.dead_from):  # slices: cheaper than any index or mask fill
+            first, offset = divmod(end, block)
+            if first < tile.num_blocks:
+                x[lane, first, :, offset:].zero_()
+                x[lane, first + 1:].zero_()
+    return x
 
 
 def _head_rows(tile: AttentionTile, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,15 +174,15 @@ def _head_rows(tile: AttentionTile, heads: int, kv_heads: int) -> tuple[torch.Te
     (lane, block, kv head, row, group) order for q (every block reads the same q) and in
     (lane, kv head, row, group) order for the output. Built on the first layer, then cached."""
     key = (heads, kv_heads)
-    if key not in tile.head_rows:
+    if key not in tile.index_cache:
         nl, rows, group = tile.num_lanes, tile.rows, heads // kv_heads
         head = (torch.arange(kv_heads, device=tile.q_index.device) * group).view(kv_heads, 1, 1)
         head = head + torch.arange(group, device=tile.q_index.device).view(1, 1, group)  # (kvh, 1, group)
         q_rows = tile.q_index.view(nl, 1, 1, rows, 1) * heads + head.unsqueeze(0)  # (nl, 1, kvh, rows, group)
         q_rows = q_rows.expand(nl, tile.num_blocks, kv_heads, rows, group).reshape(-1)
         out_rows = (tile.out_index.view(nl, 1, rows, 1) * heads + head).reshape(-1)
-        tile.head_rows[key] = (q_rows, out_rows)
-    return tile.head_rows[key]
+        tile.index_cache[key] = (q_rows, out_rows)
+    return tile.index_cache[key]
 
 
 def attend_tile(q_ext: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: AttentionTile,
