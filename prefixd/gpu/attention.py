@@ -224,7 +224,7 @@ def _sum_blocks(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[1]
     size = 1 << (n - 1).bit_length()
     if size != n:
-        x = torch.cat([x, x.new_zeros((x.shape[0], size - n, *x.shape[2:]))], dim=1)
+        x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, size - n])  # zero blocks at the end
     while x.shape[1] > 1:
         half = x.shape[1] // 2
         x = x[:, :half] + x[:, half:]

@@ -105,16 +105,17 @@ def test_auto_mode_is_int4_for_the_llama_families_on_cpu_bf16_only():
 
 
 def test_residual_int4_keeps_about_eight_bits_where_one_layer_keeps_four():
-    """The lm_head's two 4-bit layers: x @ w.T within bf16 output rounding of the exact product,
-    an error many times below one 4-bit layer's (a lost error layer would fail the bound)."""
+    """The lm_head's two 4-bit layers: an error against the exact product many times below one
+    4-bit layer's (measured 15x) and within a few times a bf16 weight's (measured 2.3x); a lost
+    or misplaced error layer fails the first bound."""
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(512, 576, generator=g) * 0.05
     x = torch.randn(6, 576, generator=g)
     exact = x.to(torch.bfloat16).double() @ weight.double().T
-    one = (linear(x, quantize_int4(weight)).double() - exact).abs().mean().item()
-    two = (linear(x, quantize_int4_residual(weight)).double() - exact).abs().mean().item()
-    assert two * 8 < one, (one, two)
-    assert two < 4e-3  # bf16 rounding of outputs of magnitude ~1 is ~2e-3
+    error = lambda w: (linear(x, w).double() - exact).abs().mean().item()  # noqa: E731
+    one, two, bf16 = error(quantize_int4(weight)), error(quantize_int4_residual(weight)), error(weight.bfloat16())
+    assert two * 10 < one, (one, two)
+    assert two < 3 * bf16, (two, bf16)
 
 
 def test_residual_int4_lm_head_rows_have_the_same_bits_for_every_row_count():
