@@ -165,6 +165,7 @@ def _gather(pool: torch.Tensor, tile: AttentionTile, block: int, *, zero_dead: b
             first, offset = divmod(end, block)
             if first < tile.num_blocks:
                 x[lane, first, :, offset:].zero_()
+            if first + 1 < tile.num_blocks:
                 x[lane, first + 1:].zero_()
     return x
 
