@@ -25,6 +25,8 @@ from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.config import DaemonConfig, cache_budget_warning
 from prefixd.daemon.connection import Connection, Services
 from prefixd.daemon.engine_host import EngineHost
+from prefixd.daemon.fair import FairSeats
+from prefixd.daemon.host_work import HostWork
 from prefixd.daemon.http.serve import HttpServer
 from prefixd.daemon.listener import PeerPolicy, SocketPathError, peer_cred
 from prefixd.daemon.requests import RequestBuilder
@@ -71,6 +73,8 @@ class Server:
         self.http: HttpServer | None = None
         self._listener: anyio.abc.SocketListener | None = None
         self._host: EngineHost | None = None
+        self._seats: FairSeats | None = None
+        self.host_work = HostWork(self.bounds.max_heavy_jobs, self.bounds.heavy_cpu_share)
         self._runtime: Runtime | None = None
         self._connections: set[Connection] = set()
         self._stream_ids = itertools.count(1)
@@ -124,6 +128,7 @@ class Server:
         self.metrics.track(lambda: len(self._connections),
                            lambda: (engine.allocator.num_free, engine.allocator.num_used))
         self._host = EngineHost(engine, before_round=self._runtime.before_round)
+        self._seats = FairSeats(len(engine.lanes))
         await self._host.start()
 
     async def main_loop(self) -> None:
@@ -339,6 +344,8 @@ class Server:
             status_extra=self._status_extra,
             shutting_down=lambda: self.should_exit,
             next_stream_id=lambda: next(self._stream_ids),
+            seats=self._seats,
+            host_work=self.host_work,
         )
 
     def _hello_reply(self) -> dict[str, Any]:
