@@ -171,6 +171,7 @@ class EngineHost:
         except BaseException:
             self._drop(stream_id)
             receive.close()
+            self.cancel_nowait(stream_id)  # a wait cancelled after the submit was queued: end it too
             raise
         return receive
 
@@ -256,6 +257,8 @@ class EngineHost:
                 log_done(event)
             sink = self._sinks.get(event.stream_id)
             if sink is None:
+                if isinstance(event, StreamTokens):
+                    self.cancel_nowait(event.stream_id)  # nobody reads it any more: free its lane
                 continue
             try:
                 sink.send_nowait(event)

@@ -12,6 +12,7 @@ import pytest
 
 from prefixd.daemon.fair import FairSeats
 from prefixd.ipc.client import AsyncClient
+from prefixd.ipc.transport import FramedStream
 from tests.daemon.fakes import LetterDevice
 from tests.daemon.harness import running_server, wait_idle
 
@@ -100,3 +101,24 @@ async def test_seats_go_to_the_owner_holding_fewest_then_to_the_longest_waiting(
     assert seats.held_by("a") == 0 and seats.held_by("b") == 1 and seats.held_by("c") == 1
     with pytest.raises(RuntimeError):
         seats.give_back("a")
+
+
+async def test_a_generate_whose_client_leaves_while_its_submit_waits_is_cancelled_in_the_engine(tmp_path):
+    """The client leaves while its generate's submit waits for the engine (parked in a round):
+    the stream is submitted after all, and must then be cancelled, not run to max_tokens for
+    nobody while it holds a lane."""
+    device = LetterDevice()
+    async with running_server(tmp_path, device) as server:
+        host = server._host  # noqa: SLF001 - the test watches the streams the host routes
+        async with await AsyncClient.connect(server.socket_path) as holder:
+            device.gate.clear()
+            held = await holder.generate(prompt="hold", max_tokens=1).start()
+            await _wait_for(lambda: device.waiting)
+            async with await FramedStream.connect(server.socket_path) as leaver:
+                await leaver.send({"type": "generate", "id": 1, "prompt": "orphan", "max_tokens": 100})
+                await _wait_for(lambda: len(host._sinks) == 2)  # noqa: SLF001 - its submit is queued
+            await _wait_for(lambda: len(host._sinks) == 1)  # noqa: SLF001 - the connection let go of it
+            device.gate.set()
+            assert (await held.collect()).finish_reason == "length"
+        status = await wait_idle(server)
+    assert max(lane["rows"] for lane in status["lanes"]) <= len("orphan") + 2  # cut off, not 100 tokens
