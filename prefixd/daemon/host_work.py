@@ -6,6 +6,7 @@ whose text is large is *heavy*, and heavy work is bounded:
 
 - at most `max_heavy` heavy jobs run at once in the daemon (others wait, first come first
   served), and one connection runs at most one at a time;
+- a job whose client leaves while it waits for its turn leaves the queue (it never runs);
 - a heavy job yields the CPU: whenever its thread has used `SLICE_S` of CPU time it sleeps
   long enough to keep its share of one core at `cpu_share` (a render polls between
   messages, so the sleep comes between messages; a long encode runs in the tokenizer
@@ -23,9 +24,12 @@ from typing import Any, AsyncIterator, Callable
 
 import anyio
 
+from prefixd.ipc.errors import ErrorCode, ProtocolError
+
 HEAVY_MESSAGES = 256  # chat messages above which a render is heavy
 HEAVY_CHARS = 64 << 10  # characters of text (message contents, a prompt) above which work is heavy
 SLICE_S = 0.01  # CPU time a heavy job runs between two pauses
+_PROBE_EVERY_S = 0.1  # how often a heavy job waiting for its turn checks that its client is still there
 
 
 def is_heavy(msg: Mapping[str, Any]) -> bool:
@@ -86,14 +90,44 @@ class HostWork:
         self.cpu_share = cpu_share
         self._slots = anyio.Semaphore(max_heavy)
         self.num_running = 0
+        self.num_waiting = 0
 
     @asynccontextmanager
     async def heavy(self, connection_lock: anyio.Lock, probe: Callable[[], bool]) -> AsyncIterator[Callable[[], bool]]:
         """Hold this connection's heavy slot and a daemon-wide one; yields the poll hook the
         job must call (`probe` wrapped in a CpuShare)."""
-        async with connection_lock, self._slots:
+        async with connection_lock:
+            if not await self._take_slot(probe):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "the client left before its render started")
             self.num_running += 1
             try:
                 yield CpuShare(self.cpu_share, probe)
             finally:
                 self.num_running -= 1
+                self._slots.release()
+
+    async def _take_slot(self, probe: Callable[[], bool]) -> bool:
+        """Wait for a daemon-wide slot (in turn); False, holding none, once `probe()` says the
+        client has gone."""
+        taken = False
+        self.num_waiting += 1
+        try:
+            taken = await self._wait_for_slot(probe)
+        finally:
+            self.num_waiting -= 1
+        return taken
+
+    async def _wait_for_slot(self, probe: Callable[[], bool]) -> bool:
+        taken = False
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                while not probe():
+                    await anyio.sleep(_PROBE_EVERY_S)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            await self._slots.acquire()
+            taken = True
+            tg.cancel_scope.cancel()
+        return taken

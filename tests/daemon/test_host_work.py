@@ -11,6 +11,7 @@ import anyio
 from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.host_work import HEAVY_MESSAGES, SLICE_S, CpuShare, is_heavy
 from prefixd.ipc.client import AsyncClient
+from prefixd.ipc.transport import FramedStream
 from tests.daemon.fakes import ByteTokenizer
 from tests.daemon.harness import running_server
 
@@ -87,3 +88,27 @@ def test_heaviness_is_judged_from_counts_and_lengths():
     assert is_heavy({"messages": [{"role": "user", "content": "x" * (64 << 10)}, {"role": "user", "content": "y"}]})
     assert is_heavy({"prompt": "x" * ((64 << 10) + 1)})
     assert not is_heavy({"tokens": list(range(100_000))})
+
+
+async def test_a_heavy_request_whose_client_leaves_while_it_waits_never_runs(tmp_path):
+    tokenizer = GatedTokenizer()
+    async with running_server(tmp_path, bounds=ConnectionBounds(max_heavy_jobs=1)) as server:
+        server._runtime = dataclasses.replace(server._runtime, tokenizer=tokenizer)  # noqa: SLF001
+        work = server.host_work
+        heavy = _chat(HEAVY_MESSAGES + 1)
+        async with await AsyncClient.connect(server.socket_path) as a:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: a.tokenize(messages=heavy))
+                with anyio.fail_after(30):  # liveness bounds only
+                    while tokenizer.running < 1:
+                        await anyio.sleep(0.01)
+                    async with await FramedStream.connect(server.socket_path) as leaver:
+                        await leaver.send({"type": "tokenize", "id": 1, "messages": heavy})
+                        while work.num_waiting < 1:
+                            await anyio.sleep(0.01)
+                    while work.num_waiting:  # it leaves the queue while a's render still runs
+                        await anyio.sleep(0.01)
+                assert tokenizer.running == 1
+                tokenizer.release.set()
+        assert tokenizer.hooks == ["CpuShare"]  # the leaver's render never started
+        assert work.num_running == 0
