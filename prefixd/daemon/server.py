@@ -41,6 +41,9 @@ log = logging.getLogger("prefixd.server")
 _TRIM_AFTER_BYTES = 1 << 20  # a connection that buffered this much hands freed heap back on close
 _CANCEL_FLUSH_S = 5.0  # after the grace period: time for cancelled streams to send their done
 DISK_FLUSH_S = 120.0  # at shutdown, time the disk tier's writer gets to finish its queue
+# The engine thread drops and retakes the GIL around every torch op; while a worker thread
+# or the loop runs Python, each retake waits up to this interval (CPython's default: 5 ms).
+GIL_SWITCH_S = 0.0005
 
 RuntimeFactory = Callable[[DaemonConfig, Any], Runtime]
 
@@ -369,5 +372,6 @@ class Server:
 def serve(cfg: DaemonConfig) -> int:
     """Run a daemon in the foreground until SIGTERM/SIGINT; returns the exit code."""
     logging.basicConfig(level=cfg.log_level.upper(), format="prefixd %(levelname)s %(name)s: %(message)s")
+    sys.setswitchinterval(GIL_SWITCH_S)  # process-wide, so set by the process's entry point only
     server = Server(cfg)
     return anyio.run(server.run, backend="asyncio", backend_options={"use_uvloop": True})
