@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import hashlib
 import logging
 import threading
@@ -79,6 +80,13 @@ def retain_freed_memory() -> bool:
     return bool(mallopt(_M_TRIM_THRESHOLD, RETAINED_FREE_BYTES)) and bool(mallopt(_M_MMAP_MAX, 0))
 
 
+def return_idle_memory() -> None:
+    """Collect cyclic garbage (a render's cancelled frames, exception tracebacks), then hand
+    freed heap back to the system: what an idle daemon does once per idle spell."""
+    gc.collect()
+    return_freed_memory()
+
+
 class EngineHost:
     """Owns the engine thread and routes each stream's events to a bounded memory stream.
 
@@ -91,10 +99,10 @@ class EngineHost:
                  on_overflow: Callable[[int], None] | None = None,
                  before_round: Callable[[], object] | None = None,
                  idle_trim_s: float | None = IDLE_TRIM_S,
-                 trim: Callable[[], object] = return_freed_memory) -> None:
+                 trim: Callable[[], object] | None = None) -> None:
         self.engine = engine
         self._idle_trim_s = idle_trim_s  # None: never trim
-        self._trim = trim  # called on the engine thread after idle_trim_s without work
+        self._trim = trim or return_idle_memory  # on the engine thread after idle_trim_s without work
         self._trim_due = False  # rounds or calls ran since the last trim
         self.num_trims = 0
         self._before_round = before_round  # called on the engine thread (thread policy)
