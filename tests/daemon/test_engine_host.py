@@ -56,6 +56,9 @@ from prefixd.daemon.engine_host import EngineHost
 class IdleEngine:
     idle = True
 
+    def close(self):  # the host releases the device once its thread has ended
+        pass
+
 def rss_bytes():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
