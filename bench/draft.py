@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -44,11 +46,24 @@ def functions(limit: int) -> list[str]:
         text = path.read_text()
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.FunctionDef) and 8 <= node.end_lineno - node.lineno <= 30:
-                out.append(ast.get_source_segment(text, node))
+                out.append(textwrap.dedent(ast.get_source_segment(text, node, padded=True)))
     return out[:limit]
 
 
+def source_paths() -> list[str]:
+    """This repository's Python files, relative to its root."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "prefixd").rglob("*.py"))
+
+
 def echo_messages(i: int) -> list[dict]:
+    """Odd turns: a tool call quoting paths from a listing; even turns: re-emit an edited function."""
+    if i % 2:
+        paths = source_paths()
+        picked = paths[i * 5 % len(paths): i * 5 % len(paths) + 6]
+        listing = json.dumps({"files": picked}, indent=1)
+        return [{"role": "user", "content": f"The list_files tool returned:\n{listing}\n\n"
+                 "Call the read_file tool once for every file listed, in order. Reply only with the calls, "
+                 'one JSON object a line: {"name": "read_file", "arguments": {"path": "..."}}'}]
     fns = functions(64)
     fn = fns[i * 7 % len(fns)]
     first = fn.splitlines()[1].strip()

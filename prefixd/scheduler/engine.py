@@ -17,6 +17,7 @@ from typing import Any, Callable
 from prefixd.scheduler.admission import Admitter
 from prefixd.scheduler.config import SchedulerConfig, store_budget_bytes
 from prefixd.scheduler.device import Device
+from prefixd.scheduler.draftpolicy import RoundCosts
 from prefixd.scheduler.drafting import new_drafter
 from prefixd.scheduler.events import EngineObserver, NullObserver
 from prefixd.scheduler.lanes import Lane, PageTables, check_page_refs
@@ -79,6 +80,7 @@ class Engine:
         self._tick = itertools.count(1)
         self._store_touched = True
         self._drafted = [0, 0]  # drafted, accepted tokens since start
+        self.draft_costs = RoundCosts()  # round time by rows, learned for the drafters' policy
         self.admitter = Admitter(
             lanes=self.lanes, tables=self.tables, device=device, store=self.store,
             schedules=self._schedules, observer=self.observer, clock=clock, grid=config.grid,
@@ -97,7 +99,8 @@ class Engine:
         if req.chunk_starts and req.chunk_starts[0] == 0:
             req = dataclasses.replace(req, chunk_starts=tuple(req.chunk_starts[1:]))  # row 0 always starts one
         stream = Stream(req=req, submit_s=self.clock(), seq=next(self._seq))
-        stream.drafter = new_drafter(self.config.draft if req.draft else "off", req.tokens, self.config.draft_max)
+        stream.drafter = new_drafter(self.config.draft if req.draft else "off", req.tokens, self.config.draft_max,
+                                    self.draft_costs)
         if self.config.cache and req.cache:
             stream.key, stream.note = make_key(
                 req.tokens, cache_key=req.cache_key, namespace=req.namespace, frame=req.frame,
@@ -141,6 +144,7 @@ class Engine:
         if planned:
             result = self.device.run_round(plan)
             forward_s = result.forward_s
+            self.draft_costs.observe_round(plan, result)
             self._postprocess(planned, result, events)
         self._report_store()
         busy = sum(1 for lane in self.lanes if lane.busy)
