@@ -32,9 +32,10 @@ class RoundCosts:
     """A round's forward time as a function of its row count, learned online.
 
     Before a row count has been seen its time is interpolated between the nearest counts seen
-    on either side; above the largest seen it grows per row by the last segment's slope or by
-    `prior_row_frac` of the smallest round's time, the larger (a guess, corrected once such a
-    round runs)."""
+    on either side; beyond them it is extrapolated by the outer segment's slope or by
+    `prior_row_frac` of the smallest round's time per row, the larger (a guess, corrected once
+    such a round runs). So a lane that has only drafted still learns what its undrafted round
+    would cost."""
 
     def __init__(self, *, alpha: float = 0.25, prior_row_frac: float = 0.05) -> None:
         if not 0.0 < alpha <= 1.0:
@@ -82,10 +83,15 @@ class RoundCosts:
                 below = self._rows[-2]
                 per_row = max(per_row, (self._round_s[top] - self._round_s[below]) / (top - below))
             return self._round_s[top] + per_row * (num_rows - top)
-        hi = self._rows[i]
-        lo = self._rows[i - 1] if i > 0 else 0
-        lo_s = self._round_s[lo] if i > 0 else self._round_s[hi]
-        return lo_s + (self._round_s[hi] - lo_s) * (num_rows - lo) / (hi - lo)
+        if i == 0:  # below the smallest seen: the first segment's slope, or the guess
+            bottom = self._rows[0]
+            per_row = self.prior_row_frac * self._round_s[bottom]
+            if len(self._rows) > 1:
+                above = self._rows[1]
+                per_row = max(per_row, (self._round_s[above] - self._round_s[bottom]) / (above - bottom))
+            return max(self._round_s[bottom] - per_row * (bottom - num_rows), self.prior_row_frac * self._round_s[bottom])
+        lo, hi = self._rows[i - 1], self._rows[i]
+        return self._round_s[lo] + (self._round_s[hi] - self._round_s[lo]) * (num_rows - lo) / (hi - lo)
 
     def others(self) -> tuple[float, float]:
         """(rows, tokens) the other decoding lanes bring to a round, from the last one."""

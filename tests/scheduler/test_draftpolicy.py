@@ -36,7 +36,7 @@ def test_round_cost_above_the_largest_seen_grows_by_the_prior_per_row():
     costs.observe(2, 2.0)
     costs.observe(4, 2.2)
     assert costs.round_s(6) == pytest.approx(2.2 + 2 * 0.25 * 2.0)
-    assert costs.round_s(1) == 2.0  # below the smallest seen: the smallest
+    assert costs.round_s(1) == 1.5  # below the smallest seen: down by the guess (steeper than 0.1)
     costs.observe(5, 3.2)  # a steeper last segment: 1.0 a row
     assert costs.round_s(7) == pytest.approx(5.2)
 
@@ -47,6 +47,12 @@ def test_round_cost_is_a_moving_average_per_row_count():
     costs.observe(3, 2.0)
     costs.observe(0, 9.0)  # an empty round teaches nothing
     assert costs.round_s(3) == 3.0
+
+
+def test_a_lane_that_only_drafted_learns_the_undrafted_round_from_the_slope():
+    costs = costs_of({2: 2.0, 3: 3.0})
+    assert costs.round_s(1) == 1.0
+    assert DraftPolicy(4, costs).best_length(0.5) == 0
 
 
 def test_rows_the_kernel_pads_anyway_are_drafted_even_at_low_acceptance():
