@@ -10,8 +10,10 @@ Two workloads built from this repository's own text, rendered with the model's c
   the prompt holds);
 - prose: a request for new prose about a topic (the reply repeats little).
 
-For each runner mode, workload and lane count: decode tok/s undrafted and drafted (tokens
-after every lane's first token, over the time since then), acceptance (accepted / drafted
+Each workload is `--turns` requests (default 8), run `lanes` at a time: at 1 lane one after
+another, at 8 lanes all together. For each runner mode, workload and lane count: decode tok/s
+undrafted and drafted (tokens after every lane's first token of a batch, over the time since
+then, summed over batches), acceptance (accepted / drafted
 tokens), mean accepted drafts per verify, and whether the token ids of both runs are equal
 (they must be). Beside them, llama.cpp (llama-cpp-python) on the same GGUF with and without its
 prompt-lookup drafting (`LlamaPromptLookupDecoding`), one sequence, greedy.
@@ -92,19 +94,35 @@ class DraftCounts:
         return lambda *args, **kwargs: None
 
 
-def run_engine(runner, tokenizer, workload, lanes: int, max_tokens: int, draft: str, draft_max: int):
-    """Token ids per stream, usage per stream, decode tok/s and the number of verifies."""
+def run_turns(runner, tokenizer, workload, lanes: int, turns: int, max_tokens: int, draft: str, draft_max: int):
+    """`turns` requests (workload(0..turns-1)), `lanes` at a time, each batch run to its end:
+    token ids and usage per request, decode tok/s over all batches, verifies."""
+    ids, usage, tokens, seconds, verifies = {}, {}, 0, 0.0, 0
+    for first in range(0, turns, lanes):
+        batch = [i for i in range(first, min(first + lanes, turns))]
+        b_ids, b_usage, b_tokens, b_seconds, b_verifies = run_engine(
+            runner, tokenizer, workload, batch, max_tokens, draft, draft_max)
+        ids.update(b_ids)
+        usage.update(b_usage)
+        tokens, seconds, verifies = tokens + b_tokens, seconds + b_seconds, verifies + b_verifies
+    return ids, usage, tokens / seconds if seconds > 0 else float("nan"), verifies
+
+
+def run_engine(runner, tokenizer, workload, turns: list[int], max_tokens: int, draft: str, draft_max: int):
+    """One engine with a lane per turn: token ids and usage per turn, tokens emitted after
+    every lane's first token, the seconds since then, and the number of verifies."""
+    lanes = len(turns)
     from prefixd.scheduler.config import SchedulerConfig
     from prefixd.scheduler.engine import Engine
 
     counts = DraftCounts()
     engine = Engine(runner, SchedulerConfig(num_lanes=lanes, cache=False, draft=draft, draft_max=draft_max),
                     observer=counts)
-    for i in range(lanes):
+    for i in turns:
         tokens = tuple(tokenizer.render_chat(workload(i)).ids)
         engine.submit(StreamRequest(i, tokens, max_tokens, sampling=SamplingParams(),
                                     stop_ids=frozenset(tokenizer.stop_ids)))
-    ids: dict[int, list[int]] = {i: [] for i in range(lanes)}
+    ids: dict[int, list[int]] = {i: [] for i in turns}
     usage = {}
     t_all_started = None
     tokens_after = 0
@@ -118,31 +136,35 @@ def run_engine(runner, tokenizer, workload, lanes: int, max_tokens: int, draft: 
                 usage[ev.stream_id] = ev.usage
         if t_all_started is None and all(ids.values()):
             t_all_started = time.perf_counter()
-    elapsed = time.perf_counter() - t_all_started if t_all_started else float("nan")
-    return ids, usage, tokens_after / elapsed if elapsed > 0 else float("nan"), counts.verifies
+    elapsed = time.perf_counter() - t_all_started if t_all_started else 0.0
+    return ids, usage, tokens_after, elapsed, counts.verifies
 
 
-def llama_cpp_rates(path: str, tokenizer, workload, max_tokens: int, draft_max: int) -> tuple[float | None, float | None]:
+def llama_cpp_rates(path: str, tokenizer, workload, turns: int, max_tokens: int,
+                    draft_max: int) -> tuple[float | None, float | None]:
+    """llama.cpp's decode tok/s over the workload's turns, one at a time, greedy: without and
+    with `LlamaPromptLookupDecoding` (None, None without llama-cpp-python)."""
     try:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
         return None, None
-    tokens = list(tokenizer.render_chat(workload(0)).ids)
     rates = []
     for draft in (None, LlamaPromptLookupDecoding(num_pred_tokens=draft_max)):
         llm = Llama(model_path=path, n_ctx=4096, n_threads=torch.get_num_threads(), verbose=False, draft_model=draft)
-        llm.create_completion(tokens, max_tokens=1, temperature=0.0)  # warm and prefill once
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.create_completion(tokens, max_tokens=1, temperature=0.0)
-        prefill_s = time.perf_counter() - t0
-        llm.reset()
-        t0 = time.perf_counter()
-        out = llm.create_completion(tokens, max_tokens=max_tokens, temperature=0.0)
-        total_s = time.perf_counter() - t0
-        n = out["usage"]["completion_tokens"]
-        rates.append((n - 1) / max(total_s - prefill_s, 1e-9))
+        tokens_n, decode_s = 0, 0.0
+        for i in range(turns):
+            tokens = list(tokenizer.render_chat(workload(i)).ids)
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.create_completion(tokens, max_tokens=1, temperature=0.0)
+            prefill_s = time.perf_counter() - t0
+            llm.reset()
+            t0 = time.perf_counter()
+            out = llm.create_completion(tokens, max_tokens=max_tokens, temperature=0.0)
+            decode_s += max(time.perf_counter() - t0 - prefill_s, 1e-9)
+            tokens_n += out["usage"]["completion_tokens"] - 1
+        rates.append(tokens_n / decode_s)
     return rates[0], rates[1]
 
 
@@ -154,6 +176,8 @@ def main() -> None:
     parser.add_argument("--modes", default="int4,invariant", help="runner modes, comma-separated")
     parser.add_argument("--draft-max", type=int, default=DEFAULT_DRAFT_MAX)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--turns", type=int, default=0,
+                        help="requests per workload, run lanes at a time (default: 8; --quick: 2)")
     args = parser.parse_args()
     from prefixd.gpu.default_model import default_model_path
     from prefixd.gpu.families import resolve_mode
@@ -163,6 +187,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     lane_counts, max_tokens = ((1, 2), 48) if args.quick else ((1, 8), 128)
+    turns = args.turns or (2 if args.quick else 8)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     ckpt = load_checkpoint(args.model, device=torch.device("cpu"), dtype=dtype)
     tok = ckpt.tokenizer
@@ -175,12 +200,12 @@ def main() -> None:
                              num_pages=max(lane_counts) * 96, page_size=16, mode=mode)
         for name, workload in (("echo", echo_messages), ("prose", prose_messages)):
             for lanes in lane_counts:
-                rows.append(measure(runner, tok, workload, lanes, max_tokens, args.draft_max, f"{name} {mode}"))
+                rows.append(measure(runner, tok, workload, lanes, turns, max_tokens, args.draft_max, f"{name} {mode}"))
                 print("measured:", rows[-1], flush=True)
         del runner
     if args.model == "default":
         for name, workload in (("echo", echo_messages), ("prose", prose_messages)):
-            plain, lookup = llama_cpp_rates(str(default_model_path()), tok, workload, max_tokens, args.draft_max)
+            plain, lookup = llama_cpp_rates(str(default_model_path()), tok, workload, turns, max_tokens, args.draft_max)
             rows.append([f"{name} llama.cpp", 1, fmt_rate(plain), fmt_rate(lookup), fmt_ratio(lookup, plain),
                          "-", "-", "-"])
             print("measured:", rows[-1], flush=True)
@@ -188,10 +213,10 @@ def main() -> None:
                           "accepted per verify", "ids equal"], rows))
 
 
-def measure(runner, tok, workload, lanes: int, max_tokens: int, draft_max: int, label: str) -> list:
-    """One table row: the workload undrafted, then drafted, on the same runner."""
-    off_ids, _, base, _ = run_engine(runner, tok, workload, lanes, max_tokens, "off", draft_max)
-    on_ids, usage, drafted, verifies = run_engine(runner, tok, workload, lanes, max_tokens, "ngram", draft_max)
+def measure(runner, tok, workload, lanes: int, turns: int, max_tokens: int, draft_max: int, label: str) -> list:
+    """One table row: the workload's turns undrafted, then drafted, on the same runner."""
+    off_ids, _, base, _ = run_turns(runner, tok, workload, lanes, turns, max_tokens, "off", draft_max)
+    on_ids, usage, drafted, verifies = run_turns(runner, tok, workload, lanes, turns, max_tokens, "ngram", draft_max)
     drafted_n = sum(u.draft_tokens for u in usage.values())
     accepted_n = sum(u.accepted_tokens for u in usage.values())
     return [label, lanes, fmt_rate(base), fmt_rate(drafted), fmt_ratio(drafted, base),
