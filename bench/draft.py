@@ -95,9 +95,10 @@ class DraftCounts:
 
 
 def run_turns(runner, tokenizer, workload, lanes: int, turns: int, max_tokens: int, draft: str, draft_max: int):
-    """`turns` requests (workload(0..turns-1)), `lanes` at a time, each batch run to its end:
+    """`turns` requests (workload(0..turns-1); at least `lanes`), `lanes` at a time, each batch run to its end:
     token ids and usage per request, decode tok/s over all batches, verifies."""
     ids, usage, tokens, seconds, verifies = {}, {}, 0, 0.0, 0
+    turns = max(turns, lanes)  # every lane busy
     for first in range(0, turns, lanes):
         batch = [i for i in range(first, min(first + lanes, turns))]
         b_ids, b_usage, b_tokens, b_seconds, b_verifies = run_engine(
@@ -176,6 +177,7 @@ def main() -> None:
     parser.add_argument("--modes", default="int4,invariant", help="runner modes, comma-separated")
     parser.add_argument("--draft-max", type=int, default=DEFAULT_DRAFT_MAX)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--lanes", default="", help="lane counts, comma-separated (default: 1,8; --quick: 1,2)")
     parser.add_argument("--turns", type=int, default=0,
                         help="requests per workload, run lanes at a time (default: 8; --quick: 2)")
     args = parser.parse_args()
@@ -188,6 +190,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     lane_counts, max_tokens = ((1, 2), 48) if args.quick else ((1, 8), 128)
     turns = args.turns or (2 if args.quick else 8)
+    if args.lanes:
+        lane_counts = tuple(int(n) for n in args.lanes.split(","))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     ckpt = load_checkpoint(args.model, device=torch.device("cpu"), dtype=dtype)
     tok = ckpt.tokenizer

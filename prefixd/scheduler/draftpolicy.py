@@ -14,8 +14,9 @@ stop at the first miss, so the j-th is kept with chance p^j). k = 0 when no k > 
 text that does not repeat stops drafting, and drafting resumes through a one-token probe
 every `probe_every` rounds it sat out.
 
-Torch-free and clock-free: the engine feeds `RoundCosts.observe` the row count and forward
-time of each round; tests feed it numbers.
+Torch-free and clock-free: the engine feeds `RoundCosts.observe_round` each round's plan,
+result and seconds on its clock (from the start of the step to the device's answer); tests
+feed it numbers.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ NUM_STRENGTHS = 3
 
 
 class RoundCosts:
-    """A round's forward time as a function of its row count, learned online.
+    """A round's time as a function of its row count, learned online.
 
     Before a row count has been seen its time is interpolated between the nearest counts seen
     on either side; beyond them it is extrapolated by the outer segment's slope or by
@@ -48,11 +49,12 @@ class RoundCosts:
         self.last_lanes = 0  # decoding lanes in it
         self.last_tokens = 0  # tokens its decoding lanes emitted
 
-    def observe_round(self, plan: RoundPlan, result: RoundResult) -> None:
-        """`observe` one round the device ran: its rows, forward time, decoding lanes and tokens."""
+    def observe_round(self, plan: RoundPlan, result: RoundResult, round_s: float) -> None:
+        """`observe` one round the device ran in `round_s` seconds (planning, forward and
+        sampling: all that grows with rows): its rows, decoding lanes and their tokens."""
         decoding = {w.lane for w in plan.lanes if not w.prefill}
         tokens = sum(len(r.sampled) for r in result.lanes if r.lane in decoding)
-        self.observe(plan.num_rows, result.forward_s, num_lanes=len(decoding), num_tokens=tokens)
+        self.observe(plan.num_rows, round_s, num_lanes=len(decoding), num_tokens=tokens)
 
     def observe(self, num_rows: int, forward_s: float, *, num_lanes: int = 0, num_tokens: int = 0) -> None:
         """One round ran `num_rows` rows in `forward_s` seconds; `num_lanes` of its lanes

@@ -144,7 +144,7 @@ class Engine:
         if planned:
             result = self.device.run_round(plan)
             forward_s = result.forward_s
-            self.draft_costs.observe_round(plan, result)
+            self.draft_costs.observe_round(plan, result, self.clock() - t0)
             self._postprocess(planned, result, events)
         self._report_store()
         busy = sum(1 for lane in self.lanes if lane.busy)

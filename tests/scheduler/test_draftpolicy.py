@@ -123,7 +123,7 @@ def test_observe_round_counts_decoding_lanes_and_their_tokens():
     plan = RoundPlan((LaneWork(0, 10, (4, 5, 6), (0,), prefill=False, drafts=(5, 6)),
                       LaneWork(1, 20, (7,), (1, 2), prefill=False),
                       LaneWork(2, 0, (1, 2, 3, 4), (3,), prefill=True)))
-    result = RoundResult((LaneResult(0, sampled=(5, 9)), LaneResult(1, sampled=(3,)), LaneResult(2)), forward_s=0.5)
-    costs.observe_round(plan, result)
+    result = RoundResult((LaneResult(0, sampled=(5, 9)), LaneResult(1, sampled=(3,)), LaneResult(2)), forward_s=0.1)
+    costs.observe_round(plan, result, 0.5)
     assert (costs.last_rows, costs.last_lanes, costs.last_tokens) == (8, 2, 3)
     assert costs.round_s(8) == 0.5

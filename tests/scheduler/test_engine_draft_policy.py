@@ -1,4 +1,4 @@
-"""The engine's draft policy over the fake device, whose round time is set by its row count:
+"""The engine's draft policy over the fake device, whose round time (on the engine's clock) is set by its row count:
 the engine learns that curve, and a lane whose drafts miss keeps drafting while extra rows
 are free and stops (but for probes) when each row costs a round. Output never changes."""
 
@@ -14,20 +14,25 @@ VOCAB = 3  # drafts proposed all along, and accepted now and then by chance
 
 
 class TimedDevice(FakeDevice):
-    """A fake device whose round takes `round_s(rows)` seconds."""
+    """A fake device whose round takes `round_s(rows)` seconds on its clock."""
 
     def __init__(self, round_s, **info) -> None:
         super().__init__(make_info(**info))
         self.round_s = round_s
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
 
     def run_round(self, plan: RoundPlan) -> RoundResult:
-        result = super().run_round(plan)
-        return RoundResult(result.lanes, forward_s=self.round_s(plan.num_rows))
+        self.now += self.round_s(plan.num_rows)
+        return super().run_round(plan)
 
 
 def run(draft: str, round_s) -> tuple[list[int], list[int], Engine]:
     device = TimedDevice(round_s, vocab_size=VOCAB, num_pages=64, max_context=160, num_lanes=1)
-    engine = Engine(device, SchedulerConfig(num_lanes=1, grid=16, cache=False, draft=draft, draft_max=4))
+    engine = Engine(device, SchedulerConfig(num_lanes=1, grid=16, cache=False, draft=draft, draft_max=4),
+                    clock=device.clock)
     prompt = tuple(i * i * 7 % 11 % VOCAB for i in range(40))
     engine.submit(StreamRequest(0, prompt, 80, sampling=SamplingParams()))
     ids: list[int] = []
