@@ -198,6 +198,12 @@ def main() -> None:
     print_machine({"model": str(ckpt.path), "dtype": args.dtype, "reply tokens": str(max_tokens),
                    "draft max": str(args.draft_max), "torch threads": str(torch.get_num_threads())})
     rows = []
+    if args.model == "default":
+        for name, workload in (("echo", echo_messages), ("prose", prose_messages)):
+            plain, lookup = llama_cpp_rates(str(default_model_path()), tok, workload, turns, max_tokens, args.draft_max)
+            rows.append([f"{name} llama.cpp", 1, fmt_rate(plain), fmt_rate(lookup), fmt_ratio(lookup, plain),
+                         "-", "-", "-"])
+            print("measured:", rows[-1], flush=True)
     for mode in args.modes.split(","):
         mode = resolve_mode(mode, ckpt.config.family, torch.device("cpu"), dtype)
         runner = ModelRunner(ckpt, device=torch.device("cpu"), dtype=dtype, num_lanes=max(lane_counts),
@@ -207,12 +213,6 @@ def main() -> None:
                 rows.append(measure(runner, tok, workload, lanes, turns, max_tokens, args.draft_max, f"{name} {mode}"))
                 print("measured:", rows[-1], flush=True)
         del runner
-    if args.model == "default":
-        for name, workload in (("echo", echo_messages), ("prose", prose_messages)):
-            plain, lookup = llama_cpp_rates(str(default_model_path()), tok, workload, turns, max_tokens, args.draft_max)
-            rows.append([f"{name} llama.cpp", 1, fmt_rate(plain), fmt_rate(lookup), fmt_ratio(lookup, plain),
-                         "-", "-", "-"])
-            print("measured:", rows[-1], flush=True)
     print(markdown_table(["workload", "lanes", "undrafted tok/s", "drafted tok/s", "ratio", "acceptance",
                           "accepted per verify", "ids equal"], rows))
 
