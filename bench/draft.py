@@ -174,7 +174,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    parser.add_argument("--modes", default="int4,invariant", help="runner modes, comma-separated")
+    parser.add_argument("--modes", default="int4,invariant", help="runner modes, comma-separated ('': none)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
     parser.add_argument("--draft-max", type=int, default=DEFAULT_DRAFT_MAX)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--lanes", default="", help="lane counts, comma-separated (default: 1,8; --quick: 1,2)")
@@ -198,13 +199,13 @@ def main() -> None:
     print_machine({"model": str(ckpt.path), "dtype": args.dtype, "reply tokens": str(max_tokens),
                    "draft max": str(args.draft_max), "torch threads": str(torch.get_num_threads())})
     rows = []
-    if args.model == "default":
+    if args.model == "default" and not args.no_llama_cpp:
         for name, workload in (("echo", echo_messages), ("prose", prose_messages)):
             plain, lookup = llama_cpp_rates(str(default_model_path()), tok, workload, turns, max_tokens, args.draft_max)
             rows.append([f"{name} llama.cpp", 1, fmt_rate(plain), fmt_rate(lookup), fmt_ratio(lookup, plain),
                          "-", "-", "-"])
             print("measured:", rows[-1], flush=True)
-    for mode in args.modes.split(","):
+    for mode in [m for m in args.modes.split(",") if m]:
         mode = resolve_mode(mode, ckpt.config.family, torch.device("cpu"), dtype)
         runner = ModelRunner(ckpt, device=torch.device("cpu"), dtype=dtype, num_lanes=max(lane_counts),
                              num_pages=max(lane_counts) * 96, page_size=16, mode=mode)
