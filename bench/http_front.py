@@ -3,6 +3,7 @@ and what constrained decoding costs beside unconstrained, on one daemon.
 
     python bench/http_front.py            # the full table (minutes; run it on an idle machine)
     python bench/http_front.py --quick    # a smoke run with small sizes
+    python bench/http_front.py --only c --repeats 3   # one measure, fewer pairs
 
 Spawns `prefixd serve --lanes 8 --http 127.0.0.1:0` on the default model and measures, with
 the same chat prompts, seeds and max_tokens through both fronts, taken back to back in pairs:
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
@@ -191,25 +193,29 @@ async def constrained_decode(fronts: Fronts, sizes: Sizes) -> tuple[list[float],
     return free, masked
 
 
-async def measure(fronts: Fronts, sizes: Sizes) -> list[list[str]]:
+async def measure(fronts: Fronts, sizes: Sizes, only: str | None = None) -> list[list[str]]:
+    """The table's rows: every measure, or only (a), (b) or (c)."""
     import httpx
 
+    rows = []
     limits = httpx.Limits(max_connections=sizes.lanes * 2)
     async with httpx.AsyncClient(timeout=600.0, limits=limits) as http:
-        progress("(a) streaming overhead")
-        sock_rates, http_rates, same = await streaming_overhead(fronts, http, sizes)
-        progress("(b) cached-turn TTFT")
-        sock_ttft, http_ttft = await cached_turn_ttft(fronts, http, sizes)
-    progress("(c) constrained decoding")
-    free, masked = await constrained_decode(fronts, sizes)
-    rows = [
-        [f"(a) {sizes.lanes} streams, tok/s", f"{median(sock_rates):.1f}", f"{median(http_rates):.1f}",
-         f"{median(http_rates) / median(sock_rates):.3f}", ">= 0.95", "same" if same else "DIFFER"],
-        ["(b) cached-turn TTFT, ms", f"{median(sock_ttft) * 1e3:.1f}", f"{median(http_ttft) * 1e3:.1f}",
-         f"{median(http_ttft) / median(sock_ttft):.3f}", "<= 1.10", f"{len(http_ttft)} turns"],
-        [f"(c) {sizes.lanes} lanes, tok/s (unconstrained, constrained)", f"{median(free):.1f}",
-         f"{median(masked):.1f}", f"{median(masked) / median(free):.3f}", ">= 0.90", "socket"],
-    ]
+        if only in (None, "a"):
+            progress("(a) streaming overhead")
+            sock_rates, http_rates, same = await streaming_overhead(fronts, http, sizes)
+            rows.append([f"(a) {sizes.lanes} streams, tok/s", f"{median(sock_rates):.1f}", f"{median(http_rates):.1f}",
+                         f"{median(http_rates) / median(sock_rates):.3f}", ">= 0.95", "same" if same else "DIFFER"])
+        if only in (None, "b"):
+            progress("(b) cached-turn TTFT")
+            sock_ttft, http_ttft = await cached_turn_ttft(fronts, http, sizes)
+            rows.append(["(b) cached-turn TTFT, ms", f"{median(sock_ttft) * 1e3:.1f}", f"{median(http_ttft) * 1e3:.1f}",
+                         f"{median(http_ttft) / median(sock_ttft):.3f}", "<= 1.10", f"{len(http_ttft)} turns"])
+    if only in (None, "c"):
+        progress("(c) constrained decoding")
+        free, masked = await constrained_decode(fronts, sizes)
+        pairs = " ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(free, masked))
+        rows.append([f"(c) {sizes.lanes} lanes, tok/s (unconstrained, constrained)", f"{median(free):.1f}",
+                     f"{median(masked):.1f}", f"{median(masked) / median(free):.3f}", ">= 0.90", f"socket; {pairs}"])
     return rows
 
 
@@ -234,14 +240,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     parser.add_argument("--model", default="default")
+    parser.add_argument("--only", choices=("a", "b", "c"), help="run one measure")
+    parser.add_argument("--repeats", type=int, help="pairs of runs (default: 5, or 1 with --quick)")
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
+    if args.repeats is not None:
+        sizes = dataclasses.replace(sizes, repeats=args.repeats)
     print_machine({"sizes": str(sizes)})
     flags = ["--lanes", str(sizes.lanes), "--http", "127.0.0.1:0"]
     progress("starting the daemon")
     with spawn_daemon(flags, model=args.model) as handle:
         fronts = Fronts(handle, http_base_url(handle))
-        rows = anyio.run(measure, fronts, sizes)
+        rows = anyio.run(measure, fronts, sizes, args.only)
     print(markdown_table(["measure", "socket / unconstrained", "http / constrained", "ratio", "goal", "note"], rows))
 
 

@@ -10,7 +10,9 @@ Starts `prefixd serve` on the default model (Unix socket only, metrics off), the
 2. soak: the same honest clients for --seconds beside hostile ones: malformed frames, huge
    memfd payloads, trickling slow clients, floods of cheap frames, NaN images, sampling
    edges, huge chat renders (some abandoned mid-render), clients that leave mid-stream;
-3. settle: wait until no lane is busy, then read RSS, fds and pages again.
+3. settle: wait until no lane is busy and the engine host's idle trim has run (IDLE_TRIM_S
+   of idle, plus 1 s; the same wait precedes the "before" reading), then read RSS, fds and
+   pages again.
 
 It prints one table: requests served, errors by code, honest p50/p99 TTFT with and without
 hostile clients and their ratio, whether honest outputs are bit-equal to the reference,

@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 import anyio
 
 from bench.daemon import stop_process
+from prefixd.daemon.engine_host import IDLE_TRIM_S
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.messages import HelloReply
 
@@ -84,7 +85,8 @@ class Daemon:
             return await client.hello(client="soak")
 
     async def measure(self, settle_timeout_s: float) -> dict[str, int]:
-        """RSS, fds and pages once no lane is busy and nothing waits (or the timeout passes)."""
+        """RSS, fds and pages once no lane is busy and nothing waits (or the timeout passes),
+        and the engine has been idle long enough to return its retained heap."""
         deadline = time.monotonic() + settle_timeout_s
         async with await AsyncClient.connect(self.socket) as client:
             while True:
@@ -92,7 +94,7 @@ class Daemon:
                 if (status["lanes_busy"] == 0 and status["waiting"] == 0) or time.monotonic() > deadline:
                     break
                 await anyio.sleep(0.1)
-        await anyio.sleep(0.5)  # let closed connections' buffers go
+        await anyio.sleep(IDLE_TRIM_S + 1.0)  # the engine host returns freed heap after IDLE_TRIM_S idle
         self.peak_rss = max(self.peak_rss, self.rss_bytes())
         return {"rss": self.rss_bytes(), "fds": self.num_fds(), "pages_used": status["pages_used"],
                 "lanes_busy": status["lanes_busy"], "waiting": status["waiting"]}

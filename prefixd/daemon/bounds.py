@@ -20,9 +20,14 @@ class ConnectionBounds:
     frame_deadline_s: float = 30.0  # an incomplete frame must complete within this, from its first byte
     max_buffered_bytes: int = 64 << 20  # incomplete frames, all connections together
     accept_backoff_s: float = 0.1  # pause after a failed accept (EMFILE...) before trying again
+    max_heavy_jobs: int = 1  # heavy renders/encodes running at once (host_work.py); one per connection
+    heavy_cpu_share: float = 0.25  # of one core, the most a heavy job's thread uses
 
     def __post_init__(self) -> None:
-        if min(self.max_connections, self.max_streams, self.out_frames, self.max_buffered_bytes) < 1:
+        if min(self.max_connections, self.max_streams, self.out_frames, self.max_buffered_bytes,
+               self.max_heavy_jobs) < 1:
             raise ValueError(f"connection bounds must be positive: {self}")
         if min(self.send_timeout_s, self.frame_deadline_s, self.accept_backoff_s) <= 0:
             raise ValueError(f"connection timeouts must be positive: {self}")
+        if not 0 < self.heavy_cpu_share <= 1:
+            raise ValueError(f"heavy_cpu_share must be in (0, 1]: {self}")

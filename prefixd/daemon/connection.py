@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from array import array
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -24,6 +25,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.engine_host import EngineFailed, EngineHost, StreamTokens
+from prefixd.daemon.fair import FairSeats
+from prefixd.daemon.host_work import HostWork, is_heavy
 from prefixd.daemon.peer_probe import peer_probe
 from prefixd.daemon.requests import RequestBuilder
 from prefixd.ipc.errors import ErrorCode, ProtocolError
@@ -32,6 +35,7 @@ from prefixd.ipc.fields import request_id_of
 from prefixd.ipc.framing import Frame, close_fds
 from prefixd.ipc.memfd import check_refs, resolve_payloads
 from prefixd.ipc.messages import check_before_payloads
+from prefixd.scheduler.streams import DoneEvent, Usage
 
 log = logging.getLogger("prefixd.connection")
 
@@ -50,6 +54,8 @@ class Services:
     status_extra: Callable[[], dict[str, Any]]
     shutting_down: Callable[[], bool]
     next_stream_id: Callable[[], int]
+    seats: FairSeats | None = None  # None: generates go to the engine as they come
+    host_work: HostWork | None = None  # None: heavy renders run unbounded
 
     def max_context(self) -> int | None:
         """The longest prompt the model takes, as the hello reply's model map says."""
@@ -68,6 +74,8 @@ class Connection:
         self._out_send, self._out_receive = anyio.create_memory_object_stream[dict](bounds.out_frames)
         self._streams: dict[int, int | None] = {}  # request id -> engine stream id (None: being built)
         self._cancel_early: set[int] = set()  # generates cancelled while being built
+        self._seat_waits: dict[int, anyio.CancelScope] = {}  # generates waiting for a fair seat
+        self._heavy_lock = anyio.Lock()  # one heavy render or encode at a time per connection
         self._writer_done = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
         self.slow = False
@@ -97,6 +105,7 @@ class Connection:
         for request_id, stream_id in self._streams.items():
             if stream_id is None:
                 self._cancel_early.add(request_id)
+                self._stop_seat_wait(request_id)
             else:
                 self.services.host.cancel_nowait(stream_id)
 
@@ -193,8 +202,18 @@ class Connection:
         await self._send(StatusReply(request_id, {**status, **self.services.status_extra()}).to_wire())
 
     async def _on_tokenize(self, msg: dict[str, Any]) -> None:
-        reply = await anyio.to_thread.run_sync(self.services.builder.tokenize, msg, peer_probe(self.framed))
+        reply = await self._off_loop(msg, self.services.builder.tokenize, msg)
         await self._send(reply.to_wire())
+
+    async def _off_loop(self, msg: dict[str, Any], build: Callable[..., Any], *args: Any) -> Any:
+        """`build(*args, client_gone)` in a worker thread; heavy requests (host_work.py) wait
+        for a heavy slot and pause to leave the engine its CPU."""
+        probe = peer_probe(self.framed)
+        work = self.services.host_work
+        if work is None or not is_heavy(msg):
+            return await anyio.to_thread.run_sync(build, *args, probe)
+        async with work.heavy(self._heavy_lock, probe) as poll:
+            return await anyio.to_thread.run_sync(build, *args, poll)
 
     async def _on_detokenize(self, msg: dict[str, Any]) -> None:
         ids = msg.get("ids")
@@ -211,6 +230,7 @@ class Connection:
         stream_id = self._streams[target]
         if stream_id is None:
             self._cancel_early.add(target)  # still being built: cancelled once submitted
+            self._stop_seat_wait(target)
         else:
             self.services.host.cancel_nowait(stream_id)
         await self._send(OkReply(request_id).to_wire())
@@ -226,9 +246,21 @@ class Connection:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down and takes no new work")
 
     async def _on_generate(self, msg: dict[str, Any]) -> None:
+        started_s = time.monotonic()
         stream_id = self.services.next_stream_id()
-        built = await anyio.to_thread.run_sync(self.services.builder.generate, msg, stream_id, self.version,
-                                               peer_probe(self.framed))
+        built = await self._off_loop(msg, self.services.builder.generate, msg, stream_id, self.version)
+        seated = await self._take_seat(built.request_id)
+        if not seated and self.services.seats is not None:  # cancelled before it had a seat
+            await self._end_unsubmitted(built, stream_id, time.monotonic() - started_s)
+            return
+        try:
+            await self._submit_and_forward(built, stream_id)
+        finally:
+            if seated:
+                assert self.services.seats is not None
+                self.services.seats.give_back(self)
+
+    async def _submit_and_forward(self, built: Any, stream_id: int) -> None:
         try:
             receive = await self.services.host.submit(built.request)
         except Exception as e:
@@ -240,6 +272,35 @@ class Connection:
         if built.request_id in self._cancel_early:
             self.services.host.cancel_nowait(stream_id)
         await self._forward(built, receive)
+
+    async def _take_seat(self, request_id: int) -> bool:
+        """Wait for a fair seat (fair.py); False without one: no seats, or the generate was
+        cancelled first."""
+        seats = self.services.seats
+        if seats is None or request_id in self._cancel_early:
+            return False
+        with anyio.CancelScope() as scope:
+            self._seat_waits[request_id] = scope
+            try:
+                await seats.take(self)
+            finally:
+                self._seat_waits.pop(request_id, None)
+            return True
+        return False
+
+    async def _end_unsubmitted(self, built: Any, stream_id: int, total_s: float) -> None:
+        """done: cancelled for a generate cancelled before it reached the engine, as the
+        engine reports a stream cancelled before it was seated."""
+        usage = Usage(prompt_tokens=len(built.request.tokens), cached_tokens=0, prefilled_tokens=0,
+                      completion_tokens=0, cache="off", ttft_s=0.0, total_s=total_s)
+        self._streams.pop(built.request_id, None)
+        for final in self.services.builder.output(built).done(DoneEvent(stream_id, "cancelled", usage)):
+            await self._send(final.to_wire())
+
+    def _stop_seat_wait(self, request_id: int) -> None:
+        scope = self._seat_waits.get(request_id)
+        if scope is not None:
+            scope.cancel()
 
     # -- out --------------------------------------------------------------------------------
 

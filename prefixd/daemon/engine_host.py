@@ -7,12 +7,17 @@
 
 The event loop never blocks on a forward: every engine call crosses the command queue, and
 the engine thread sleeps on a condition while it has nothing to run.
+
+While busy the process keeps freed heap for the next round (`retain_freed_memory`); once
+the engine has been idle for `idle_trim_s` it hands that heap back to the system, once per
+idle spell, so a burst does not leave the daemon at its peak RSS.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import hashlib
 import logging
 import threading
@@ -24,12 +29,15 @@ import anyio
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from prefixd.daemon.admission import return_freed_memory
+
 log = logging.getLogger("prefixd.engine")
 T = TypeVar("T")
 
 DEFAULT_EVENT_BUFFER = 1024  # events queued per stream before its client counts as not reading
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)
 RETAINED_FREE_BYTES = 1 << 30  # free heap kept before malloc gives memory back to the kernel
+IDLE_TRIM_S = 5.0  # idle time after which the retained heap goes back to the system
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +80,13 @@ def retain_freed_memory() -> bool:
     return bool(mallopt(_M_TRIM_THRESHOLD, RETAINED_FREE_BYTES)) and bool(mallopt(_M_MMAP_MAX, 0))
 
 
+def return_idle_memory() -> None:
+    """Collect cyclic garbage (a render's cancelled frames, exception tracebacks), then hand
+    freed heap back to the system: what an idle daemon does once per idle spell."""
+    gc.collect()
+    return_freed_memory()
+
+
 class EngineHost:
     """Owns the engine thread and routes each stream's events to a bounded memory stream.
 
@@ -82,8 +97,14 @@ class EngineHost:
 
     def __init__(self, engine: Any, *, event_buffer: int = DEFAULT_EVENT_BUFFER,
                  on_overflow: Callable[[int], None] | None = None,
-                 before_round: Callable[[], object] | None = None) -> None:
+                 before_round: Callable[[], object] | None = None,
+                 idle_trim_s: float | None = IDLE_TRIM_S,
+                 trim: Callable[[], object] | None = None) -> None:
         self.engine = engine
+        self._idle_trim_s = idle_trim_s  # None: never trim
+        self._trim = trim or return_idle_memory  # on the engine thread after idle_trim_s without work
+        self._trim_due = False  # rounds or calls ran since the last trim
+        self.num_trims = 0
         self._before_round = before_round  # called on the engine thread (thread policy)
         self._event_buffer = event_buffer
         self._on_overflow = on_overflow
@@ -158,6 +179,7 @@ class EngineHost:
         except BaseException:
             self._drop(stream_id)
             receive.close()
+            self.cancel_nowait(stream_id)  # a wait cancelled after the submit was queued: end it too
             raise
         return receive
 
@@ -181,10 +203,15 @@ class EngineHost:
             while True:
                 with self._cond:
                     while not self._commands and self.engine.idle and not self._stopping:
-                        self._cond.wait()
+                        if not self._cond.wait(self._idle_wait_s()):
+                            break  # idle for idle_trim_s: trim below, outside the lock
                     if self._stopping and not self._commands:
                         return
                     commands, self._commands = self._commands, deque()
+                if not commands and self.engine.idle:
+                    self._trim_idle()
+                    continue
+                self._trim_due = True
                 for command in commands:
                     command()
                 if not self.engine.idle and not self._stopping:
@@ -196,6 +223,17 @@ class EngineHost:
         except BaseException as e:  # noqa: BLE001 - reported to the loop, which shuts down
             log.exception("engine thread stopped")
             self._post(self._fail, e)
+
+    def _idle_wait_s(self) -> float | None:
+        """How long to sleep before an idle trim is due (None: until woken)."""
+        return self._idle_trim_s if self._trim_due else None
+
+    def _trim_idle(self) -> None:
+        """`idle_trim_s` passed with no command and no round: return the retained heap."""
+        self._trim_due = False
+        self._trim()
+        self.num_trims += 1
+        log.debug("engine idle for %.1fs: returned freed heap to the system", self._idle_trim_s)
 
     def _step(self) -> list[Any]:
         """One round. A lane that failed alone ends only its stream (the engine did that); a
@@ -227,6 +265,8 @@ class EngineHost:
                 log_done(event)
             sink = self._sinks.get(event.stream_id)
             if sink is None:
+                if isinstance(event, StreamTokens):
+                    self.cancel_nowait(event.stream_id)  # nobody reads it any more: free its lane
                 continue
             try:
                 sink.send_nowait(event)

@@ -25,6 +25,8 @@ from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.config import DaemonConfig, cache_budget_warning
 from prefixd.daemon.connection import Connection, Services
 from prefixd.daemon.engine_host import EngineHost
+from prefixd.daemon.fair import FairSeats
+from prefixd.daemon.host_work import HostWork
 from prefixd.daemon.http.serve import HttpServer
 from prefixd.daemon.listener import PeerPolicy, SocketPathError, peer_cred
 from prefixd.daemon.requests import RequestBuilder
@@ -39,6 +41,9 @@ log = logging.getLogger("prefixd.server")
 _TRIM_AFTER_BYTES = 1 << 20  # a connection that buffered this much hands freed heap back on close
 _CANCEL_FLUSH_S = 5.0  # after the grace period: time for cancelled streams to send their done
 DISK_FLUSH_S = 120.0  # at shutdown, time the disk tier's writer gets to finish its queue
+# The engine thread drops and retakes the GIL around every torch op; while a worker thread
+# or the loop runs Python, each retake waits up to this interval (CPython's default: 5 ms).
+GIL_SWITCH_S = 0.0005
 
 RuntimeFactory = Callable[[DaemonConfig, Any], Runtime]
 
@@ -71,6 +76,8 @@ class Server:
         self.http: HttpServer | None = None
         self._listener: anyio.abc.SocketListener | None = None
         self._host: EngineHost | None = None
+        self._seats: FairSeats | None = None
+        self.host_work = HostWork(self.bounds.max_heavy_jobs, self.bounds.heavy_cpu_share)
         self._runtime: Runtime | None = None
         self._connections: set[Connection] = set()
         self._stream_ids = itertools.count(1)
@@ -124,6 +131,7 @@ class Server:
         self.metrics.track(lambda: len(self._connections),
                            lambda: (engine.allocator.num_free, engine.allocator.num_used))
         self._host = EngineHost(engine, before_round=self._runtime.before_round)
+        self._seats = FairSeats(len(engine.lanes))
         await self._host.start()
 
     async def main_loop(self) -> None:
@@ -339,6 +347,8 @@ class Server:
             status_extra=self._status_extra,
             shutting_down=lambda: self.should_exit,
             next_stream_id=lambda: next(self._stream_ids),
+            seats=self._seats,
+            host_work=self.host_work,
         )
 
     def _hello_reply(self) -> dict[str, Any]:
@@ -362,5 +372,6 @@ class Server:
 def serve(cfg: DaemonConfig) -> int:
     """Run a daemon in the foreground until SIGTERM/SIGINT; returns the exit code."""
     logging.basicConfig(level=cfg.log_level.upper(), format="prefixd %(levelname)s %(name)s: %(message)s")
+    sys.setswitchinterval(GIL_SWITCH_S)  # process-wide, so set by the process's entry point only
     server = Server(cfg)
     return anyio.run(server.run, backend="asyncio", backend_options={"use_uvloop": True})

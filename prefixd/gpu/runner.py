@@ -77,7 +77,8 @@ class ModelRunner:
             return None
         if self._ll_tokenizer is None:  # built on first use: ~1 s for a large vocabulary
             self._ll_tokenizer = ll_tokenizer(self.tokenizer)
-        return GrammarMask(self._ll_tokenizer, sampling.grammar, vocab_size=self.config.vocab_size)
+        return GrammarMask(self._ll_tokenizer, sampling.grammar, vocab_size=self.config.vocab_size,
+                           background=self.device.type != "cpu")  # on the CPU the forward wants every core
 
     def run_round(self, plan: RoundPlan) -> RoundResult:
         refused = {w.lane: err for w in plan.lanes if (err := self._image_error(w)) is not None}

@@ -19,6 +19,11 @@ from prefixd.text.tokenizer_gguf import TokenizerError, build_gguf_backend
 
 __all__ = ["RenderedChat", "StreamDecoder", "Tokenizer", "TokenizerError"]
 
+# Longer inputs go through the `*_batch` calls, which release the GIL while the Rust side
+# works; the single-item calls hold it throughout, stalling the engine thread and the loop.
+UNLOCKED_ENCODE_CHARS = 4096
+UNLOCKED_DECODE_IDS = 1024
+
 def _byte_decoder() -> dict[str, int]:
     """Inverse of byte-level BPE's byte -> printable-char spelling."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
@@ -149,7 +154,7 @@ class Tokenizer:
     def encode(self, text: str, *, add_special: bool = False) -> list[int]:
         """Ids of `text`; special-token text (e.g. <|im_start|>) becomes its id. With
         add_special, BOS is prepended when the model asks for it (add_bos)."""
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        ids = self._encoding(text).ids
         if add_special and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
@@ -157,7 +162,16 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, special tokens included; ids without a token decode to nothing."""
         kept = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
+        if len(kept) > UNLOCKED_DECODE_IDS:
+            return self._backend.decode_batch([kept], skip_special_tokens=False)[0]
         return self._backend.decode(kept, skip_special_tokens=False)
+
+    def _encoding(self, text: str) -> Any:
+        """The backend's encoding of `text` (no special tokens added), without holding the
+        GIL for long texts."""
+        if len(text) > UNLOCKED_ENCODE_CHARS:
+            return self._backend.encode_batch([text], add_special_tokens=False)[0]
+        return self._backend.encode(text, add_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
         """Raw bytes one token stands for (b"" for ids without a token)."""
@@ -252,7 +266,7 @@ class Tokenizer:
 
     def token_char_starts(self, text: str) -> list[int]:
         """Character offset where each token of encode(text) starts."""
-        return [start for start, _ in self._backend.encode(text, add_special_tokens=False).offsets]
+        return [start for start, _ in self._encoding(text).offsets]
 
 
 class StreamDecoder:

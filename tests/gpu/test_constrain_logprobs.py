@@ -11,6 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from prefixd.daemon.requests import RequestBuilder  # noqa: E402
+from prefixd.gpu import runner as runner_module  # noqa: E402
+from prefixd.gpu.constrain import GrammarMask  # noqa: E402
 from prefixd.gpu.loading import load_checkpoint  # noqa: E402
 from prefixd.gpu.runner import ModelRunner  # noqa: E402
 from prefixd.ipc.errors import ProtocolError  # noqa: E402
@@ -18,7 +20,7 @@ from prefixd.ipc.framing import Limits  # noqa: E402
 from prefixd.scheduler.config import SchedulerConfig  # noqa: E402
 from prefixd.scheduler.engine import Engine  # noqa: E402
 from prefixd.scheduler.records import SamplingParams  # noqa: E402
-from prefixd.scheduler.streams import StreamRequest, TokenEvent  # noqa: E402
+from prefixd.scheduler.streams import DoneEvent, StreamRequest, TokenEvent  # noqa: E402
 from prefixd.text.grammar import grammar_of  # noqa: E402
 from prefixd.text.tools import parse_tool_calls  # noqa: E402
 from tests.helpers.tiny_models import make_tiny_hf_dir  # noqa: E402
@@ -141,3 +143,90 @@ def test_logprobs_come_from_the_sampled_row_and_hold_cold_resumed_and_beside_oth
     beside = logprob_run(crowded, 3, prompt)
     key = lambda events: [(e.ids, e.logprobs) for e in events]  # noqa: E731
     assert key(cold) == key(resumed) == key(beside)
+
+
+class _BackgroundMask(GrammarMask):
+    """The runner's mask with each next mask built on the worker thread (as on an accelerator)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{**kwargs, "background": True})
+
+
+def digests(engine: Engine, requests: list[StreamRequest]) -> dict[int, tuple]:
+    """Per stream: its ids, and the bytes of every logits row it was sampled from."""
+    events: list = []
+    ids = run(engine, requests, events)
+    rows: dict[int, list[bytes]] = {}
+    for e in events:
+        rows.setdefault(e.stream_id, []).append(e.logits.float().numpy().tobytes())
+    return {k: (ids[k], tuple(rows.get(k, ()))) for k in ids}
+
+
+def test_masks_built_on_the_worker_give_the_same_ids_and_logits_as_inline(runner, monkeypatch):
+    stop = frozenset(runner.tokenizer.stop_ids)
+    grammars = [grammar_of(FORMAT), grammar_of({"type": "regex", "regex": "[a-z ]{4,30}\\."}), None]
+    prompt = tuple(runner.tokenizer.encode("Give me the weather as JSON:"))
+
+    def requests() -> list[StreamRequest]:
+        return [StreamRequest(s, prompt, 24, sampling=SamplingParams(temperature=1.0, seed=s, grammar=grammars[s % 3]),
+                              stop_ids=stop, want_logits=True) for s in range(16)]
+
+    inline = digests(Engine(runner, SchedulerConfig(num_lanes=8, grid=8, cache=False)), requests())
+    monkeypatch.setattr(runner_module, "GrammarMask", _BackgroundMask)
+    worker = digests(Engine(runner, SchedulerConfig(num_lanes=8, grid=8, cache=False)), requests())
+    assert worker == inline
+    assert all(len(rows) == len(ids) for ids, rows in inline.values())
+    assert len({ids for ids, _ in inline.values()}) > 8  # seeds still vary the replies
+
+
+def run_to_done(engine: Engine, requests: list[StreamRequest]) -> tuple[dict[int, tuple[int, ...]], dict[int, str]]:
+    """Every stream's ids and its finish reason."""
+    for r in requests:
+        engine.submit(r)
+    ids: dict[int, tuple[int, ...]] = {r.stream_id: () for r in requests}
+    reasons: dict[int, str] = {}
+    while not engine.idle:
+        for event in engine.step():
+            if isinstance(event, TokenEvent):
+                ids[event.stream_id] += event.ids
+            elif isinstance(event, DoneEvent):
+                reasons[event.stream_id] = event.finish_reason
+    return ids, reasons
+
+
+@pytest.mark.parametrize("mask_class", [GrammarMask, _BackgroundMask])
+def test_a_lane_whose_grammar_ends_or_fails_mid_batch_ends_alone(runner, monkeypatch, mask_class):
+    stop = frozenset(runner.tokenizer.stop_ids)
+    short = grammar_of({"type": "regex", "regex": "[a-z]{3}"})  # done after 3 letters: only the end follows
+    broken = grammar_of({"type": "regex", "regex": "[a-z]{40,50}"})  # its third mask fails
+
+    class FailsOnItsThirdMask(mask_class):
+        calls = 0
+
+        def _compute(self):
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("the grammar library failed")
+            return super()._compute()
+
+    def make_mask(ll_tok, grammar, **kwargs):
+        return (FailsOnItsThirdMask if grammar == broken else mask_class)(ll_tok, grammar, **kwargs)
+
+    monkeypatch.setattr(runner_module, "GrammarMask", make_mask)
+    long_grammar = grammar_of({"type": "regex", "regex": "[a-z ]{200}"})
+
+    def req(stream_id: int, grammar: str | None) -> StreamRequest:
+        prompt = tuple(runner.tokenizer.encode(f"lane {stream_id} says:"))
+        sampling = SamplingParams(temperature=1.0, seed=stream_id, grammar=grammar)
+        return StreamRequest(stream_id, prompt, 12, sampling=sampling, stop_ids=stop)
+
+    others = [req(k, long_grammar if k % 2 else None) for k in range(6)]
+    solo = {r.stream_id: run(Engine(runner, SchedulerConfig(num_lanes=8, grid=8, cache=False)), [r])[r.stream_id]
+            for r in others}
+    engine = Engine(runner, SchedulerConfig(num_lanes=8, grid=8, cache=False))
+    ids, reasons = run_to_done(engine, [*others, req(100, short), req(101, broken)])
+    assert reasons[100] == "stop" and ids[100][-1] in stop
+    text = text_of(runner, ids[100])
+    assert len(text) == 3 and set(text) <= set("abcdefghijklmnopqrstuvwxyz")
+    assert reasons[101] == "error" and len(ids[101]) == 2
+    assert {k: ids[k] for k in solo} == solo and all(reasons[k] == "length" for k in solo)

@@ -244,3 +244,40 @@ def test_hf_stop_ids_include_generation_config_eos(tmp_path: Path, tiny_llama_di
     (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     hf = Tokenizer.from_hf_dir(root)
     assert (hf.eos_id, hf.stop_ids) == (2, frozenset({0, 2}))
+
+
+class _RecordingBackend:
+    """A tokenizers backend that records which calls it gets (and makes them)."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        self.calls.append(name)
+        return getattr(self._backend, name)
+
+
+def test_long_texts_and_id_lists_use_the_gil_releasing_batch_calls(tok: Tokenizer) -> None:
+    """A long encode or decode goes through `*_batch` (which releases the GIL, so a huge chat
+    render does not stall the engine thread) and gives the same ids and text as the
+    single-item call; short ones keep the single-item call."""
+    from prefixd.text.tokenizer import UNLOCKED_DECODE_IDS, UNLOCKED_ENCODE_CHARS
+
+    backend = tok._backend
+    long_text = " ".join(CORPUS) * (UNLOCKED_ENCODE_CHARS // len(" ".join(CORPUS)) + 1)
+    expected = backend.encode(long_text, add_special_tokens=False).ids
+    assert len(long_text) > UNLOCKED_ENCODE_CHARS and len(expected) > UNLOCKED_DECODE_IDS
+    recorder = _RecordingBackend(backend)
+    tok._backend = recorder
+    try:
+        assert tok.encode(long_text) == expected
+        assert tok.token_char_starts(long_text) == [s for s, _ in backend.encode(long_text).offsets]
+        assert tok.decode(expected) == backend.decode(expected, skip_special_tokens=False)
+        assert recorder.calls == ["encode_batch", "encode_batch", "decode_batch"]
+        recorder.calls.clear()
+        assert tok.encode(CORPUS[0]) == backend.encode(CORPUS[0], add_special_tokens=False).ids
+        assert tok.decode(expected[:8]) == backend.decode(expected[:8], skip_special_tokens=False)
+        assert recorder.calls == ["encode", "decode"]
+    finally:
+        tok._backend = backend

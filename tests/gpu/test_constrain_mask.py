@@ -1,0 +1,111 @@
+"""GrammarMask on its own (the tiny llama's 49152-id tokenizer, no model): its forbidden ids are
+exactly llguidance's bitmask at every state, built on the caller's thread or the worker's; the
+numpy copy it applies on the CPU equals torch's masked_fill bit for bit; a wrong token leaves
+only the end token; a failure on the worker reaches the caller."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+llguidance = pytest.importorskip("llguidance")
+
+from prefixd.gpu.constrain import GrammarMask  # noqa: E402
+from prefixd.text.grammar import grammar_of, ll_tokenizer  # noqa: E402
+from prefixd.text.tokenizer import Tokenizer  # noqa: E402
+
+VOCAB = 49152
+SCHEMA = {"type": "object", "required": ["name", "n"], "additionalProperties": False,
+          "properties": {"name": {"type": "string"}, "n": {"type": "integer"}}}
+FORMATS = {
+    "regex": ({"type": "regex", "regex": "[a-z ]{60}"}, "the river runs past old stone bridges and"),
+    "json": ({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, json.dumps({"name": "bees", "n": 12})),
+}
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama_dir) -> Tokenizer:
+    return Tokenizer.from_hf_dir(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def ll_tok(tok):
+    return ll_tokenizer(tok)
+
+
+def reference_forbidden(matcher, end_id: int) -> np.ndarray:
+    """What the mask must be: llguidance's own bitmask, unpacked, the end token when it is empty."""
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:VOCAB]
+    allowed = bits.astype(bool) if not matcher.is_error() else np.zeros(VOCAB, dtype=bool)
+    if not allowed.any():
+        allowed[end_id] = True
+    return ~allowed
+
+
+@pytest.mark.parametrize("background", [False, True])
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_forbidden_ids_are_llguidances_bitmask_at_every_state(tok, ll_tok, name, background):
+    fmt, text = FORMATS[name]
+    grammar = grammar_of(fmt)
+    mask = GrammarMask(ll_tok, grammar, vocab_size=VOCAB, background=background)
+    ref = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
+    ids = tok.encode(text)
+    for token in ids:
+        expected = reference_forbidden(ref, ll_tok.eos_token)
+        assert np.array_equal(mask.forbidden(), expected)
+        assert not mask.forbidden()[token]  # the path is valid
+        mask.advance(token)
+        assert ref.consume_token(token)
+    assert np.array_equal(mask.forbidden(), reference_forbidden(ref, ll_tok.eos_token))
+    assert 0 < int((~mask.forbidden()).sum()) < VOCAB and mask.error is None
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_applied_row_equals_masked_fill_bit_for_bit(ll_tok, background):
+    mask = GrammarMask(ll_tok, grammar_of(FORMATS["regex"][0]), vocab_size=VOCAB, background=background)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, VOCAB, generator=g) * 30
+    logits[1, ::7] = float("inf")
+    logits[2, ::5] = float("nan")
+    before = logits.clone()
+    forbidden = torch.from_numpy(mask.forbidden().copy())
+    for i in range(3):
+        out = mask.apply(logits[i])  # a row view, as the runner passes it
+        expected = logits[i].masked_fill(forbidden, float("-inf"))
+        assert out.dtype == torch.float32 and out.shape == (VOCAB,)
+        assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(logits.view(torch.int32), before.view(torch.int32))  # rows untouched
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_wrong_token_leaves_only_the_end_token(tok, ll_tok, background):
+    mask = GrammarMask(ll_tok, grammar_of(FORMATS["regex"][0]), vocab_size=VOCAB, background=background)
+    digit = tok.encode("7")[0]
+    assert mask.forbidden()[digit]
+    mask.advance(digit)
+    assert mask.error is not None
+    assert np.flatnonzero(mask.allowed()).tolist() == [ll_tok.eos_token]
+
+
+def test_a_grammar_that_is_done_allows_only_the_end_token(tok, ll_tok):
+    mask = GrammarMask(ll_tok, grammar_of({"type": "regex", "regex": "ab"}), vocab_size=VOCAB, background=True)
+    for token in tok.encode("ab"):
+        mask.advance(token)
+    assert np.flatnonzero(mask.allowed()).tolist() == [ll_tok.eos_token]
+    assert mask.error is None
+
+
+def test_a_failure_on_the_worker_reaches_the_caller(ll_tok, monkeypatch):
+    mask = GrammarMask(ll_tok, grammar_of(FORMATS["regex"][0]), vocab_size=VOCAB, background=True)
+    mask.forbidden()
+
+    def broken(self):
+        raise RuntimeError("mask failed")
+
+    monkeypatch.setattr(GrammarMask, "_compute", broken)
+    mask.advance(int(mask.allowed().nonzero()[0][0]))
+    with pytest.raises(RuntimeError, match="mask failed"):
+        mask.apply(torch.zeros(VOCAB))
