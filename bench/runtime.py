@@ -276,22 +276,28 @@ def run_engines(args: argparse.Namespace, sizes: Sizes) -> tuple[Results, Result
 
 
 def profile(m: RunnerMeasure, sizes: Sizes, vocab: int, mode: str) -> list[str]:
-    """Top operators (self CPU time) of one prefill and one 8-lane decode, as note lines."""
+    """Top operators (self CPU time, by input shape) of one prefill, one single-lane decode and
+    one 8-lane decode, and the top-level torch calls per decode round, as note lines."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     lines = []
-    _, lanes = decode_cases(sizes, vocab)[-1]
+    (one_label, one), (_, lanes) = decode_cases(sizes, vocab)[1:]  # 1 lane and all lanes @ lane_context
     n = sizes.prefill[-1]
+    steps = sizes.decode_steps
     cases = [
-        (f"prefill {n} tok", lambda: None, lambda: m.prefill(prompt_tokens(n, vocab))),
-        (f"decode {sizes.lanes} lanes", lambda: m.start_decode(lanes), lambda: m.decode(lanes, sizes.decode_steps)),
+        (f"prefill {n} tok", lambda: None, lambda: m.prefill(prompt_tokens(n, vocab)), 0),
+        (one_label, lambda: m.start_decode(one), lambda: m.decode(one, steps), steps),
+        (f"decode {sizes.lanes} lanes", lambda: m.start_decode(lanes), lambda: m.decode(lanes, steps), steps),
     ]
-    for label, setup, fn in cases:
+    for label, setup, fn, rounds in cases:
         setup()
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             fn()
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+        table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=12)
+        if rounds:
+            calls = sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::"))
+            label += f" ({calls / rounds:.0f} top-level torch calls a round)"
         lines.append(f"profile, {mode}, {label}:\n```\n{table}\n```")
     return lines
 

@@ -136,13 +136,14 @@ def build_disk_tier(cfg: DaemonConfig, model_path: Any, runner: Any, device_kind
         return None
     from prefixd.disk.identity import model_content_hash
     from prefixd.disk.tier import DiskTier
+    from prefixd.gpu.families import mode_identity
     from prefixd.scheduler.store.disk_index import TierIdentity
 
     info = runner.info
     try:
         identity = TierIdentity(
             model_hash=model_content_hash(Path(str(model_path)), cfg.disk_cache_dir), dtype=cfg.dtype,
-            device_kind=device_kind, mode=runner.mode, page_size=info.page_size,
+            device_kind=device_kind, mode=mode_identity(runner.mode), page_size=info.page_size,
             kv_bytes_per_page=info.kv_bytes_per_page, lane_state_bytes=info.lane_state_bytes,
             logits_row_bytes=info.logits_row_bytes, lookahead=info.lookahead, invariant_rows=info.invariant_rows)
         return DiskTier(cfg.disk_cache_dir, identity, budget_bytes=cfg.disk_budget_bytes, observer=observer)

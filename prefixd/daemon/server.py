@@ -24,7 +24,7 @@ from prefixd.daemon.admission import AcceptErrors, refuse_connection, return_fre
 from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.config import DaemonConfig, cache_budget_warning
 from prefixd.daemon.connection import Connection, Services
-from prefixd.daemon.engine_host import EngineHost
+from prefixd.daemon.engine_host import EngineHost, one_malloc_arena
 from prefixd.daemon.fair import FairSeats
 from prefixd.daemon.host_work import HostWork
 from prefixd.daemon.http.serve import HttpServer
@@ -373,5 +373,6 @@ def serve(cfg: DaemonConfig) -> int:
     """Run a daemon in the foreground until SIGTERM/SIGINT; returns the exit code."""
     logging.basicConfig(level=cfg.log_level.upper(), format="prefixd %(levelname)s %(name)s: %(message)s")
     sys.setswitchinterval(GIL_SWITCH_S)  # process-wide, so set by the process's entry point only
+    one_malloc_arena()  # likewise, and before the model load starts any thread
     server = Server(cfg)
     return anyio.run(server.run, backend="asyncio", backend_options={"use_uvloop": True})

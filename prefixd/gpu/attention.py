@@ -32,7 +32,7 @@ its last tile, and its earlier tiles read a prefix of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -67,8 +67,9 @@ class AttentionTile:
     page_index: torch.Tensor  # (num_lanes * num_blocks * block // page_size,)
     mask_from: int  # first block where some row of the tile has a masked key
     masked: torch.Tensor  # (num_lanes, num_blocks - mask_from, 1, rows * group, block) bool
-    dead: torch.Tensor  # (num_lanes, num_blocks - mask_from, 1, block, 1) bool: keys past each lane's last row
+    dead_from: tuple[int, ...]  # per lane: its first key past its last row (keys up to num_blocks * block)
     kv_group: int  # tiles of one group share one K/V gather: that of the group's widest tile
+    index_cache: dict = field(default_factory=dict, compare=False, repr=False)  # `_head_rows`, `_key_rows`
 
 
 def block_size(page_size: int) -> int:
@@ -110,11 +111,9 @@ def _tile(pieces: Sequence[tuple[AttentionSpan, int, int]], *, total_rows: int, 
     kpos = torch.arange(mask_from * block, num_blocks * block, device=device).view(1, 1, 1, -1)
     masked = (kpos > qp).expand(nl, rows, group, span_keys)
     masked = masked.reshape(nl, rows * group, num_blocks - mask_from, block).permute(0, 2, 1, 3)
-    lane_end = torch.tensor(ends, dtype=torch.long, device=device).view(nl, 1, 1, 1, 1)
-    dead = kpos.view(1, num_blocks - mask_from, 1, block, 1) >= lane_end
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return AttentionTile(nl, rows, num_blocks, as_long(q_index), as_long(out_index),
-                         as_long(page_index), mask_from, masked.unsqueeze(2).contiguous(), dead, kv_group)
+                         as_long(page_index), mask_from, masked.unsqueeze(2).contiguous(), tuple(ends), kv_group)
 
 
 def plan_attention(spans: Sequence[AttentionSpan], *, total_rows: int, group: int, page_size: int,
@@ -140,40 +139,69 @@ def plan_attention(spans: Sequence[AttentionSpan], *, total_rows: int, group: in
     return tiles
 
 
-def _gather(pool: torch.Tensor, tile: AttentionTile, block: int) -> torch.Tensor:
-    """(lanes, blocks, kv_heads, block, D) keys or values of a tile's lanes, pool dtype."""
-    _, _, kvh, d = pool.shape
-    pages = pool.index_select(0, tile.page_index)  # (lanes * pages, P, kvh, D): row copies
-    view = pages.view(tile.num_lanes, tile.num_blocks, block, kvh, d).permute(0, 1, 3, 2, 4)
-    return view.contiguous()
+def _key_rows(tile: AttentionTile, block: int, page_size: int, kv_heads: int) -> torch.Tensor:
+    """Rows of the pool viewed as (pages * P * kv_heads, D), in the tile's (lane, block,
+    kv head, key) order: one gather gives the bmm's layout. Built on the first layer, cached."""
+    key = ("keys", block, page_size, kv_heads)
+    if key not in tile.index_cache:
+        nl, nb, per_block = tile.num_lanes, tile.num_blocks, block // page_size
+        offsets = torch.arange(page_size, device=tile.page_index.device)
+        slots = tile.page_index.view(nl, nb, 1, per_block, 1) * page_size + offsets  # (nl, nb, 1, pages, P)
+        heads = torch.arange(kv_heads, device=tile.page_index.device).view(1, 1, kv_heads, 1)
+        tile.index_cache[key] = (slots.view(nl, nb, 1, block) * kv_heads + heads).reshape(-1)
+    return tile.index_cache[key]
 
 
-def _gather_values(pool: torch.Tensor, tile: AttentionTile, block: int) -> torch.Tensor:
-    """`_gather` of values with the rows past each lane's last row zeroed: their probability
-    is 0, and 0 times a stale non-finite value would not be."""
-    v = _gather(pool, tile, block)
-    v[:, tile.mask_from:].masked_fill_(tile.dead, 0.0)
-    return v
+def _gather(pool: torch.Tensor, tile: AttentionTile, block: int, *, zero_dead: bool = False) -> torch.Tensor:
+    """(lanes, blocks, kv_heads, block, D) keys or values of a tile's lanes, pool dtype.
+
+    zero_dead (values): the rows past each lane's last row are zeroed, since their probability
+    is 0 and 0 times a stale non-finite value would not be."""
+    _, page_size, kvh, d = pool.shape
+    rows = _key_rows(tile, block, page_size, kvh)
+    x = pool.view(-1, d).index_select(0, rows).view(tile.num_lanes, tile.num_blocks, kvh, block, d)
+    if zero_dead:
+        for lane, end in enumerate(tile.dead_from):  # slices: cheaper than any index or mask fill
+            first, offset = divmod(end, block)
+            if first < tile.num_blocks:
+                x[lane, first, :, offset:].zero_()
+            if first + 1 < tile.num_blocks:
+                x[lane, first + 1:].zero_()
+    return x
 
 
-def attend_tile(q_ext: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                tile: AttentionTile) -> torch.Tensor:
-    """Attention output (lanes * rows, heads * D) fp32 for one tile.
+def _head_rows(tile: AttentionTile, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_rows, out_rows): rows of the round's (rows + 1) * heads head vectors, in the tile's
+    (lane, block, kv head, row, group) order for q (every block reads the same q) and in
+    (lane, kv head, row, group) order for the output. Built on the first layer, then cached."""
+    key = (heads, kv_heads)
+    if key not in tile.index_cache:
+        nl, rows, group = tile.num_lanes, tile.rows, heads // kv_heads
+        head = (torch.arange(kv_heads, device=tile.q_index.device) * group).view(kv_heads, 1, 1)
+        head = head + torch.arange(group, device=tile.q_index.device).view(1, 1, group)  # (kvh, 1, group)
+        q_rows = tile.q_index.view(nl, 1, 1, rows, 1) * heads + head.unsqueeze(0)  # (nl, 1, kvh, rows, group)
+        q_rows = q_rows.expand(nl, tile.num_blocks, kv_heads, rows, group).reshape(-1)
+        out_rows = (tile.out_index.view(nl, 1, rows, 1) * heads + head).reshape(-1)
+        tile.index_cache[key] = (q_rows, out_rows)
+    return tile.index_cache[key]
 
-    q_ext is pre-scaled, in the pool's dtype, with a zero row appended; k and v are the
-    tile's gathered blocks, (lanes, blocks, kv_heads, block, D), or a wider gather of the
-    same lane (its leading blocks are this tile's). Batched matmuls run over
-    (lane, block, kv head), each of fixed shape.
+
+def attend_tile(q_ext: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: AttentionTile,
+                out: torch.Tensor) -> None:
+    """Attention of one tile's rows, written into their rows of out ((R + 1) * heads, D) fp32.
+
+    q_ext is pre-scaled, in the pool's dtype, with a zero row appended: ((R + 1) * heads, D);
+    k and v are the tile's gathered blocks, (lanes, blocks, kv_heads, block, D), or a wider
+    gather of the same lane (its leading blocks are this tile's). Batched matmuls run over
+    (lane, block, kv head), each of fixed shape. Padding rows write the scratch row R.
     """
     nl, rows, nb = tile.num_lanes, tile.rows, tile.num_blocks
     _, _, kvh, block, d = k.shape
-    heads = q_ext.shape[1]
-    group = heads // kvh
-    m_rows = rows * group
+    heads = out.shape[1] // d
+    m_rows = rows * (heads // kvh)
+    q_rows, out_rows = _head_rows(tile, heads, kvh)
     k, v = k[:, :nb], v[:, :nb]  # a view: contiguous, as one lane's leading blocks
-    q = q_ext.index_select(0, tile.q_index).view(nl, rows, kvh, group, d)
-    q = q.permute(0, 2, 1, 3, 4).reshape(nl, 1, kvh, m_rows, d)
-    q = q.expand(nl, nb, kvh, m_rows, d).reshape(-1, m_rows, d)
+    q = q_ext.index_select(0, q_rows).view(-1, m_rows, d)  # (nl * nb * kvh, m_rows, D)
     s = kernels.bmm(q, k.reshape(-1, block, d).transpose(1, 2)).view(nl, nb, kvh, m_rows, block)
     s[:, tile.mask_from:].masked_fill_(tile.masked, float("-inf"))
     # amax in the pool dtype is exact; float(s) - m over flat views (a broadcast over a
@@ -184,8 +212,8 @@ def attend_tile(q_ext: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     l = kernels.sum_dim(p, -1)  # (nl, nb, kvh, m_rows)
     a = kernels.bmm(p.view(-1, m_rows, block).to(v.dtype), v.reshape(-1, block, d))
     a, l = _sum_blocks(a.view(nl, nb, kvh, m_rows, d).float()), _sum_blocks(l)
-    o = (a / l.unsqueeze(-1)).view(nl, kvh, rows, group, d)
-    return o.permute(0, 2, 1, 3, 4).reshape(nl * rows, heads * d)
+    o = a / l.unsqueeze(-1)  # (nl, kvh, m_rows, D)
+    out.view(-1, d).index_copy_(0, out_rows, o.reshape(-1, d))
 
 
 def _sum_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -197,7 +225,7 @@ def _sum_blocks(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[1]
     size = 1 << (n - 1).bit_length()
     if size != n:
-        x = torch.cat([x, x.new_zeros((x.shape[0], size - n, *x.shape[2:]))], dim=1)
+        x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, size - n])  # zero blocks at the end
     while x.shape[1] > 1:
         half = x.shape[1] // 2
         x = x[:, :half] + x[:, half:]
@@ -214,12 +242,15 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     Rows no tile covers come back as zeros.
     """
     r, heads, d = q.shape
-    q_ext = torch.cat([q, q.new_zeros(1, heads, d)], dim=0).to(k_pool.dtype)
+    q_ext = q.new_zeros((r + 1, heads, d), dtype=k_pool.dtype)  # a zero row for padding rows
+    q_ext[:r] = q
+    q_ext = q_ext.view(-1, d)  # one row per (round row, head)
     out = q.new_zeros(r + 1, heads * d)
     block = tiles[0].masked.shape[-1] if tiles else 0
     gathered: tuple[int, torch.Tensor, torch.Tensor] | None = None
     for tile in tiles:  # a group's widest tile comes first
         if gathered is None or gathered[0] != tile.kv_group:
-            gathered = (tile.kv_group, _gather(k_pool, tile, block), _gather_values(v_pool, tile, block))
-        out.index_copy_(0, tile.out_index, attend_tile(q_ext, gathered[1], gathered[2], tile))
+            gathered = (tile.kv_group, _gather(k_pool, tile, block),
+                        _gather(v_pool, tile, block, zero_dead=True))
+        attend_tile(q_ext, gathered[1], gathered[2], tile, out)
     return out[:r]

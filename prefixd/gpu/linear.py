@@ -12,6 +12,9 @@ Mode "int4" (CPU, bf16) keeps each projection as 4-bit codes in groups of 32 inp
 bf16 scale and zero per group (`Int4Weight`), run by torch's weight-packed CPU kernel with
 bf16 activations: w = (q - 8) * scale + zero, 5 bits per weight streamed. The probe
 (bench/probe_cpu.py, docs/runtime.md) found its rows invariant for every M and row position.
+A weight whose 4-bit rounding costs too much accuracy (the lm_head) is kept as two 4-bit
+layers, the weight's codes and those of its rounding error, side by side along the inputs
+(`quantize_int4_residual`): one call of the same kernel over the input read twice.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class Int4Weight:
     packed: torch.Tensor
     scale_zeros: torch.Tensor
     shape: tuple[int, int]
+    residual: bool = False  # packed is (out, in) codes: the weight's, then its error's; x read twice
 
     @property
     def nbytes(self) -> int:
@@ -91,6 +95,23 @@ def quantize_int4(weight: torch.Tensor) -> Int4Weight:
     return Int4Weight(packed=packed, scale_zeros=scale_zeros, shape=(n, k))
 
 
+def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """fp32 (N, K) weight of `int4_codes`' output: (q - 8) * scale + zero per group."""
+    n, k = codes.shape
+    groups = codes.float().reshape(n, k // INT4_GROUP, INT4_GROUP) - 8
+    return (groups * scale[..., None] + zero[..., None]).reshape(n, k)
+
+
+def quantize_int4_residual(weight: torch.Tensor) -> Int4Weight:
+    """The (N, K) weight as two 4-bit layers in one (N, 2K) packed weight: w's codes, then the
+    codes of w minus their dequantized values. x @ w.T is then [x | x] @ packed.T, one call of
+    the kernel with one fp32 accumulation: about 8 bits of precision for 10 bits streamed."""
+    n, k = weight.shape
+    error = weight.float() - dequantize_int4(*int4_codes(weight))
+    both = quantize_int4(torch.cat([weight.float(), error], dim=1))  # groups never straddle: k % 32 == 0
+    return Int4Weight(packed=both.packed, scale_zeros=both.scale_zeros, shape=(n, k), residual=True)
+
+
 Weight = torch.Tensor | Int4Weight
 
 
@@ -101,8 +122,10 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     outside the GEMM so its bits do not depend on a fused epilogue.
     """
     if isinstance(weight, Int4Weight):
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), weight.packed, INT4_GROUP, weight.scale_zeros).float()
+        x = x.to(torch.bfloat16)
+        if weight.residual:
+            x = torch.cat([x, x], dim=1)  # (M, 2 * in): the weight's codes, then its error's
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, INT4_GROUP, weight.scale_zeros).float()
     else:
         out = kernels.mm_t(x.to(weight.dtype), weight).float()
     if bias is not None:

@@ -23,7 +23,8 @@ from prefixd.gpu import kernels
 from prefixd.gpu.attention import AttentionSpan, AttentionTile, attend
 from prefixd.gpu.config import ModelConfig
 from prefixd.gpu.kv_pool import KVPool
-from prefixd.gpu.linear import Weight, fuse, invariant_rows, linear, pad_rows, quantize_int4
+from prefixd.gpu.linear import (Weight, fuse, invariant_rows, linear, pad_rows, quantize_int4,
+                               quantize_int4_residual)
 from prefixd.gpu.rope import RopeTable, rotate, rotation_tables
 
 
@@ -109,7 +110,7 @@ class LlamaModel:
         self.embed = lin(_take(tensors, "model.embed_tokens.weight"))
         head = self.embed if config.tie_embeddings else lin(_take(tensors, "lm_head.weight"))
         tensors.pop("lm_head.weight", None)
-        self.lm_head = head
+        self.lm_head: Weight = quantize_int4_residual(head) if mode == "int4" else head
         self.final_norm = f32(_take(tensors, "model.norm.weight"))
         self.layers = [self._layer(tensors, i, f32, lin) for i in range(config.num_layers)]
         self.rope = RopeTable(config, device=device)
@@ -153,7 +154,8 @@ class LlamaModel:
         return 4 * (4 * c.hidden_size + 2 * qkv + 3 * c.intermediate_size)
 
     def padded_rows(self, n: int) -> int:
-        return invariant_rows(n, self.dtype)
+        """int4: n (its one kernel is invariant at every M); else the compute dtype's minimum."""
+        return n if self.mode == "int4" else invariant_rows(n, self.dtype)
 
     def embed_rows(self, inputs: RoundInputs) -> torch.Tensor:
         """(padded_rows, hidden) fp32 input embeddings; image rows replace their tokens'."""

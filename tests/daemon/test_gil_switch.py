@@ -19,10 +19,13 @@ class _StubServer:
 
 def test_serve_sets_the_gil_switch_interval_before_running(monkeypatch, tmp_path):
     before = sys.getswitchinterval()
+    arenas = []
     monkeypatch.setattr(server_module, "Server", _StubServer)
+    monkeypatch.setattr(server_module, "one_malloc_arena", lambda: arenas.append(1))  # process-wide
     try:
         assert server_module.serve(DaemonConfig(socket_path=tmp_path / "s.sock")) == 7
         assert sys.getswitchinterval() == server_module.GIL_SWITCH_S
+        assert arenas == [1]  # one malloc arena, so the idle trim reaches worker threads' heap
     finally:
         sys.setswitchinterval(before)
     assert server_module.GIL_SWITCH_S < before  # shorter than CPython's default

@@ -64,6 +64,19 @@ _PLUGINS = {"qwen3_5": "prefixd.gpu.families.qwen3_5"}
 CPU_DEFAULT_MODE = "int4"
 
 
+# A mode's revision: bumped whenever what decides its bits changes (the int4 lm_head became two
+# 4-bit layers and its rounds lost their padding: revision 2), so that the disk tier, which
+# keys on `mode_identity`, never serves rows computed by an earlier revision.
+MODE_REVISIONS = {"invariant": 1, "int4": 2}
+
+
+def mode_identity(mode: str) -> str:
+    """The name the disk tier keys a mode's rows on: the mode and its revision ("int4@2")."""
+    if mode not in MODE_REVISIONS:
+        raise ValueError(f"mode {mode!r} has no revision (have: {', '.join(MODE_REVISIONS)})")
+    return f"{mode}@{MODE_REVISIONS[mode]}"
+
+
 def register(family: str, builder: Builder, modes: tuple[str, ...] = ("invariant",)) -> None:
     """Make `builder(checkpoint, device, dtype, mode)` the model code for `family`, for `modes`."""
     _BUILDERS[family] = builder
