@@ -2,7 +2,7 @@
 
 A round's time grows with its rows, but not in proportion: a padded kernel may run 1 to 4
 rows in the time of one, and a round of 8 lanes pays for rows in steps. `RoundCosts` learns
-that curve from the rounds the engine runs (row count -> forward seconds, a moving average
+that curve from the rounds the engine runs (row count -> round seconds, a moving average
 per row count, interpolated between counts seen). `DraftPolicy` keeps a lane's acceptance
 rate per match strength and picks the draft length k that maximizes the round's expected
 tokens per second:
@@ -43,7 +43,7 @@ class RoundCosts:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
         self.prior_row_frac = prior_row_frac
-        self._round_s: dict[int, float] = {}  # row count -> moving average of forward seconds
+        self._round_s: dict[int, float] = {}  # row count -> moving average of round seconds
         self._rows: list[int] = []  # sorted keys of _round_s
         self.last_rows = 0  # rows of the last decode round
         self.last_lanes = 0  # decoding lanes in it
@@ -56,17 +56,17 @@ class RoundCosts:
         tokens = sum(len(r.sampled) for r in result.lanes if r.lane in decoding)
         self.observe(plan.num_rows, round_s, num_lanes=len(decoding), num_tokens=tokens)
 
-    def observe(self, num_rows: int, forward_s: float, *, num_lanes: int = 0, num_tokens: int = 0) -> None:
-        """One round ran `num_rows` rows in `forward_s` seconds; `num_lanes` of its lanes
+    def observe(self, num_rows: int, round_s: float, *, num_lanes: int = 0, num_tokens: int = 0) -> None:
+        """One round ran `num_rows` rows in `round_s` seconds; `num_lanes` of its lanes
         decoded (or verified) and emitted `num_tokens` tokens between them."""
-        if num_rows <= 0 or forward_s <= 0.0:
+        if num_rows <= 0 or round_s <= 0.0:
             return
         old = self._round_s.get(num_rows)
         if old is None:
             bisect.insort(self._rows, num_rows)
-            self._round_s[num_rows] = forward_s
+            self._round_s[num_rows] = round_s
         else:
-            self._round_s[num_rows] = old + self.alpha * (forward_s - old)
+            self._round_s[num_rows] = old + self.alpha * (round_s - old)
         if num_lanes:
             self.last_rows, self.last_lanes, self.last_tokens = num_rows, num_lanes, num_tokens
 
