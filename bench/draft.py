@@ -1,17 +1,21 @@
 """Drafting benchmark: decode tok/s with n-gram drafts against without, beside llama.cpp.
 
-    python bench/draft.py            # 1 and 8 lanes, 128 tokens per reply
-    python bench/draft.py --quick    # 1 lane and 2 lanes, 48 tokens per reply
+    python bench/draft.py                     # 1 and 8 lanes, 128 tokens per reply, modes int4 and invariant
+    python bench/draft.py --quick             # 1 lane and 2 lanes, 48 tokens per reply
+    python bench/draft.py --modes int4 --draft-max 8 --threads 2
 
 Two workloads built from this repository's own text, rendered with the model's chat template:
-- echo: agent-style turns that quote a source function and ask for it back with one line
-  changed (the reply re-emits most of what the prompt holds);
+- echo: agent-style turns: a tool listing whose paths the reply must quote back in tool calls,
+  and a source function asked back with one line changed (the reply re-emits most of what
+  the prompt holds);
 - prose: a request for new prose about a topic (the reply repeats little).
 
-For each workload and lane count: decode tok/s undrafted and drafted (tokens after every
-lane's first token, over the time since then), acceptance (accepted / drafted tokens) and
-mean accepted length per verify, and whether the token ids of both runs are equal (they
-must be). Beside them, llama.cpp (llama-cpp-python) on the same GGUF with and without its
+Each workload is `--turns` requests (default 8), run `lanes` at a time: at 1 lane one after
+another, at 8 lanes all together. For each runner mode, workload and lane count: decode tok/s
+undrafted and drafted (tokens after every lane's first token of a batch, over the time since
+then, summed over batches), acceptance (accepted / drafted
+tokens), mean accepted drafts per verify, and whether the token ids of both runs are equal
+(they must be). Beside them, llama.cpp (llama-cpp-python) on the same GGUF with and without its
 prompt-lookup drafting (`LlamaPromptLookupDecoding`), one sequence, greedy.
 """
 
@@ -19,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -29,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import fmt_rate, fmt_ratio, markdown_table, print_machine  # noqa: E402
+from prefixd.daemon.config import DEFAULT_DRAFT_MAX  # noqa: E402
 from prefixd.scheduler.records import SamplingParams  # noqa: E402
 from prefixd.scheduler.streams import DoneEvent, StreamRequest, TokenEvent  # noqa: E402
 
@@ -44,11 +51,24 @@ def functions(limit: int) -> list[str]:
         text = path.read_text()
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.FunctionDef) and 8 <= node.end_lineno - node.lineno <= 30:
-                out.append(ast.get_source_segment(text, node))
+                out.append(textwrap.dedent(ast.get_source_segment(text, node, padded=True)))
     return out[:limit]
 
 
+def source_paths() -> list[str]:
+    """This repository's Python files, relative to its root."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "prefixd").rglob("*.py"))
+
+
 def echo_messages(i: int) -> list[dict]:
+    """Odd turns: a tool call quoting paths from a listing; even turns: re-emit an edited function."""
+    if i % 2:
+        paths = source_paths()
+        picked = paths[i * 5 % len(paths): i * 5 % len(paths) + 6]
+        listing = json.dumps({"files": picked}, indent=1)
+        return [{"role": "user", "content": f"The list_files tool returned:\n{listing}\n\n"
+                 "Call the read_file tool once for every file listed, in order. Reply only with the calls, "
+                 'one JSON object a line: {"name": "read_file", "arguments": {"path": "..."}}'}]
     fns = functions(64)
     fn = fns[i * 7 % len(fns)]
     first = fn.splitlines()[1].strip()
@@ -61,16 +81,49 @@ def prose_messages(i: int) -> list[dict]:
     return [{"role": "user", "content": f"Write a short original story about {TOPICS[i % len(TOPICS)]}."}]
 
 
-def run_engine(runner, tokenizer, workload, lanes: int, max_tokens: int, draft: str):
+class DraftCounts:
+    """An engine observer counting verifies (drafts checked) for the mean accepted length."""
+
+    def __init__(self) -> None:
+        self.verifies = 0
+
+    def on_draft(self, num_drafted: int, num_accepted: int) -> None:
+        self.verifies += 1
+
+    def __getattr__(self, name: str):  # every other observer call: nothing to do
+        return lambda *args, **kwargs: None
+
+
+def run_turns(runner, tokenizer, workload, lanes: int, turns: int, max_tokens: int, draft: str, draft_max: int):
+    """`turns` requests (workload(0..turns-1); at least `lanes`), `lanes` at a time, each batch run to its end:
+    token ids and usage per request, decode tok/s over all batches, verifies."""
+    ids, usage, tokens, seconds, verifies = {}, {}, 0, 0.0, 0
+    turns = max(turns, lanes)  # every lane busy
+    for first in range(0, turns, lanes):
+        batch = [i for i in range(first, min(first + lanes, turns))]
+        b_ids, b_usage, b_tokens, b_seconds, b_verifies = run_engine(
+            runner, tokenizer, workload, batch, max_tokens, draft, draft_max)
+        ids.update(b_ids)
+        usage.update(b_usage)
+        tokens, seconds, verifies = tokens + b_tokens, seconds + b_seconds, verifies + b_verifies
+    return ids, usage, tokens / seconds if seconds > 0 else float("nan"), verifies
+
+
+def run_engine(runner, tokenizer, workload, turns: list[int], max_tokens: int, draft: str, draft_max: int):
+    """One engine with a lane per turn: token ids and usage per turn, tokens emitted after
+    every lane's first token, the seconds since then, and the number of verifies."""
+    lanes = len(turns)
     from prefixd.scheduler.config import SchedulerConfig
     from prefixd.scheduler.engine import Engine
 
-    engine = Engine(runner, SchedulerConfig(num_lanes=lanes, cache=False, draft=draft, draft_max=4))
-    for i in range(lanes):
+    counts = DraftCounts()
+    engine = Engine(runner, SchedulerConfig(num_lanes=lanes, cache=False, draft=draft, draft_max=draft_max),
+                    observer=counts)
+    for i in turns:
         tokens = tuple(tokenizer.render_chat(workload(i)).ids)
         engine.submit(StreamRequest(i, tokens, max_tokens, sampling=SamplingParams(),
                                     stop_ids=frozenset(tokenizer.stop_ids)))
-    ids: dict[int, list[int]] = {i: [] for i in range(lanes)}
+    ids: dict[int, list[int]] = {i: [] for i in turns}
     usage = {}
     t_all_started = None
     tokens_after = 0
@@ -84,31 +137,35 @@ def run_engine(runner, tokenizer, workload, lanes: int, max_tokens: int, draft: 
                 usage[ev.stream_id] = ev.usage
         if t_all_started is None and all(ids.values()):
             t_all_started = time.perf_counter()
-    elapsed = time.perf_counter() - t_all_started if t_all_started else float("nan")
-    return ids, usage, tokens_after / elapsed if elapsed > 0 else float("nan")
+    elapsed = time.perf_counter() - t_all_started if t_all_started else 0.0
+    return ids, usage, tokens_after, elapsed, counts.verifies
 
 
-def llama_cpp_rates(path: str, tokenizer, workload, max_tokens: int) -> tuple[float | None, float | None]:
+def llama_cpp_rates(path: str, tokenizer, workload, turns: int, max_tokens: int,
+                    draft_max: int) -> tuple[float | None, float | None]:
+    """llama.cpp's decode tok/s over the workload's turns, one at a time, greedy: without and
+    with `LlamaPromptLookupDecoding` (None, None without llama-cpp-python)."""
     try:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
         return None, None
-    tokens = list(tokenizer.render_chat(workload(0)).ids)
     rates = []
-    for draft in (None, LlamaPromptLookupDecoding(num_pred_tokens=4)):
-        llm = Llama(model_path=path, n_ctx=4096, n_threads=os.cpu_count() or 1, verbose=False, draft_model=draft)
-        llm.create_completion(tokens, max_tokens=1, temperature=0.0)  # warm and prefill once
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.create_completion(tokens, max_tokens=1, temperature=0.0)
-        prefill_s = time.perf_counter() - t0
-        llm.reset()
-        t0 = time.perf_counter()
-        out = llm.create_completion(tokens, max_tokens=max_tokens, temperature=0.0)
-        total_s = time.perf_counter() - t0
-        n = out["usage"]["completion_tokens"]
-        rates.append((n - 1) / max(total_s - prefill_s, 1e-9))
+    for draft in (None, LlamaPromptLookupDecoding(num_pred_tokens=draft_max)):
+        llm = Llama(model_path=path, n_ctx=4096, n_threads=torch.get_num_threads(), verbose=False, draft_model=draft)
+        tokens_n, decode_s = 0, 0.0
+        for i in range(turns):
+            tokens = list(tokenizer.render_chat(workload(i)).ids)
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.create_completion(tokens, max_tokens=1, temperature=0.0)
+            prefill_s = time.perf_counter() - t0
+            llm.reset()
+            t0 = time.perf_counter()
+            out = llm.create_completion(tokens, max_tokens=max_tokens, temperature=0.0)
+            decode_s += max(time.perf_counter() - t0 - prefill_s, 1e-9)
+            tokens_n += out["usage"]["completion_tokens"] - 1
+        rates.append(tokens_n / decode_s)
     return rates[0], rates[1]
 
 
@@ -117,35 +174,60 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--modes", default="int4,invariant", help="runner modes, comma-separated ('': none)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
+    parser.add_argument("--draft-max", type=int, default=DEFAULT_DRAFT_MAX)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--lanes", default="", help="lane counts, comma-separated (default: 1,8; --quick: 1,2)")
+    parser.add_argument("--turns", type=int, default=0,
+                        help="requests per workload, run lanes at a time (default: 8; --quick: 2)")
     args = parser.parse_args()
     from prefixd.gpu.default_model import default_model_path
+    from prefixd.gpu.families import resolve_mode
     from prefixd.gpu.loading import load_checkpoint
     from prefixd.gpu.runner import ModelRunner
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lane_counts, max_tokens = ((1, 2), 48) if args.quick else ((1, 8), 128)
+    turns = args.turns or (2 if args.quick else 8)
+    if args.lanes:
+        lane_counts = tuple(int(n) for n in args.lanes.split(","))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     ckpt = load_checkpoint(args.model, device=torch.device("cpu"), dtype=dtype)
-    runner = ModelRunner(ckpt, device=torch.device("cpu"), dtype=dtype, num_lanes=max(lane_counts),
-                         num_pages=max(lane_counts) * 96, page_size=16)
     tok = ckpt.tokenizer
-    print_machine({"model": str(ckpt.path), "dtype": args.dtype, "reply tokens": str(max_tokens)})
+    print_machine({"model": str(ckpt.path), "dtype": args.dtype, "reply tokens": str(max_tokens),
+                   "draft max": str(args.draft_max), "torch threads": str(torch.get_num_threads())})
     rows = []
-    for name, workload in (("echo", echo_messages), ("prose", prose_messages)):
-        base = drafted = None
-        for lanes in lane_counts:
-            off_ids, _, base = run_engine(runner, tok, workload, lanes, max_tokens, "off")
-            on_ids, usage, drafted = run_engine(runner, tok, workload, lanes, max_tokens, "ngram")
-            drafted_n = sum(u.draft_tokens for u in usage.values())
-            accepted_n = sum(u.accepted_tokens for u in usage.values())
-            rows.append([name, lanes, fmt_rate(base), fmt_rate(drafted), fmt_ratio(drafted, base),
-                         f"{accepted_n / drafted_n:.2f}" if drafted_n else "-",
-                         "yes" if off_ids == on_ids else "NO"])
+    if args.model == "default" and not args.no_llama_cpp:
+        for name, workload in (("echo", echo_messages), ("prose", prose_messages)):
+            plain, lookup = llama_cpp_rates(str(default_model_path()), tok, workload, turns, max_tokens, args.draft_max)
+            rows.append([f"{name} llama.cpp", 1, fmt_rate(plain), fmt_rate(lookup), fmt_ratio(lookup, plain),
+                         "-", "-", "-"])
             print("measured:", rows[-1], flush=True)
-        if args.model == "default":
-            plain, lookup = llama_cpp_rates(str(default_model_path()), tok, workload, max_tokens)
-            rows.append([f"{name} (llama.cpp)", 1, fmt_rate(plain), fmt_rate(lookup), fmt_ratio(lookup, plain), "-", "-"])
+    for mode in [m for m in args.modes.split(",") if m]:
+        mode = resolve_mode(mode, ckpt.config.family, torch.device("cpu"), dtype)
+        runner = ModelRunner(ckpt, device=torch.device("cpu"), dtype=dtype, num_lanes=max(lane_counts),
+                             num_pages=max(lane_counts) * 96, page_size=16, mode=mode)
+        for name, workload in (("echo", echo_messages), ("prose", prose_messages)):
+            for lanes in lane_counts:
+                rows.append(measure(runner, tok, workload, lanes, turns, max_tokens, args.draft_max, f"{name} {mode}"))
+                print("measured:", rows[-1], flush=True)
+        del runner
     print(markdown_table(["workload", "lanes", "undrafted tok/s", "drafted tok/s", "ratio", "acceptance",
-                          "ids equal"], rows))
+                          "accepted per verify", "ids equal"], rows))
+
+
+def measure(runner, tok, workload, lanes: int, turns: int, max_tokens: int, draft_max: int, label: str) -> list:
+    """One table row: the workload's turns undrafted, then drafted, on the same runner."""
+    off_ids, _, base, _ = run_turns(runner, tok, workload, lanes, turns, max_tokens, "off", draft_max)
+    on_ids, usage, drafted, verifies = run_turns(runner, tok, workload, lanes, turns, max_tokens, "ngram", draft_max)
+    drafted_n = sum(u.draft_tokens for u in usage.values())
+    accepted_n = sum(u.accepted_tokens for u in usage.values())
+    return [label, lanes, fmt_rate(base), fmt_rate(drafted), fmt_ratio(drafted, base),
+            f"{accepted_n / drafted_n:.2f}" if drafted_n else "-",
+            f"{accepted_n / verifies:.2f}" if verifies else "-",
+            "yes" if off_ids == on_ids else "NO"]
 
 
 if __name__ == "__main__":

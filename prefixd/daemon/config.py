@@ -24,6 +24,13 @@ AUTO_CACHE_MAX_BYTES_CPU = 4 << 30  # host RAM is shared with everything else on
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # numeric modes (prefixd.gpu.model.MODES); "auto" is resolved by prefixd.gpu.families.resolve_mode
 MODES = ("auto", "invariant", "int4")
+DRAFTS = ("auto", "ngram", "off")
+# `--draft auto`: the drafter per (family, numeric mode) that bench/draft.py found to pay on
+# the echo trace without slowing prose (docs/benchmarks.md, *Drafting*); unmeasured pairs: off.
+AUTO_DRAFT = {
+    ("llama", "int4"): "ngram",
+    ("llama", "invariant"): "ngram",
+}
 DEFAULT_DISK_BUDGET_BYTES = 8 << 30
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -59,7 +66,7 @@ class DaemonConfig:
     disk_cache_dir: Path | None = None  # None: no disk tier (config_from_args fills the default)
     disk_budget_bytes: int = DEFAULT_DISK_BUDGET_BYTES
     idle_exit_s: float | None = None  # None: never exit for idleness
-    draft: str = "off"  # "ngram" | "off"
+    draft: str = "auto"  # "auto" | "ngram" | "off" (auto: `resolve_draft` once the model is loaded)
     draft_max: int = DEFAULT_DRAFT_MAX
 
     @property
@@ -118,8 +125,8 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"--lanes {cfg.lanes}: needs at least 1")
     if cfg.page_size < 1 or cfg.grid < 1 or cfg.grid % cfg.page_size:
         raise ConfigError(f"--grid {cfg.grid} must be a positive multiple of --page-size {cfg.page_size}")
-    if cfg.draft not in ("ngram", "off"):
-        raise ConfigError(f"--draft {cfg.draft!r}: expected ngram or off")
+    if cfg.draft not in DRAFTS:
+        raise ConfigError(f"--draft {cfg.draft!r}: expected one of {', '.join(DRAFTS)}")
     if cfg.draft_max < 0:
         raise ConfigError(f"--draft-max {cfg.draft_max}: must be >= 0")
     if cfg.grace_s < 0:
@@ -195,10 +202,18 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
         disk_cache_dir=default_disk_cache_dir(env) if disk_dir is None else (Path(disk_dir) if disk_dir else None),
         disk_budget_bytes=DEFAULT_DISK_BUDGET_BYTES if disk_budget is None else disk_budget,
         idle_exit_s=pick("idle_exit", "PREFIXD_IDLE_EXIT", None, _opt_float),
-        draft=pick("draft", "PREFIXD_DRAFT", "off", _one_of("ngram", "off")),
+        draft=pick("draft", "PREFIXD_DRAFT", "auto", _one_of(*DRAFTS)),
         draft_max=pick("draft_max", "PREFIXD_DRAFT_MAX", DEFAULT_DRAFT_MAX, int),
     )
     return _check(cfg)
+
+
+def resolve_draft(draft: str, family: str, mode: str) -> str:
+    """`draft` itself, or for "auto" the drafter `AUTO_DRAFT` names for the loaded model's
+    family and numeric mode ("off" where none was measured to pay)."""
+    if draft != "auto":
+        return draft
+    return AUTO_DRAFT.get((family, mode), "off")
 
 
 def _size_or_auto(text: str) -> int | None:

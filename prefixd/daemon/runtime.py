@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import anyio
 
-from prefixd.daemon.config import AUTO_CACHE_FRACTION, AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig
+from prefixd.daemon.config import AUTO_CACHE_FRACTION, AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig, resolve_draft
 from prefixd.daemon.sampling_defaults import sampling_defaults
 
 log = logging.getLogger("prefixd.runtime")
@@ -102,7 +102,7 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
                          num_pages=num_pages, page_size=cfg.page_size, mode=mode)
     sched = SchedulerConfig(num_lanes=cfg.num_lanes, grid=cfg.grid, max_context=max_context,
                             cache=cfg.cache, cache_budget_bytes=cfg.cache_budget_bytes,
-                            draft=cfg.draft, draft_max=cfg.draft_max)
+                            draft=resolve_draft(cfg.draft, checkpoint.config.family, mode), draft_max=cfg.draft_max)
     disk = build_disk_tier(cfg, checkpoint.path, runner, device.type, observer) if cfg.cache else None
     engine = Engine(runner, sched, observer=observer, disk=disk)
     info = runner.info
@@ -116,6 +116,8 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         "device": cfg.device,
         "dtype": cfg.dtype,
         "mode": runner.model.mode,
+        "draft": sched.draft,
+        "draft_chosen_by": "auto" if cfg.draft == "auto" else "flag",
         "lanes": cfg.num_lanes,
         "page_size": info.page_size,
         "num_pages": info.num_pages,

@@ -8,34 +8,45 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from prefixd.scheduler.ngram import DraftLength, NgramIndex
+from prefixd.scheduler.draftpolicy import DraftPolicy, RoundCosts
+from prefixd.scheduler.ngram import NgramIndex
 
 
 class StreamDrafter:
-    """Prompt-lookup drafts over the stream's prompt and accepted output."""
+    """Prompt-lookup drafts over the stream's prompt and accepted output, as long as the
+    lane's acceptance and the round's cost curve make worth it (`DraftPolicy`)."""
 
-    def __init__(self, prompt: Sequence[int], max_k: int) -> None:
-        self.index = NgramIndex(prompt)
-        self.length = DraftLength(max_k)
+    def __init__(self, prompt: Sequence[int], max_k: int, costs: RoundCosts | None = None) -> None:
+        self.index = NgramIndex(prompt, max_n=MAX_MATCH)
+        self.policy = DraftPolicy(max_k, costs)
         self._num_prompt = len(self.index)
+        self._strength = 0  # suffix length behind the last proposal
 
     def propose(self, generated: Sequence[int], limit: int) -> tuple[int, ...]:
         """Drafts to verify after `generated` (the stream's output so far; the index catches
         up on the tokens it has not seen), at most `limit` of them."""
         seen = len(self.index) - self._num_prompt
         self.index.extend(generated[seen:])
-        k = min(self.length.next_length(), max(0, limit))
-        return tuple(self.index.propose(k))
+        tokens, strength = self.index.match(min(self.policy.max_k, max(0, limit)))
+        if not tokens:
+            return ()
+        self._strength = strength
+        return tuple(tokens[: self.policy.length(strength)])
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         """Feed back one verify: `num_accepted` of `num_drafted` drafts were accepted."""
-        self.length.record(num_drafted, num_accepted)
+        if num_drafted:
+            self.policy.record(self._strength, num_drafted, num_accepted)
 
 
-def new_drafter(mode: str, prompt: Sequence[int], max_k: int) -> StreamDrafter | None:
-    """The drafter for `mode` ("off" or a max of 0: none)."""
+MAX_MATCH = 4  # longest suffix the index matches
+
+
+def new_drafter(mode: str, prompt: Sequence[int], max_k: int, costs: RoundCosts | None = None) -> StreamDrafter | None:
+    """The drafter for `mode` ("off" or a max of 0: none); `costs` is the engine's shared
+    round cost curve (a private one when None)."""
     if mode == "off" or max_k == 0:
         return None
     if mode == "ngram":
-        return StreamDrafter(prompt, max_k)
+        return StreamDrafter(prompt, max_k, costs)
     raise ValueError(f"unknown draft mode {mode!r}")

@@ -19,6 +19,7 @@ from prefixd.scheduler.admission import Admitter, Seating
 from prefixd.scheduler.config import SchedulerConfig, store_budget_bytes
 from prefixd.scheduler.cuts import CutKeeper
 from prefixd.scheduler.device import Device
+from prefixd.scheduler.draftpolicy import RoundCosts
 from prefixd.scheduler.drafting import new_drafter
 from prefixd.scheduler.events import EngineObserver, NullObserver
 from prefixd.scheduler.engine_state import check_engine, engine_status
@@ -79,6 +80,7 @@ class Engine:
         self._seq = itertools.count()
         self._tick = itertools.count(1)
         self._store_touched = True
+        self.draft_costs = RoundCosts()  # round time by rows, learned for the drafters' policy
         self.admitter = Admitter(
             lanes=self.lanes, tables=self.tables, store=self.store, grid=config.grid,
             headroom_rows=config.decode_headroom_rows, max_context=self.max_context, cache=config.cache,
@@ -103,7 +105,8 @@ class Engine:
             req = dataclasses.replace(req, chunk_starts=tuple(req.chunk_starts[1:]))  # row 0 always starts one
         schedule = plan_schedule(len(req.tokens), req.chunk_starts, self.config.grid)
         stream = Stream(req=req, submit_s=self.clock(), seq=next(self._seq), schedule=schedule)
-        stream.drafter = new_drafter(self.config.draft if req.draft else "off", req.tokens, self.config.draft_max)
+        stream.drafter = new_drafter(self.config.draft if req.draft else "off", req.tokens, self.config.draft_max,
+                                     self.draft_costs)
         if self.config.cache and req.cache:
             stream.key, stream.note = make_key(
                 req.tokens, cache_key=req.cache_key, namespace=req.namespace, frame=req.frame,
@@ -150,6 +153,7 @@ class Engine:
         if not plan.empty:
             result = self.device.run_round(plan)
             forward_s = result.forward_s
+            self.draft_costs.observe_round(plan, result, self.clock() - t0)
             self._postprocess(planned, plan, result, events)
         self._report_store()
         busy = sum(1 for lane in self.lanes if lane.busy)

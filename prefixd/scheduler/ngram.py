@@ -53,64 +53,24 @@ class NgramIndex:
     def propose(self, k: int) -> list[int]:
         """Up to `k` tokens that followed the longest suffix (at most max_n, at least min_n
         tokens) seen earlier; [] when no suffix occurred before or k is 0."""
+        return self.match(k)[0]
+
+    def match(self, k: int) -> tuple[list[int], int]:
+        """`propose(k)` and the length of the suffix that matched (0 with no proposal)."""
         if k <= 0:
-            return []
+            return [], 0
         n_tokens = len(self.tokens)
         for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
             start = self._next.get(tuple(self.tokens[n_tokens - n:]))
             if start is not None:
-                return self.tokens[start : min(start + k, n_tokens)]
-        return []
+                return self.tokens[start : min(start + k, n_tokens)], n
+        return [], 0
 
     def _index_ending_at(self, end: int) -> None:
         if end < 0:
             return
         for n in range(self.min_n, min(self.max_n, end + 1) + 1):
             self._next[tuple(self.tokens[end - n + 1 : end + 1])] = end + 1
-
-
-class DraftLength:
-    """A lane's draft length, adapted from how its recent drafts fared.
-
-    All of a draft accepted: the next may be one longer (up to `max_k`). A partly accepted
-    draft: the next is as long as the part accepted, at least 1. `misses_to_pause` drafts in a
-    row with nothing accepted: drafting pauses (length 0) for `pause_rounds` rounds, then
-    tries length 1 again; text that does not repeat costs at most that probe."""
-
-    def __init__(self, max_k: int, *, start: int = 2, misses_to_pause: int = 2, pause_rounds: int = 16) -> None:
-        if max_k < 0:
-            raise ValueError(f"max_k must be >= 0, got {max_k}")
-        self.max_k = max_k
-        self.k = min(start, max_k)
-        self.misses_to_pause = misses_to_pause
-        self.pause_rounds = pause_rounds
-        self._misses = 0
-        self._paused = 0
-
-    def next_length(self) -> int:
-        """The draft length for this round; counts a paused round."""
-        if self._paused > 0:
-            self._paused -= 1
-            if self._paused == 0:
-                self.k = min(1, self.max_k)
-            return 0
-        return self.k
-
-    def record(self, num_drafted: int, num_accepted: int) -> None:
-        """Feed back one verified draft (nothing to learn from a round with no draft)."""
-        if not 0 <= num_accepted <= num_drafted:
-            raise ValueError(f"accepted {num_accepted} of {num_drafted} drafted")
-        if num_drafted == 0:
-            return
-        if num_accepted == num_drafted:
-            self._misses = 0
-            self.k = min(self.max_k, num_drafted + 1)
-            return
-        self.k = max(1, num_accepted)
-        self._misses = self._misses + 1 if num_accepted == 0 else 0
-        if self._misses >= self.misses_to_pause:
-            self._misses = 0
-            self._paused = self.pause_rounds
 
 
 def accept_greedy(drafts: Sequence[int], argmax: Sequence[int]) -> list[int]:

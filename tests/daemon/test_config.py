@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixd.daemon.config import ConfigError, DaemonConfig, config_from_args, parse_size
+from prefixd.daemon.config import ConfigError, DaemonConfig, config_from_args, parse_size, resolve_draft
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -111,10 +111,18 @@ def test_bad_mode_names_the_flag(flags):
 
 
 def test_draft_mode_and_length_from_flags_and_env():
-    assert config_from_args(_args(), env={}).draft == "off"
+    assert config_from_args(_args(), env={}).draft == "auto"
     cfg = config_from_args(_args(draft="ngram"), env={"PREFIXD_DRAFT_MAX": "6"})
     assert (cfg.draft, cfg.draft_max) == ("ngram", 6)
     with pytest.raises(ConfigError, match="--draft='mtp'"):
         config_from_args(_args(draft="mtp"), env={})
     with pytest.raises(ConfigError, match="--draft-max -1"):
         config_from_args(_args(draft_max=-1), env={})
+
+
+def test_draft_auto_picks_per_family_and_mode_and_a_flag_wins():
+    assert resolve_draft("auto", "llama", "int4") == "ngram"
+    assert resolve_draft("auto", "llama", "invariant") == "ngram"
+    assert resolve_draft("auto", "qwen3_5", "invariant") == "off"  # not measured: no drafting
+    assert resolve_draft("off", "llama", "int4") == "off"
+    assert resolve_draft("ngram", "qwen3_5", "invariant") == "ngram"

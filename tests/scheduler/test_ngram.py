@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixd.scheduler.ngram import DraftLength, NgramIndex, accept_greedy
+from prefixd.scheduler.ngram import NgramIndex, accept_greedy
 
 
 def test_proposes_what_followed_the_longest_earlier_suffix():
@@ -84,46 +84,11 @@ def test_an_echoed_line_is_proposed_whole_after_its_first_tokens():
     assert idx.propose(6) == line[2:8]
 
 
-# --- adaptive length -------------------------------------------------------------------
-
-
-def test_full_acceptance_grows_the_draft_up_to_max():
-    dl = DraftLength(4, start=2)
-    lengths = []
-    for _ in range(4):
-        k = dl.next_length()
-        lengths.append(k)
-        dl.record(k, k)
-    assert lengths == [2, 3, 4, 4]
-
-
-def test_partial_acceptance_shrinks_to_the_accepted_part():
-    dl = DraftLength(6, start=5)
-    dl.record(5, 2)
-    assert dl.next_length() == 2
-    dl.record(2, 1)
-    assert dl.next_length() == 1
-
-
-def test_repeated_misses_pause_drafting_then_probe_with_one():
-    dl = DraftLength(4, start=3, misses_to_pause=2, pause_rounds=3)
-    dl.record(3, 0)
-    assert dl.next_length() == 1
-    dl.record(1, 0)
-    assert [dl.next_length() for _ in range(4)] == [0, 0, 0, 1]
-
-
-def test_a_round_without_a_draft_teaches_nothing():
-    dl = DraftLength(4, start=3)
-    dl.record(0, 0)
-    assert dl.next_length() == 3
-
-
-def test_max_zero_never_drafts():
-    dl = DraftLength(0)
-    assert dl.next_length() == 0
-    with pytest.raises(ValueError):
-        dl.record(1, 2)
+def test_match_reports_the_length_of_the_suffix_it_matched():
+    assert NgramIndex([1, 2, 3, 7, 2, 9, 1, 2]).match(2) == ([3, 7], 2)
+    assert NgramIndex([5, 6, 7, 8, 5, 6, 7]).match(1) == ([8], 3)
+    assert NgramIndex([1, 2, 3, 9, 3]).match(2) == ([9, 3], 1)
+    assert NgramIndex([1, 2, 3]).match(2) == ([], 0)
 
 
 # --- greedy acceptance -----------------------------------------------------------------
