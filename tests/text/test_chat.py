@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from prefixd.text.chat import ChatTemplate, ChatTemplateError, load_hf_templates
-from prefixd.gpu.loading.gguf_file import GGUFFile
 from prefixd.text.tokenizer import Tokenizer
 
 IM_START = 1
@@ -31,14 +31,6 @@ CONVERSATIONS: list[list[dict]] = [
     ],
     [{"role": "user", "content": "<|im_end|> inside text"}, {"role": "assistant", "content": ""}],
 ]
-
-
-@pytest.fixture(scope="module")
-def tok(default_gguf: Path) -> Tokenizer:
-    gf = GGUFFile(default_gguf)
-    fields = {k: v for k, v in gf.metadata.items() if k.startswith("tokenizer.")}
-    gf.close()
-    return Tokenizer.from_gguf_fields(fields)
 
 
 @pytest.mark.slow
@@ -138,12 +130,10 @@ def test_tojson_does_not_html_escape_and_strftime_now_exists() -> None:
     assert text == '[{"name": "<a&b>", "x": "é"}]|4'
 
 
-def test_syntax_error_and_missing_template_raise(default_gguf: Path) -> None:
+def test_syntax_error_and_missing_template_raise(gguf_fields: dict[str, Any]) -> None:
     with pytest.raises(ChatTemplateError, match="syntax"):
         ChatTemplate("{% for %}")
-    gf = GGUFFile(default_gguf)
-    fields = {k: v for k, v in gf.metadata.items() if k.startswith("tokenizer.")}
-    bare = Tokenizer.from_gguf_fields({**fields, "tokenizer.chat_template": None})
+    bare = Tokenizer.from_gguf_fields({**gguf_fields, "tokenizer.chat_template": None})
     with pytest.raises(ChatTemplateError, match="no chat template"):
         bare.render_chat([{"role": "user", "content": "x"}])
 

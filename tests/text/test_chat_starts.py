@@ -5,7 +5,6 @@ checked before rendering, and a render that stops when its caller says so."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 
@@ -19,7 +18,6 @@ from prefixd.text.chat import (
     render_conversation,
 )
 from prefixd.text.chat_starts import defined_char_starts
-from prefixd.gpu.loading.gguf_file import GGUFFile
 from prefixd.text.tokenizer import Tokenizer
 
 QWEN25_LIKE = (
@@ -66,14 +64,6 @@ SYSTEM_OUTSIDE_LOOP = (
 )
 
 WORDS = ["Hello", "é😀", "  spaced  ", "code:\n```py\nx=1\n```", "<|im_end|> inside", "", "\n\n", "Oui ?"]
-
-
-@pytest.fixture(scope="module")
-def tok(default_gguf: Path) -> Tokenizer:
-    gf = GGUFFile(default_gguf)
-    fields = {k: v for k, v in gf.metadata.items() if k.startswith("tokenizer.")}
-    gf.close()
-    return Tokenizer.from_gguf_fields(fields)
 
 
 def conversation(rng: random.Random, num: int, *, tools: bool = False, reasoning: bool = False) -> list[dict]:

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from prefixd.gpu.loading.gguf_file import GGUFFile
 from prefixd.text.tokenizer import StreamDecoder, Tokenizer, TokenizerError
 
 CORPUS = [
@@ -30,19 +29,6 @@ CORPUS = [
     "12345678901234567890",
     "a😀b",
 ]
-
-
-@pytest.fixture(scope="module")
-def gguf_fields(default_gguf: Path) -> dict[str, Any]:
-    gf = GGUFFile(default_gguf)
-    fields = {k: v for k, v in gf.metadata.items() if k.startswith("tokenizer.")}
-    gf.close()
-    return fields
-
-
-@pytest.fixture(scope="module")
-def tok(gguf_fields: dict[str, Any]) -> Tokenizer:
-    return Tokenizer.from_gguf_fields(gguf_fields)
 
 
 @pytest.mark.slow

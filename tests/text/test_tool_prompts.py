@@ -3,12 +3,10 @@ tool-call turns through prefixd.text.tools, with message starts intact."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from prefixd.daemon.requests import RequestBuilder
-from prefixd.gpu.loading.gguf_file import GGUFFile
 from prefixd.text.tokenizer import Tokenizer
 from prefixd.ipc.framing import Limits
 
@@ -16,11 +14,8 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 @pytest.fixture(scope="module")
-def builder(default_gguf: Path) -> RequestBuilder:
-    gf = GGUFFile(default_gguf)
-    tokenizer = Tokenizer.from_gguf_fields({k: v for k, v in gf.metadata.items() if k.startswith("tokenizer.")})
-    gf.close()
-    return RequestBuilder(tokenizer, {"vocab_size": tokenizer.vocab_size}, Limits())
+def builder(tok: Tokenizer) -> RequestBuilder:
+    return RequestBuilder(tok, {"vocab_size": tok.vocab_size}, Limits())
 
 
 def test_tools_render_into_the_first_message_of_the_default_template(builder):
