@@ -75,6 +75,7 @@ class Connection:
         self._streams: dict[int, int | None] = {}  # request id -> engine stream id (None: being built)
         self._cancel_early: set[int] = set()  # generates cancelled while being built
         self._seat_waits: dict[int, anyio.CancelScope] = {}  # generates waiting for a fair seat
+        self._last_turn: anyio.Event | None = None  # set once the newest generate asked for its seat
         self._heavy_lock = anyio.Lock()  # one heavy render or encode at a time per connection
         self._writer_done = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
@@ -142,13 +143,17 @@ class Connection:
             return
         if request_id is not None:
             self._streams[request_id] = None
+        after, turn = self._last_turn, anyio.Event()
+        self._last_turn = turn
         assert self._tg is not None
-        self._tg.start_soon(self._generate_task, msg, request_id)
+        self._tg.start_soon(self._generate_task, msg, request_id, after, turn)
 
-    async def _generate_task(self, msg: dict[str, Any], request_id: int | None) -> None:
+    async def _generate_task(self, msg: dict[str, Any], request_id: int | None,
+                             after: anyio.Event | None, turn: anyio.Event) -> None:
         try:
-            await self._handle(msg)
+            await self._handle(msg, functools.partial(self._on_generate, after=after, turn=turn))
         finally:
+            turn.set()
             if request_id is not None and self._streams.get(request_id, 0) is None:
                 self._streams.pop(request_id, None)  # refused before it reached the engine
             self._cancel_early.discard(request_id)
@@ -168,11 +173,12 @@ class Connection:
         read = functools.partial(resolve_payloads, frame, self.framed.limits, arrays=True)
         return await anyio.to_thread.run_sync(read)
 
-    async def _handle(self, msg: dict[str, Any]) -> None:
+    async def _handle(self, msg: dict[str, Any], handler: Callable[[dict[str, Any]], Any] | None = None) -> None:
         request_id = request_id_of(msg)  # an error never repeats an id that is not a valid one
         try:
-            kind = msg.get("type")
-            handler = self._handlers().get(kind) if isinstance(kind, str) else None
+            if handler is None:
+                kind = msg.get("type")
+                handler = self._handlers().get(kind) if isinstance(kind, str) else None
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}")
             await handler(msg)
@@ -245,11 +251,17 @@ class Connection:
         if self.services.shutting_down():
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down and takes no new work")
 
-    async def _on_generate(self, msg: dict[str, Any]) -> None:
+    async def _on_generate(self, msg: dict[str, Any], after: anyio.Event | None = None,
+                           turn: anyio.Event | None = None) -> None:
+        """Build the generate off the loop, then take a seat, in the order the connection
+        sent its generates (`after`: the previous one has asked for its seat; `turn`: this one
+        has), whichever build finishes first, and submit it."""
         started_s = time.monotonic()
         stream_id = self.services.next_stream_id()
         built = await self._off_loop(msg, self.services.builder.generate, msg, stream_id, self.version)
-        seated = await self._take_seat(built.request_id)
+        seated = await self._take_seat(built.request_id, after)
+        if turn is not None:
+            turn.set()
         if not seated and self.services.seats is not None:  # cancelled before it had a seat
             await self._end_unsubmitted(built, stream_id, time.monotonic() - started_s)
             return
@@ -273,15 +285,17 @@ class Connection:
             self.services.host.cancel_nowait(stream_id)
         await self._forward(built, receive)
 
-    async def _take_seat(self, request_id: int) -> bool:
-        """Wait for a fair seat (fair.py); False without one: no seats, or the generate was
-        cancelled first."""
+    async def _take_seat(self, request_id: int, after: anyio.Event | None = None) -> bool:
+        """Wait until `after` is set, then for a fair seat (fair.py); False without one: no
+        seats, or the generate was cancelled first."""
         seats = self.services.seats
         if seats is None or request_id in self._cancel_early:
             return False
         with anyio.CancelScope() as scope:
             self._seat_waits[request_id] = scope
             try:
+                if after is not None:
+                    await after.wait()
                 await seats.take(self)
             finally:
                 self._seat_waits.pop(request_id, None)

@@ -7,10 +7,13 @@ A's third (max-min), although A's waited longer. Then the FairSeats order on its
 
 from __future__ import annotations
 
+import threading
+
 import anyio
 import pytest
 
 from prefixd.daemon.fair import FairSeats
+from prefixd.daemon.requests import RequestBuilder
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.transport import FramedStream
 from tests.daemon.fakes import LetterDevice
@@ -56,6 +59,35 @@ async def test_a_connection_holding_no_lane_is_seated_before_one_holding_lanes(t
         assert device.first_chunks == ["a1", "a2", "b1", "a3"]  # first come, first served would seat a3 before b1
         await wait_idle(server)
         assert seats.num_free == 2 and seats.num_waiting == 0
+
+
+async def test_generates_on_one_connection_take_seats_in_the_order_sent_whichever_build_ends_first(
+        tmp_path, monkeypatch):
+    """A connection's generates are built in worker threads, so a later one's build may end
+    first; it still waits for the earlier one to ask for its seat. Here the first build is
+    held until the second's has ended: the second must not be seated before it."""
+    second_built = threading.Event()
+    build = RequestBuilder.generate
+
+    def held_build(self, msg, *args):
+        if msg.get("prompt") == "first":
+            assert second_built.wait(30)  # a liveness bound: the second build ends meanwhile
+        try:
+            return build(self, msg, *args)
+        finally:
+            if msg.get("prompt") == "second":
+                second_built.set()
+
+    monkeypatch.setattr(RequestBuilder, "generate", held_build)
+    device = PrefillOrderDevice()
+    async with running_server(tmp_path, device) as server:
+        async with await AsyncClient.connect(server.socket_path) as a:
+            first = await a.generate(prompt="first", max_tokens=2).start()
+            second = await a.generate(prompt="second", max_tokens=2).start()
+            results = [await s.collect() for s in (first, second)]
+        assert [r.finish_reason for r in results] == ["length"] * 2
+        assert device.first_chunks[:2] == ["first", "second"]
+        await wait_idle(server)
 
 
 async def test_cancelling_a_generate_that_waits_for_a_seat_ends_it_at_once(tmp_path):
