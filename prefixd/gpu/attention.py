@@ -141,45 +141,80 @@ def plan_attention(spans: Sequence[AttentionSpan], *, total_rows: int, group: in
 
 def _key_rows(tile: AttentionTile, block: int, page_size: int, kv_heads: int) -> torch.Tensor:
     """Rows of the pool viewed as (pages * P * kv_heads, D), in the tile's (lane, block,
-    kv head, key) order: one gather gives the bmm's layout. Built on the first layer, cached."""
+    kv head, key) order: one gather gives the bmm's layout. Keys at or past a lane's
+    `dead_from` read the lane's position 0 instead (a row of its own, finite): their scores
+    are masked and their probability is exactly 0, so they add the zeros a zeroed row would,
+    and no stale (possibly non-finite) row of a reused page is ever read. Built on the first
+    layer, cached."""
     key = ("keys", block, page_size, kv_heads)
     if key not in tile.index_cache:
+        device = tile.page_index.device
         nl, nb, per_block = tile.num_lanes, tile.num_blocks, block // page_size
-        offsets = torch.arange(page_size, device=tile.page_index.device)
-        slots = tile.page_index.view(nl, nb, 1, per_block, 1) * page_size + offsets  # (nl, nb, 1, pages, P)
-        heads = torch.arange(kv_heads, device=tile.page_index.device).view(1, 1, kv_heads, 1)
-        tile.index_cache[key] = (slots.view(nl, nb, 1, block) * kv_heads + heads).reshape(-1)
+        offsets = torch.arange(page_size, device=device)
+        pages = tile.page_index.view(nl, nb * per_block)
+        slots = (pages.view(nl, nb, per_block, 1) * page_size + offsets).view(nl, nb, block)
+        ends = torch.tensor(tile.dead_from, dtype=torch.long, device=device).view(nl, 1, 1)
+        positions = torch.arange(nb * block, device=device).view(1, nb, block)
+        first = (pages[:, 0] * page_size).view(nl, 1, 1)
+        slots = torch.where(positions >= ends, first, slots).view(nl, nb, 1, block)
+        heads = torch.arange(kv_heads, device=device).view(1, 1, kv_heads, 1)
+        tile.index_cache[key] = (slots * kv_heads + heads).reshape(-1)
     return tile.index_cache[key]
 
 
-def _gather(pool: torch.Tensor, tile: AttentionTile, block: int, *, zero_dead: bool = False) -> torch.Tensor:
-    """(lanes, blocks, kv_heads, block, D) keys or values of a tile's lanes, pool dtype.
-
-    zero_dead (values): the rows past each lane's last row are zeroed, since their probability
-    is 0 and 0 times a stale non-finite value would not be."""
-    _, page_size, kvh, d = pool.shape
-    rows = _key_rows(tile, block, page_size, kvh)
-    x = pool.view(-1, d).index_select(0, rows).view(tile.num_lanes, tile.num_blocks, kvh, block, d)
-    if zero_dead:
-        for lane, end in enumerate(tile.dead_from):  # slices: cheaper than any index or mask fill
-            first, offset = divmod(end, block)
-            if first < tile.num_blocks:
-                x[lane, first, :, offset:].zero_()
-            if first + 1 < tile.num_blocks:
-                x[lane, first + 1:].zero_()
-    return x
+def _kv_rows(tile: AttentionTile, block: int, page_size: int, kv_heads: int, v_offset: int) -> torch.Tensor:
+    """`_key_rows`, then the same rows `v_offset` rows further on: one index for K and V of a
+    layer whose values sit at a fixed row offset after its keys in one storage. Cached."""
+    key = ("kv", block, page_size, kv_heads, v_offset)
+    if key not in tile.index_cache:
+        rows = _key_rows(tile, block, page_size, kv_heads)
+        tile.index_cache[key] = torch.cat([rows, rows + v_offset])
+    return tile.index_cache[key]
 
 
-def _head_rows(tile: AttentionTile, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_rows, out_rows): rows of the round's (rows + 1) * heads head vectors, in the tile's
-    (lane, block, kv head, row, group) order for q (every block reads the same q) and in
-    (lane, kv head, row, group) order for the output. Built on the first layer, then cached."""
-    key = (heads, kv_heads)
+def _value_offset(k_pool: torch.Tensor, v_pool: torch.Tensor) -> int | None:
+    """Rows of D from k_pool's first element to v_pool's, when both are contiguous views of
+    one storage with the values after the keys (the KV pool's layers); else None."""
+    d = k_pool.shape[-1]
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.shape == v_pool.shape):
+        return None
+    if k_pool.untyped_storage().data_ptr() != v_pool.untyped_storage().data_ptr():
+        return None
+    delta = v_pool.storage_offset() - k_pool.storage_offset()
+    if delta < k_pool.numel() or delta % d:
+        return None
+    return delta // d
+
+
+def _gather(k_pool: torch.Tensor, v_pool: torch.Tensor, tile: AttentionTile,
+            block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (lanes, blocks, kv_heads, block, D) of a tile's lanes, pool dtype: one
+    gather of both when they share a storage (the KV pool), else one each. Keys and values
+    past a lane's last row are its position 0's (`_key_rows`)."""
+    _, page_size, kvh, d = k_pool.shape
+    shape = (tile.num_lanes, tile.num_blocks, kvh, block, d)
+    offset = _value_offset(k_pool, v_pool)
+    if offset is None:
+        rows = _key_rows(tile, block, page_size, kvh)
+        return (k_pool.view(-1, d).index_select(0, rows).view(shape),
+                v_pool.view(-1, d).index_select(0, rows).view(shape))
+    rows = _kv_rows(tile, block, page_size, kvh, offset)
+    flat = k_pool.as_strided((offset + k_pool.numel() // d, d), (d, 1))  # keys ... values of the layer
+    kv = flat.index_select(0, rows).view(2, *shape)
+    return kv[0], kv[1]
+
+
+def _head_rows(tile: AttentionTile, heads: int, kv_heads: int, q_stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_rows, out_rows): q's rows among the round's (rows + 1) * q_stride head vectors (a
+    round row holds q_stride heads, its q heads first), in the tile's (lane, block, kv head,
+    row, group) order (every block reads the same q), and the output's among (rows + 1) * heads
+    in (lane, kv head, row, group) order. Built on the first layer, then cached."""
+    key = (heads, kv_heads, q_stride)
     if key not in tile.index_cache:
         nl, rows, group = tile.num_lanes, tile.rows, heads // kv_heads
         head = (torch.arange(kv_heads, device=tile.q_index.device) * group).view(kv_heads, 1, 1)
         head = head + torch.arange(group, device=tile.q_index.device).view(1, 1, group)  # (kvh, 1, group)
-        q_rows = tile.q_index.view(nl, 1, 1, rows, 1) * heads + head.unsqueeze(0)  # (nl, 1, kvh, rows, group)
+        q_rows = tile.q_index.view(nl, 1, 1, rows, 1) * q_stride + head.unsqueeze(0)  # (nl, 1, kvh, rows, group)
         q_rows = q_rows.expand(nl, tile.num_blocks, kv_heads, rows, group).reshape(-1)
         out_rows = (tile.out_index.view(nl, 1, rows, 1) * heads + head).reshape(-1)
         tile.index_cache[key] = (q_rows, out_rows)
@@ -187,20 +222,22 @@ def _head_rows(tile: AttentionTile, heads: int, kv_heads: int) -> tuple[torch.Te
 
 
 def attend_tile(q_ext: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: AttentionTile,
-                out: torch.Tensor) -> None:
-    """Attention of one tile's rows, written into their rows of out ((R + 1) * heads, D) fp32.
+                out: torch.Tensor, q_stride: int) -> None:
+    """Attention of one tile's rows, written into their rows of out (R + 1, heads * D) fp32.
 
-    q_ext is pre-scaled, in the pool's dtype, with a zero row appended: ((R + 1) * heads, D);
-    k and v are the tile's gathered blocks, (lanes, blocks, kv_heads, block, D), or a wider
-    gather of the same lane (its leading blocks are this tile's). Batched matmuls run over
-    (lane, block, kv head), each of fixed shape. Padding rows write the scratch row R.
+    q_ext is pre-scaled, in the pool's dtype, ((R + 1) * q_stride, D): q_stride head vectors
+    per round row, its `heads` q heads first, and a last round row of zeros; k and v are the
+    tile's gathered blocks, (lanes, blocks, kv_heads, block, D), or a wider gather of the same
+    lane (its leading blocks are this tile's). Batched matmuls run over (lane, block, kv head),
+    each of fixed shape. Padding rows read the zero row and write the scratch row R.
     """
     nl, rows, nb = tile.num_lanes, tile.rows, tile.num_blocks
-    _, _, kvh, block, d = k.shape
+    _, gathered_blocks, kvh, block, d = k.shape
     heads = out.shape[1] // d
     m_rows = rows * (heads // kvh)
-    q_rows, out_rows = _head_rows(tile, heads, kvh)
-    k, v = k[:, :nb], v[:, :nb]  # a view: contiguous, as one lane's leading blocks
+    q_rows, out_rows = _head_rows(tile, heads, kvh, q_stride)
+    if gathered_blocks != nb:
+        k, v = k[:, :nb], v[:, :nb]  # a view: contiguous, as one lane's leading blocks
     q = q_ext.index_select(0, q_rows).view(-1, m_rows, d)  # (nl * nb * kvh, m_rows, D)
     s = kernels.bmm(q, k.reshape(-1, block, d).transpose(1, 2)).view(nl, nb, kvh, m_rows, block)
     s[:, tile.mask_from:].masked_fill_(tile.masked, float("-inf"))
@@ -244,13 +281,19 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     r, heads, d = q.shape
     q_ext = q.new_zeros((r + 1, heads, d), dtype=k_pool.dtype)  # a zero row for padding rows
     q_ext[:r] = q
-    q_ext = q_ext.view(-1, d)  # one row per (round row, head)
     out = q.new_zeros(r + 1, heads * d)
+    attend_into(q_ext.view(-1, d), heads, k_pool, v_pool, tiles, out)
+    return out[:r]
+
+
+def attend_into(q_ext: torch.Tensor, q_stride: int, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                tiles: Sequence[AttentionTile], out: torch.Tensor) -> None:
+    """`attend` into buffers a caller keeps for a whole round (every layer writes the same rows):
+    q_ext ((R + 1) * q_stride, D) in the pool's dtype, its last round row zero (`attend_tile`),
+    and out (R + 1, heads * D) fp32, whose rows no tile covers keep what they hold."""
     block = tiles[0].masked.shape[-1] if tiles else 0
     gathered: tuple[int, torch.Tensor, torch.Tensor] | None = None
     for tile in tiles:  # a group's widest tile comes first
         if gathered is None or gathered[0] != tile.kv_group:
-            gathered = (tile.kv_group, _gather(k_pool, tile, block),
-                        _gather(v_pool, tile, block, zero_dead=True))
-        attend_tile(q_ext, gathered[1], gathered[2], tile, out)
-    return out[:r]
+            gathered = (tile.kv_group, *_gather(k_pool, v_pool, tile, block))
+        attend_tile(q_ext, gathered[1], gathered[2], tile, out, q_stride)
