@@ -115,19 +115,26 @@ def quantize_int4_residual(weight: torch.Tensor) -> Int4Weight:
 Weight = torch.Tensor | Int4Weight
 
 
+def matmul(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """x (M, in) @ weight.T in the GEMM's own output dtype (the weight's; bf16 for int4).
+
+    x must already hold `invariant_rows(M, dtype)` rows; it is cast to the GEMM's input dtype
+    (a no-op when it has it)."""
+    if isinstance(weight, Int4Weight):
+        x = x.to(torch.bfloat16)
+        if weight.residual:
+            x = torch.cat([x, x], dim=1)  # (M, 2 * in): the weight's codes, then its error's
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, INT4_GROUP, weight.scale_zeros)
+    return kernels.mm_t(x.to(weight.dtype), weight)
+
+
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 (M, out) = x (M, in) @ weight.T (+ bias), the GEMM in weight's dtype (bf16 for int4).
 
     x must already hold `invariant_rows(M, dtype)` rows; the bias is added in fp32
     outside the GEMM so its bits do not depend on a fused epilogue.
     """
-    if isinstance(weight, Int4Weight):
-        x = x.to(torch.bfloat16)
-        if weight.residual:
-            x = torch.cat([x, x], dim=1)  # (M, 2 * in): the weight's codes, then its error's
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, INT4_GROUP, weight.scale_zeros).float()
-    else:
-        out = kernels.mm_t(x.to(weight.dtype), weight).float()
+    out = matmul(x, weight).float()
     if bias is not None:
         out = out + bias
     return out

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from prefixd.gpu import kernels
-from prefixd.gpu.attention import AttentionSpan, AttentionTile, attend
+from prefixd.gpu.attention import AttentionSpan, AttentionTile, attend_into
 from prefixd.gpu.config import ModelConfig
 from prefixd.gpu.kv_pool import KVPool
-from prefixd.gpu.linear import (Weight, fuse, invariant_rows, linear, pad_rows, quantize_int4,
+from prefixd.gpu.linear import (Weight, fuse, invariant_rows, linear, matmul, pad_rows, quantize_int4,
                                quantize_int4_residual)
 from prefixd.gpu.rope import RopeTable, rotate, rotation_tables
 
@@ -168,36 +168,85 @@ class LlamaModel:
         """Run every layer; writes K/V of the real rows; returns final-normed fp32 hidden."""
         c = self.config
         h = self.embed_rows(inputs)  # (rows, hidden) fp32, a fresh tensor: updated in place
-        cos, sin = rotation_tables(*self.rope.lookup(inputs.positions))  # (rows, 1, head_dim) each
+        rnd = _Round(self, inputs, kv.dtype, h.shape[0])
         for i, layer in enumerate(self.layers):
-            h += self._attention(i, layer, rms_norm(h, layer.input_norm, c.rms_norm_eps), cos, sin, inputs, kv)
-            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
-            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
-            h += linear(torch.nn.functional.silu(gate) * up, layer.down)
+            h += self._attention(i, layer, rms_norm(h, layer.input_norm, c.rms_norm_eps), rnd, kv)
+            gate, up = linear(rms_norm(h, layer.post_norm, c.rms_norm_eps), layer.gate_up).chunk(2, dim=-1)
+            torch.nn.functional.silu(gate, inplace=True)
+            h += matmul(torch.mul(gate, up, out=rnd.act), layer.down)  # fp32 += compute dtype: exact
         return rms_norm(h, self.final_norm, c.rms_norm_eps)
 
-    def _attention(self, i: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   inputs: RoundInputs, kv: KVPool) -> torch.Tensor:
+    def _attention(self, i: int, layer: _Layer, x: torch.Tensor, rnd: "_Round", kv: KVPool) -> torch.Tensor:
+        """o_proj of the layer's attention, in the compute dtype."""
         c = self.config
-        qkv = linear(x, layer.qkv, layer.qkv_bias)
-        qk_dim = (c.num_heads + c.num_kv_heads) * c.head_dim
-        qk = qkv[:, :qk_dim].unflatten(-1, (c.num_heads + c.num_kv_heads, c.head_dim))  # (rows, H + KV, hd)
+        qkv = matmul(x, layer.qkv)  # the compute dtype: rope reads it as fp32 by promotion
+        if layer.qkv_bias is not None:
+            qkv = qkv.float() + layer.qkv_bias
+        heads = c.num_heads
+        qk_dim = (heads + c.num_kv_heads) * c.head_dim
+        qk = qkv[:, :qk_dim].unflatten(-1, (heads + c.num_kv_heads, c.head_dim))  # (rows, H + KV, hd)
         v = qkv[:, qk_dim:].unflatten(-1, (c.num_kv_heads, c.head_dim))
-        if layer.q_norm is None:
-            qk = rotate(qk, cos, sin)  # q and k heads in one pass: rope is per head
-            q, k = qk[:, : c.num_heads] * self.scale, qk[:, c.num_heads :]
+        out = rnd.qk[:-1]  # (rows, H + KV, hd) in the pool's dtype: scaled q heads, then k heads
+        if layer.q_norm is not None:
+            qk = qk.float()
+            q = rotate(rms_norm(qk[:, :heads], layer.q_norm, c.rms_norm_eps), rnd.cos, rnd.sin)
+            torch.mul(q, self.scale, out=out[:, :heads])
+            out[:, heads:] = rotate(rms_norm(qk[:, heads:], layer.k_norm, c.rms_norm_eps), rnd.cos, rnd.sin)
+        elif rnd.scaled_cos is not None:  # q and k heads in one pass, the scale in q's tables
+            torch.add(qk * rnd.scaled_cos, _swap_halves(qk) * rnd.scaled_sin, out=out)
         else:
-            q = rotate(rms_norm(qk[:, : c.num_heads], layer.q_norm, c.rms_norm_eps), cos, sin) * self.scale
-            k = rotate(rms_norm(qk[:, c.num_heads :], layer.k_norm, c.rms_norm_eps), cos, sin)
-        n = inputs.num_rows
-        kv.write(i, inputs.slots, k[:n], v[:n])
-        out = attend(q, kv.k[i], kv.v[i], inputs.tiles)
-        return linear(out, layer.o)
+            qk = rotate(qk, rnd.cos, rnd.sin)
+            torch.mul(qk[:, :heads], self.scale, out=out[:, :heads])
+            out[:, heads:] = qk[:, heads:]
+        n = rnd.num_rows
+        kv.write(i, rnd.slots, out[:n, heads:], v[:n])
+        attend_into(rnd.qk.view(-1, c.head_dim), heads + c.num_kv_heads, kv.k[i], kv.v[i], rnd.tiles, rnd.attn)
+        return matmul(rnd.attn[:-1], layer.o)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, vocab) fp32 logits of final-normed hidden rows (n, hidden)."""
         n = hidden.shape[0]
         return linear(pad_rows(hidden, self.padded_rows(n)), self.lm_head)[:n]
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """x2 | x1 of each head of x (rows, heads, head_dim): what `rotate` multiplies by sin."""
+    return x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
+
+
+class _Round:
+    """What every layer of one round shares: rope tables, row indices and the buffers a layer
+    writes before the next one does (each is read within its layer).
+
+    `qk` ((rows + 1), H + KV, head_dim), the pool's dtype: a layer's pre-scaled q heads and its
+    k heads, the last row zero (padding rows of attention read it); `attn` (rows + 1, H *
+    head_dim) fp32: attention's output, the last row a scratch row; `act` (rows, intermediate),
+    the compute dtype: silu(gate) * up, the down projection's input.
+
+    With a power-of-two attention scale (head_dim 4^k), q's scale is folded into its rope
+    tables (`scaled_cos`, `scaled_sin`, (rows, H + KV, head_dim)): multiplying by a power of
+    two is exact, so (x cos + x' sin) * s has the bits of x (cos s) + x' (sin s).
+    """
+
+    def __init__(self, model: "LlamaModel", inputs: RoundInputs, pool_dtype: torch.dtype, rows: int) -> None:
+        c = model.config
+        device = inputs.tokens.device
+        self.num_rows, self.slots, self.tiles = inputs.num_rows, inputs.slots, inputs.tiles
+        self.cos, self.sin = rotation_tables(*model.rope.lookup(inputs.positions))  # (rows, 1, head_dim) each
+        self.scaled_cos = self.scaled_sin = None
+        if not c.qk_norm and math.frexp(model.scale)[0] == 0.5:
+            self.scaled_cos, self.scaled_sin = (_scale_q(t, c.num_heads, c.num_kv_heads, model.scale)
+                                                for t in (self.cos, self.sin))
+        heads = c.num_heads + c.num_kv_heads
+        self.qk = torch.zeros(rows + 1, heads, c.head_dim, dtype=pool_dtype, device=device)
+        self.attn = torch.zeros(rows + 1, c.num_heads * c.head_dim, dtype=torch.float32, device=device)
+        self.act = torch.empty(rows, c.intermediate_size, dtype=model.dtype, device=device)
+
+
+def _scale_q(table: torch.Tensor, heads: int, kv_heads: int, scale: float) -> torch.Tensor:
+    """A (rows, 1, head_dim) rope table as (rows, heads + kv_heads, head_dim), q's heads times scale."""
+    rows, _, d = table.shape
+    return torch.cat([(table * scale).expand(rows, heads, d), table.expand(rows, kv_heads, d)], dim=1)
 
 
 class EmptyState:
