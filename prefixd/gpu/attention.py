@@ -78,6 +78,12 @@ def block_size(page_size: int) -> int:
 
 
 def _padded_rows(length: int, group: int, dtype: torch.dtype) -> int:
+    """Query rows per lane of a tile: `length`, padded so that rows * group reaches the
+    minimum row count of an fp32 product. bf16 products are not padded: torch's CPU bf16 bmm
+    gives a row the same bits at every M from 1 and every batch count at attention's shapes
+    (bench/probe_cpu.py), and on CUDA kernels.bmm is one fixed configuration for every M."""
+    if dtype == torch.bfloat16:
+        return length
     rows = length
     while rows * group < invariant_rows(rows * group, dtype):
         rows += 1
@@ -248,8 +254,9 @@ def attend_tile(q_ext: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: Att
     p = p.exp_().view(nl, nb, kvh, m_rows, block)  # 0 where masked
     l = kernels.sum_dim(p, -1)  # (nl, nb, kvh, m_rows)
     a = kernels.bmm(p.view(-1, m_rows, block).to(v.dtype), v.reshape(-1, block, d))
-    a, l = _sum_blocks(a.view(nl, nb, kvh, m_rows, d).float()), _sum_blocks(l)
-    o = a / l.unsqueeze(-1)  # (nl, kvh, m_rows, D)
+    # a (fp32 by promotion) and l side by side: one sum over blocks for both
+    al = _sum_blocks(torch.cat([a.view(nl, nb, kvh, m_rows, d), l.unsqueeze(-1)], dim=-1))
+    o = al[..., :d] / al[..., d:]  # (nl, kvh, m_rows, D)
     out.view(-1, d).index_copy_(0, out_rows, o.reshape(-1, d))
 
 

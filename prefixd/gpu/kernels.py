@@ -85,7 +85,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) 
     Both operands share a dtype; fp32 operands multiply in full fp32 (no TF32)."""
     out_dtype = out_dtype or a.dtype
     if not _use_triton(a):
-        return torch.bmm(a, b).to(out_dtype)
+        c = torch.bmm(a, b)
+        return c if c.dtype == out_dtype else c.to(out_dtype)
     if a.dtype != b.dtype:
         raise TypeError(f"bmm operands differ in dtype: {a.dtype} and {b.dtype}")
     batches, m, k = a.shape
