@@ -88,6 +88,28 @@ def invariance(counts: Sequence[int], shapes: Sequence[tuple[int, int]]) -> None
     print(markdown_table(["kernel", "N x K", "M with other bits", "rotations with other bits (M=4,16)"], rows))
 
 
+ATTENTION_SHAPES = ((64, 256), (256, 64), (128, 256), (256, 128))  # (K, N): QK and PV per block, head_dim 64 / 128
+ATTENTION_BATCHES = (1, 3, 9, 48)
+
+
+def attention_invariance(counts: Sequence[int]) -> None:
+    """bf16 bmm at attention's per-block shapes: does a row keep its bits at every M (query
+    rows x group) and batch count, with B contiguous and as a transposed view (QK reads keys
+    transposed)? attention.py pads no query rows over a bf16 pool on this result."""
+    rows = []
+    for k, n in ATTENTION_SHAPES:
+        for batch in ATTENTION_BATCHES:
+            torch.manual_seed(0)
+            a = torch.randn(batch, max(counts), k).to(torch.bfloat16)
+            b = torch.randn(batch, k, n).to(torch.bfloat16)
+            for layout, bb in (("contiguous", b), ("transposed view", b.transpose(1, 2).contiguous().transpose(1, 2))):
+                ref = torch.bmm(a, bb)
+                bad = [m for m in counts if not torch.equal(torch.bmm(a[:, :m].contiguous(), bb), ref[:, :m])]
+                rows.append([f"{k}x{n}", str(batch), layout, _ranges(bad) or "none"])
+    print(f"\nbf16 bmm row invariance, attention shapes (reference: {max(counts)} rows)\n")
+    print(markdown_table(["K x N", "batch", "B layout", "M with other bits"], rows))
+
+
 def timings(counts: Sequence[int], shapes: Sequence[tuple[int, int]], repeats: int) -> None:
     rows = []
     for n, k in shapes:
@@ -120,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shapes = SHAPES[:2] if args.quick else SHAPES[:4]  # lm_head: timed only
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}\n")
     invariance(counts, shapes)
+    attention_invariance(counts)
     timings([1, 4, 16, 256], shapes if args.quick else SHAPES, 3 if args.quick else 10)
     return 0
 
