@@ -192,12 +192,8 @@ class LlamaModel:
             q = rotate(rms_norm(qk[:, :heads], layer.q_norm, c.rms_norm_eps), rnd.cos, rnd.sin)
             torch.mul(q, self.scale, out=out[:, :heads])
             out[:, heads:] = rotate(rms_norm(qk[:, heads:], layer.k_norm, c.rms_norm_eps), rnd.cos, rnd.sin)
-        elif rnd.scaled_cos is not None:  # q and k heads in one pass, the scale in q's tables
-            torch.add(qk * rnd.scaled_cos, _swap_halves(qk) * rnd.scaled_sin, out=out)
         else:
-            qk = rotate(qk, rnd.cos, rnd.sin)
-            torch.mul(qk[:, :heads], self.scale, out=out[:, :heads])
-            out[:, heads:] = qk[:, heads:]
+            rope_qk_into(qk, out, heads, self.scale, (rnd.cos, rnd.sin), rnd.scaled)
         n = rnd.num_rows
         kv.write(i, rnd.slots, out[:n, heads:], v[:n])
         attend_into(rnd.qk.view(-1, c.head_dim), heads + c.num_kv_heads, kv.k[i], kv.v[i], rnd.tiles, rnd.attn)
@@ -207,6 +203,22 @@ class LlamaModel:
         """(n, vocab) fp32 logits of final-normed hidden rows (n, hidden)."""
         n = hidden.shape[0]
         return linear(pad_rows(hidden, self.padded_rows(n)), self.lm_head)[:n]
+
+
+def rope_qk_into(qk: torch.Tensor, out: torch.Tensor, heads: int, scale: float,
+                 tables: tuple[torch.Tensor, torch.Tensor],
+                 scaled: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """out[:, :heads] = rotate(q) * scale and out[:, heads:] = rotate(k), in out's dtype, with
+    the bits of rotating and scaling in fp32 first. qk (rows, heads + kv_heads, head_dim) in the
+    compute dtype or fp32 (read as fp32 by promotion); tables: `rotation_tables`' (cos, sin);
+    scaled: the same with q's heads times a power-of-two scale (`scale_q_tables`), or None: then the
+    rotation is materialized in fp32 and q scaled from it."""
+    if scaled is not None:  # q and k heads in one pass, the scale in q's tables
+        torch.add(qk * scaled[0], _swap_halves(qk) * scaled[1], out=out)
+        return
+    rotated = rotate(qk, *tables)
+    torch.mul(rotated[:, :heads], scale, out=out[:, :heads])
+    out[:, heads:] = rotated[:, heads:]
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:
@@ -224,7 +236,7 @@ class _Round:
     the compute dtype: silu(gate) * up, the down projection's input.
 
     With a power-of-two attention scale (head_dim 4^k), q's scale is folded into its rope
-    tables (`scaled_cos`, `scaled_sin`, (rows, H + KV, head_dim)): multiplying by a power of
+    tables (`scaled`: cos and sin, (rows, H + KV, head_dim)): multiplying by a power of
     two is exact, so (x cos + x' sin) * s has the bits of x (cos s) + x' (sin s).
     """
 
@@ -233,17 +245,16 @@ class _Round:
         device = inputs.tokens.device
         self.num_rows, self.slots, self.tiles = inputs.num_rows, inputs.slots, inputs.tiles
         self.cos, self.sin = rotation_tables(*model.rope.lookup(inputs.positions))  # (rows, 1, head_dim) each
-        self.scaled_cos = self.scaled_sin = None
+        self.scaled = None
         if not c.qk_norm and math.frexp(model.scale)[0] == 0.5:
-            self.scaled_cos, self.scaled_sin = (_scale_q(t, c.num_heads, c.num_kv_heads, model.scale)
-                                                for t in (self.cos, self.sin))
+            self.scaled = tuple(scale_q_tables(t, c.num_heads, c.num_kv_heads, model.scale) for t in (self.cos, self.sin))
         heads = c.num_heads + c.num_kv_heads
         self.qk = torch.zeros(rows + 1, heads, c.head_dim, dtype=pool_dtype, device=device)
         self.attn = torch.zeros(rows + 1, c.num_heads * c.head_dim, dtype=torch.float32, device=device)
         self.act = torch.empty(rows, c.intermediate_size, dtype=model.dtype, device=device)
 
 
-def _scale_q(table: torch.Tensor, heads: int, kv_heads: int, scale: float) -> torch.Tensor:
+def scale_q_tables(table: torch.Tensor, heads: int, kv_heads: int, scale: float) -> torch.Tensor:
     """A (rows, 1, head_dim) rope table as (rows, heads + kv_heads, head_dim), q's heads times scale."""
     rows, _, d = table.shape
     return torch.cat([(table * scale).expand(rows, heads, d), table.expand(rows, kv_heads, d)], dim=1)

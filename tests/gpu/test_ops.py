@@ -38,3 +38,45 @@ def test_rotate_equals_apply_rope_on_strided_heads_and_signed_zeros():
     want = apply_rope(x, cos, sin)
     assert torch.equal(got, want)
     assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (48, torch.bfloat16), (64, torch.float32)])
+def test_rope_into_the_pool_dtype_gives_the_bits_of_rotating_and_scaling_in_fp32(head_dim, dtype):
+    # head_dim 64: the scale 1/8 is folded into q's tables; 48: it is not a power of two
+    from prefixd.gpu.model import rope_qk_into, scale_q_tables
+
+    g = torch.Generator().manual_seed(head_dim)
+    rows, heads, kv_heads = 9, 6, 2
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g) * 30).to(dtype)
+    qkv[2, :head_dim] = -0.0
+    qk = qkv[:, : (heads + kv_heads) * head_dim].unflatten(-1, (heads + kv_heads, head_dim))
+    angles = torch.rand(rows, 1, head_dim // 2, generator=g) * 1000
+    tables = rotation_tables(angles.cos(), angles.sin())
+    scale = 1.0 / head_dim ** 0.5
+    rotated = rotate(qk.float(), *tables)
+    want = torch.cat([rotated[:, :heads] * scale, rotated[:, heads:]], dim=1).to(dtype)
+    scaled = tuple(scale_q_tables(t, heads, kv_heads, scale) for t in tables) if head_dim == 64 else None
+    got = torch.empty(rows, heads + kv_heads, head_dim, dtype=dtype)
+    rope_qk_into(qk, got, heads, scale, tables, scaled)
+    assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+def test_bf16_attention_pads_no_query_rows_and_keeps_the_padded_tiles_bits():
+    from prefixd.gpu.attention import AttentionSpan, attend, plan_attention
+
+    g = torch.Generator().manual_seed(3)
+    page, kv_heads, heads, d = 16, 2, 6, 32
+    pool = torch.randn(2, 40, page, kv_heads, d, generator=g).to(torch.bfloat16)
+    spans = [AttentionSpan(0, 300, 1, tuple(range(0, 20))), AttentionSpan(1, 40, 1, tuple(range(20, 23)))]
+    q = torch.randn(2, heads, d, generator=g) * 0.2
+
+    def run(plan_dtype):
+        tiles = plan_attention(spans, total_rows=2, group=heads // kv_heads, page_size=page,
+                               device=torch.device("cpu"), dtype=plan_dtype)
+        return tiles, attend(q, pool[0], pool[1], tiles)
+
+    tiles, got = run(torch.bfloat16)
+    padded_tiles, want = run(torch.float32)  # fp32 pads each lane to 16 / group query rows
+    assert tiles[0].rows == 1 and padded_tiles[0].rows > 1  # two decode lanes, one row each
+    assert torch.equal(got, want)
