@@ -295,9 +295,10 @@ class ModelRunner:
                 lo, hi = max(at, w.start), min(at + image.identity.tokens, w.start + len(w.tokens))
                 if lo >= hi:
                     continue
-                rows = torch.as_tensor(np.asarray(image.rows, dtype=np.float32))
+                # a copy of the rows used: a memfd payload's array may be read-only
+                rows = torch.tensor(np.asarray(image.rows, dtype=np.float32)[lo - at : hi - at])
                 idx = torch.arange(span.row + lo - w.start, span.row + hi - w.start, device=self.device)
-                yield idx, rows[lo - at : hi - at].to(self.device)
+                yield idx, rows.to(self.device)
 
     def _wanted_rows(self, plan: RoundPlan, inputs: RoundInputs) -> tuple[torch.Tensor, dict]:
         """Round rows that need logits, and (lane, row) -> index into them."""
