@@ -6,17 +6,22 @@ only on the tokens before it: constrained sampling stays deterministic, and exac
 resumed and beside other lanes.
 
 Per row and lane the cost is llguidance's walk of the token trie (the GIL dropped) into a
-packed int32 buffer, one numpy unpack, and one copy of the row with the forbidden ids at
--inf. On the CPU that copy is numpy's, on the caller's thread: a torch op on a 49k row
-would wake the OpenMP pool once per lane, and where a core is busy each wake-up waits for it.
+packed int32 buffer, then, once per grammar state, one numpy unpack into an int32 word per
+id: `keep` (all ones where allowed, 0 where forbidden) and `fill` (-inf's bits where
+forbidden, 0 where allowed). Applying it to a float32 row is then two branch-free integer
+ops on the row's bits, `(row & keep) | fill`: the row's own bits where allowed (NaN and inf
+included), -inf where forbidden, the bits masked_fill gives, in ~10 us for 49k ids instead of
+~100 us for a masked copy. On the CPU that runs in numpy, on the caller's thread: a torch op
+on a 49k row would wake the OpenMP pool once per lane, and where a core is busy each wake-up
+waits for it. Off the CPU the mask is one masked_fill on the device.
 
 With `background`, the mask of the next row is built on one shared worker thread as soon
 as `advance` takes a token, and `apply` waits for it; the matcher is never read or moved
 while it runs. That pays where the forward leaves CPU cores free (an accelerator); on the
 CPU the forward's OpenMP threads want every core, so the mask is built on the caller's.
 
-    advance(t) ──> [worker:] matcher mask -> packed int32 words -> forbidden (vocab,) bool
-    apply(row) ──> [wait for the worker] ──> copy of row, forbidden ids at -inf
+    advance(t) ──> [worker:] matcher mask -> packed int32 words -> keep, fill (vocab,) int32
+    apply(row) ──> [wait for the worker] ──> (row bits & keep) | fill, a new row
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import numpy as np
 import torch
 
 _NEG_INF = float("-inf")
+_NEG_INF_BITS = np.array(_NEG_INF, dtype=np.float32).view(np.int32)
 _worker: ThreadPoolExecutor | None = None
 _worker_lock = threading.Lock()
 
@@ -55,10 +61,11 @@ class GrammarMask:
         self._end_id = ll_tokenizer.eos_token
         self.vocab_size = vocab_size
         self._num_ids = min(ll_tokenizer.vocab_size, vocab_size)  # ids the grammar speaks of
-        self._words = np.zeros((ll_tokenizer.vocab_size + 31) // 32, dtype=np.int32)  # packed, bit i = id i
+        self._packed = np.zeros((ll_tokenizer.vocab_size + 31) // 32, dtype=np.int32)  # packed, bit i = id i
         self._background = background
-        self._forbidden: np.ndarray | None = None  # (vocab_size,) bool of the current state
-        self._pending: Future[np.ndarray] | None = None
+        self._state: tuple[np.ndarray, np.ndarray] | None = None  # (keep, fill) of the current state
+        self._forbidden: np.ndarray | None = None  # (vocab_size,) bool, built from keep when asked
+        self._pending: Future[tuple[np.ndarray, np.ndarray]] | None = None
         self._prepare()
 
     @property
@@ -72,19 +79,18 @@ class GrammarMask:
 
     def forbidden(self) -> np.ndarray:
         """(vocab_size,) bool: the ids the grammar forbids next (built once per state; not to be written)."""
-        self._settle()
         if self._forbidden is None:
-            self._forbidden = self._compute()
+            self._forbidden = self._keep_fill()[0] == 0
         return self._forbidden
 
     def apply(self, row: torch.Tensor) -> torch.Tensor:
         """`row` (vocab_size,) with the ids the grammar forbids at -inf (a new tensor)."""
-        forbidden = self.forbidden()
         if row.device.type != "cpu" or row.dtype != torch.float32:
-            return row.masked_fill(torch.from_numpy(forbidden).to(row.device, non_blocking=True), _NEG_INF)
-        out = row.numpy().copy()  # numpy on this thread: no OpenMP wake-up per row
-        np.copyto(out, _NEG_INF, where=forbidden)
-        return torch.from_numpy(out)
+            return row.masked_fill(torch.from_numpy(self.forbidden()).to(row.device, non_blocking=True), _NEG_INF)
+        keep, fill = self._keep_fill()  # numpy on this thread: no OpenMP wake-up per row
+        out = np.bitwise_and(row.numpy().view(np.int32), keep)
+        np.bitwise_or(out, fill, out=out)
+        return torch.from_numpy(out.view(np.float32))
 
     def advance(self, token: int) -> None:
         """Take `token` (a wrong one puts the matcher in its error state: only the end follows);
@@ -92,7 +98,7 @@ class GrammarMask:
         self._settle()
         if not self._matcher.is_error():
             self._matcher.consume_token(token)
-        self._forbidden = None
+        self._state = self._forbidden = None
         self._prepare()
 
     def _prepare(self) -> None:
@@ -103,14 +109,22 @@ class GrammarMask:
         """Wait for the mask in flight (its matcher is not touched while it runs)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            self._forbidden = pending.result()
+            self._state = pending.result()
 
-    def _compute(self) -> np.ndarray:
-        forbidden = np.ones(self.vocab_size, dtype=np.bool_)
+    def _keep_fill(self) -> tuple[np.ndarray, np.ndarray]:
+        """(keep, fill) of the current state, built once."""
+        self._settle()
+        if self._state is None:
+            self._state = self._compute()
+        return self._state
+
+    def _compute(self) -> tuple[np.ndarray, np.ndarray]:
+        """keep: -1 (all bits) where allowed, 0 where forbidden; fill: -inf's bits where forbidden, else 0."""
+        keep = np.zeros(self.vocab_size, dtype=np.int32)
         if not self._matcher.is_error():
-            self._matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)  # drops the GIL
-            bits = np.unpackbits(self._words.view(np.uint8), count=self._num_ids, bitorder="little")
-            np.equal(bits, 0, out=forbidden[: self._num_ids])
-        if forbidden.all():
-            forbidden[self._end_id] = False
-        return forbidden
+            self._matcher.unsafe_compute_mask_ptr(self._packed.ctypes.data, self._packed.nbytes)  # drops the GIL
+            bits = np.unpackbits(self._packed.view(np.uint8), count=self._num_ids, bitorder="little")
+            np.subtract(0, bits, out=keep[: self._num_ids], dtype=np.int32)
+        if not keep.any():
+            keep[self._end_id] = -1
+        return keep, np.bitwise_and(np.invert(keep), _NEG_INF_BITS)

@@ -12,6 +12,8 @@ dependency, kept by an active upstream.
 from __future__ import annotations
 
 import json
+import threading
+import weakref
 from typing import Any
 
 FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
@@ -51,7 +53,8 @@ def _json_options() -> dict[str, Any]:
 
 
 class GrammarChecker:
-    """Validates grammars against one tokenizer (built once: ~1 s for a 49k vocabulary)."""
+    """Validates grammars against one tokenizer. Its llguidance tokenizer is `ll_tokenizer`'s
+    shared one, so a checker per connection costs nothing after the first."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
@@ -86,7 +89,27 @@ class _Spelling:
         return self._tokenizer.encode(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
 
 
+_shared: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_shared_lock = threading.Lock()
+
+
 def ll_tokenizer(tokenizer: Any) -> Any:
+    """The llguidance tokenizer over the model's, built once per tokenizer object and shared
+    by every caller (the runner, each connection's checker): a build takes ~0.2-1 s of CPU for
+    a 49k vocabulary with the GIL held, so one per request stalls the event loop and the
+    engine thread. Read-only once built, so threads share it."""
+    with _shared_lock:  # concurrent first requests build it once
+        try:
+            return _shared[tokenizer]
+        except KeyError:
+            pass
+        except TypeError:  # an object without weak references: built for this caller only
+            return _build_ll_tokenizer(tokenizer)
+        built = _shared[tokenizer] = _build_ll_tokenizer(tokenizer)
+        return built
+
+
+def _build_ll_tokenizer(tokenizer: Any) -> Any:
     """An llguidance tokenizer over the model's: its own `tokenizers` JSON when it has one,
     else its token bytes. The model's stop ids are the grammar's end tokens."""
     import llguidance

@@ -1,7 +1,8 @@
 """GrammarMask on its own (the tiny llama's 49152-id tokenizer, no model): its forbidden ids are
 exactly llguidance's bitmask at every state, built on the caller's thread or the worker's; the
-numpy copy it applies on the CPU equals torch's masked_fill bit for bit; a wrong token leaves
-only the end token; a failure on the worker reaches the caller."""
+integer ops it applies on the CPU equal torch's masked_fill bit for bit (inf, NaN, -0.0 and
+padded ids); a wrong token leaves only the end token; a failure on the worker reaches the
+caller."""
 
 from __future__ import annotations
 
@@ -63,19 +64,24 @@ def test_forbidden_ids_are_llguidances_bitmask_at_every_state(tok, ll_tok, name,
     assert 0 < int((~mask.forbidden()).sum()) < VOCAB and mask.error is None
 
 
+@pytest.mark.parametrize("padded", [0, 64])
 @pytest.mark.parametrize("background", [False, True])
-def test_applied_row_equals_masked_fill_bit_for_bit(ll_tok, background):
-    mask = GrammarMask(ll_tok, grammar_of(FORMATS["regex"][0]), vocab_size=VOCAB, background=background)
+def test_applied_row_equals_masked_fill_bit_for_bit(ll_tok, background, padded):
+    vocab = VOCAB + padded  # a model may pad its embedding rows past the tokenizer's ids
+    mask = GrammarMask(ll_tok, grammar_of(FORMATS["regex"][0]), vocab_size=vocab, background=background)
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, VOCAB, generator=g) * 30
+    logits = torch.randn(4, vocab, generator=g) * 30
     logits[1, ::7] = float("inf")
     logits[2, ::5] = float("nan")
+    logits[3, ::3] = -0.0
+    logits[3, 1::3] = float("-inf")
     before = logits.clone()
     forbidden = torch.from_numpy(mask.forbidden().copy())
-    for i in range(3):
+    assert forbidden[VOCAB:].all() and not forbidden.all()
+    for i in range(4):
         out = mask.apply(logits[i])  # a row view, as the runner passes it
         expected = logits[i].masked_fill(forbidden, float("-inf"))
-        assert out.dtype == torch.float32 and out.shape == (VOCAB,)
+        assert out.dtype == torch.float32 and out.shape == (vocab,)
         assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
     assert torch.equal(logits.view(torch.int32), before.view(torch.int32))  # rows untouched
 
