@@ -7,7 +7,8 @@ Starts `prefixd serve` on the default model (Unix socket only, metrics off), the
 1. reference: each of a fixed list of seeded generates (token prompts, seeded sampling,
    logits digests) once, alone; baseline: the honest clients alone for --baseline-seconds,
    each sending the list in turn; every output must equal the reference;
-2. soak: the same honest clients for --seconds beside hostile ones: malformed frames, huge
+2. soak: the same honest clients for --seconds beside hostile ones (in a child process of
+   their own, as a hostile app would be; `--actions` picks some): malformed frames, huge
    memfd payloads, trickling slow clients, floods of cheap frames, NaN images, sampling
    edges, huge chat renders (some abandoned mid-render), clients that leave mid-stream;
 3. settle: wait until no lane is busy and the engine host's idle trim has run (IDLE_TRIM_S
@@ -16,7 +17,9 @@ Starts `prefixd serve` on the default model (Unix socket only, metrics off), the
 
 It prints one table: requests served, errors by code, honest p50/p99 TTFT with and without
 hostile clients and their ratio, whether honest outputs are bit-equal to the reference,
-honest failures, RSS before/peak/after, fds and pages before and after. Every loop is
+honest failures, RSS before/peak/after, fds and pages before and after, and the CPU the
+daemon's threads used per second of each phase (the event loop's thread, the busiest other
+thread, which is the engine's, and the rest: torch's and the worker threads). Every loop is
 bounded by the deadline and a count; every wait by a timeout. It stops by itself.
 """
 
