@@ -7,7 +7,8 @@ Starts `prefixd serve` on the default model (Unix socket only, metrics off), the
 1. reference: each of a fixed list of seeded generates (token prompts, seeded sampling,
    logits digests) once, alone; baseline: the honest clients alone for --baseline-seconds,
    each sending the list in turn; every output must equal the reference;
-2. soak: the same honest clients for --seconds beside hostile ones: malformed frames, huge
+2. soak: the same honest clients for --seconds beside hostile ones (in a child process of
+   their own, as a hostile app would be; `--actions` picks some): malformed frames, huge
    memfd payloads, trickling slow clients, floods of cheap frames, NaN images, sampling
    edges, huge chat renders (some abandoned mid-render), clients that leave mid-stream;
 3. settle: wait until no lane is busy and the engine host's idle trim has run (IDLE_TRIM_S
@@ -16,19 +17,23 @@ Starts `prefixd serve` on the default model (Unix socket only, metrics off), the
 
 It prints one table: requests served, errors by code, honest p50/p99 TTFT with and without
 hostile clients and their ratio, whether honest outputs are bit-equal to the reference,
-honest failures, RSS before/peak/after, fds and pages before and after. Every loop is
+honest failures, RSS before/peak/after, fds and pages before and after, and the CPU the
+daemon's threads used per second of each phase (the event loop's thread, the busiest other
+thread, which is the engine's, and the rest: torch's and the worker threads). Every loop is
 bounded by the deadline and a count; every wait by a timeout. It stops by itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import random
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import anyio
@@ -57,6 +62,7 @@ class HonestRun:
     failures: int = 0
     mismatches: int = 0
     failure_kinds: Counter = field(default_factory=Counter)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # the daemon's threads over the phase
 
 
 def honest_requests(vocab: int, count: int, seed: int) -> list[dict[str, Any]]:
@@ -110,18 +116,72 @@ async def _one_generate(client: AsyncClient, request: dict[str, Any]) -> tuple[t
 
 
 async def run_phase(daemon: Daemon, requests: list[dict[str, Any]], seconds: float, num_honest: int,
-                    reference: dict[int, tuple], hostile: int, tally: Tally) -> HonestRun:
-    """Honest clients (and `hostile` copies of each hostile action) until `seconds` pass."""
+                    reference: dict[int, tuple], hostile: Hostile | None, tally: Tally) -> HonestRun:
+    """Honest clients (and the hostile ones, in their own process) until `seconds` pass; the
+    daemon threads' CPU time over the phase goes to `run.cpu_s`."""
     run = HonestRun()
+    if hostile is not None:
+        await anyio.to_thread.run_sync(hostile.ready.wait, 120.0)  # the child has imported everything
+    cpu_before = daemon.thread_cpu_s()
     deadline = time.monotonic() + seconds
+    if hostile is not None:
+        hostile.start(deadline)
     async with anyio.create_task_group() as tg:
         tg.start_soon(daemon.sample_rss, deadline)
         for c in range(num_honest):
             tg.start_soon(honest_client, daemon.socket, requests, c * 3, deadline, run, reference)
-        for _ in range(hostile):
-            for action in HOSTILE_ACTIONS:
-                tg.start_soon(_hostile_loop, action, daemon, deadline, tally)
+    run.cpu_s = _cpu_used(cpu_before, daemon.thread_cpu_s(), daemon.proc.pid)
+    if hostile is not None:
+        await anyio.to_thread.run_sync(hostile.collect, tally)
     return run
+
+
+def _cpu_used(before: dict[int, float], after: dict[int, float], loop_tid: int) -> dict[str, float]:
+    """CPU seconds of the event loop's thread, the busiest other thread (the engine's) and the rest."""
+    used = {tid: cpu - before.get(tid, 0.0) for tid, cpu in after.items()}
+    loop = used.pop(loop_tid, 0.0)
+    engine = max(used.values(), default=0.0)
+    return {"loop": loop, "engine": engine, "other": sum(used.values()) - engine}
+
+
+class Hostile:
+    """The hostile clients, in a child process of their own (as a hostile app would be), so
+    that their client-side work does not delay the honest clients' own event loop."""
+
+    def __init__(self, socket: str, hidden: int, copies: int, actions: Sequence[str]) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.ready, self._go, self._results = ctx.Event(), ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_hostile_main, args=(socket, hidden, copies, list(actions), self.ready,
+                                                            self._go, self._results), daemon=True)
+        self.proc.start()
+
+    def start(self, deadline: float) -> None:
+        self._go.put(deadline)  # time.monotonic() is the system's CLOCK_MONOTONIC: shared by processes
+
+    def collect(self, tally: Tally) -> None:
+        sent, codes = self._results.get(timeout=120.0)
+        tally.sent += sent
+        tally.codes.update(codes)
+        self.proc.join(timeout=10.0)
+
+
+def _hostile_main(socket: str, hidden: int, copies: int, actions: list[str], ready: Any, go: Any,
+                  results: Any) -> None:
+    by_name = {action.__name__: action for action in HOSTILE_ACTIONS}
+    chosen = [by_name[name] for name in actions]
+    ready.set()
+    deadline = go.get()
+    target = SimpleNamespace(socket=socket, hidden=hidden)
+    tally = Tally()
+
+    async def run() -> None:
+        async with anyio.create_task_group() as tg:
+            for _ in range(copies):
+                for action in chosen:
+                    tg.start_soon(_hostile_loop, action, target, deadline, tally)
+
+    anyio.run(run)
+    results.put((tally.sent, dict(tally.codes)))
 
 
 async def _hostile_loop(action: Any, daemon: Daemon, deadline: float, tally: Tally) -> None:
@@ -155,8 +215,12 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+def _cpu_text(cpu_s: dict[str, float], seconds: float) -> str:
+    return " / ".join(f"{cpu_s.get(k, 0.0) / seconds:.2f}" for k in ("loop", "engine", "other"))
+
+
 def report(base: HonestRun, soak: HonestRun, tally: Tally, before: dict, after: dict, peak_rss: int,
-           seconds: float) -> str:
+           seconds: float, base_seconds: float) -> str:
     def ms(v: float) -> str:
         return f"{v * 1000:.1f} ms"
 
@@ -180,24 +244,27 @@ def report(base: HonestRun, soak: HonestRun, tally: Tally, before: dict, after: 
         ("fds before / after", f"{before['fds']} / {after['fds']}"),
         ("pages used before / after", f"{before['pages_used']} / {after['pages_used']}"),
         ("lanes busy / waiting after", f"{after['lanes_busy']} / {after['waiting']}"),
+        ("daemon CPU s per s, loop / engine / other (baseline)", _cpu_text(base.cpu_s, base_seconds)),
+        ("daemon CPU s per s, loop / engine / other (soak)", _cpu_text(soak.cpu_s, seconds)),
     ]
     return markdown_table(["measure", "value"], rows)
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    with Daemon.spawn(args.model, args.flags) as daemon:
+    with Daemon.spawn(args.model, args.flags, args.daemon_root) as daemon:
         hello = await daemon.hello()
         vocab = int(hello.model["vocab_size"])
         daemon.hidden = int(hello.model.get("hidden_size", 0))
         requests = honest_requests(vocab, args.requests, args.seed)
         tally = Tally()
         reference = await fill_reference(daemon, requests)
-        base = await run_phase(daemon, requests, args.baseline_seconds, args.honest, reference, 0, tally)
+        hostile = Hostile(daemon.socket, daemon.hidden, args.hostile, args.actions) if args.hostile else None
+        base = await run_phase(daemon, requests, args.baseline_seconds, args.honest, reference, None, tally)
         before = await daemon.measure(SETTLE_TIMEOUT_S)
         daemon.peak_rss = before["rss"]
-        soak = await run_phase(daemon, requests, args.seconds, args.honest, reference, args.hostile, tally)
+        soak = await run_phase(daemon, requests, args.seconds, args.honest, reference, hostile, tally)
         after = await daemon.measure(SETTLE_TIMEOUT_S)
-        print(report(base, soak, tally, before, after, daemon.peak_rss, args.seconds))
+        print(report(base, soak, tally, before, after, daemon.peak_rss, args.seconds, args.baseline_seconds))
         if args.verbose:
             print(f"\ndaemon log tail:\n{daemon.log_tail(6000)}")
     return 0 if soak.failures == 0 and soak.mismatches == 0 and base.mismatches == 0 else 1
@@ -212,12 +279,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hostile", type=int, default=1, help="copies of each hostile client")
     parser.add_argument("--requests", type=int, default=8, help="distinct honest requests")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--actions", default=",".join(a.__name__ for a in HOSTILE_ACTIONS),
+                        help="the hostile actions to run, comma-separated (default: all of them)")
+    parser.add_argument("--daemon-root", type=Path, default=ROOT,
+                        help="the source tree the daemon runs from (default: this one)")
     parser.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="extra `prefixd serve` flags")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
+    args.actions = [name for name in args.actions.split(",") if name]
+    known = {a.__name__ for a in HOSTILE_ACTIONS}
+    if not set(args.actions) <= known:
+        parser.error(f"--actions: unknown {sorted(set(args.actions) - known)}; known: {sorted(known)}")
     if args.baseline_seconds is None:
         args.baseline_seconds = max(5.0, args.seconds / 2)
-    print_machine({"soak": f"{args.seconds:g} s, {args.honest} honest, {args.hostile}x{len(HOSTILE_ACTIONS)} hostile"})
+    print_machine({"soak": f"{args.seconds:g} s, {args.honest} honest, {args.hostile}x{len(args.actions)} hostile",
+                   "hostile actions": ", ".join(args.actions), "daemon code": str(args.daemon_root)})
     return anyio.run(main_async, args)
 
 

@@ -36,14 +36,15 @@ class Daemon:
 
     @classmethod
     @contextmanager
-    def spawn(cls, model: str, flags: Sequence[str]) -> Iterator[Daemon]:
+    def spawn(cls, model: str, flags: Sequence[str], root: Path = ROOT) -> Iterator[Daemon]:
+        """`root`: the source tree the daemon runs from (another checkout compares code)."""
         with tempfile.TemporaryDirectory(prefix="prefixd-soak-") as tmp:
             sock, log = os.path.join(tmp, "prefixd.sock"), Path(tmp) / "daemon.log"
             cmd = [sys.executable, "-m", "prefixd.daemon.cli", "serve", "--model", model, "--socket", sock,
                    "--metrics-addr", "", *flags]
-            env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+            env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
             with open(log, "w") as out:
-                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root)
             daemon = cls(proc, sock, log)
             try:
                 daemon._wait_ready()
@@ -73,6 +74,20 @@ class Daemon:
 
     def num_fds(self) -> int:
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def thread_cpu_s(self) -> dict[int, float]:
+        """CPU seconds (user + system) each of the daemon's threads has used, by thread id;
+        the thread whose id is the process id runs the event loop."""
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {}
+        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+            try:
+                with open(f"/proc/{self.proc.pid}/task/{tid}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except FileNotFoundError:
+                continue  # a worker thread that ended
+            out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+        return out
 
     async def sample_rss(self, deadline: float) -> None:
         """Track the peak RSS until `deadline`."""

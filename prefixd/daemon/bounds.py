@@ -1,12 +1,16 @@
 """Bounds on what clients may hold in the daemon: connections, buffers, queues, deadlines.
 
 One frozen record, built once; docs/protocol.md ("Connection bounds") lists the same numbers.
-Tests inject small values; the daemon runs with the defaults.
+Tests inject small values; the daemon runs with the defaults, and with the client pacing
+(pacing.py) its flags ask for (`for_config`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixd.daemon.pacing import PaceLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +26,13 @@ class ConnectionBounds:
     accept_backoff_s: float = 0.1  # pause after a failed accept (EMFILE...) before trying again
     max_heavy_jobs: int = 1  # heavy renders/encodes running at once (host_work.py); one per connection
     heavy_cpu_share: float = 0.25  # of one core, the most a heavy job's thread uses
+    pace: PaceLimits = field(default_factory=PaceLimits)  # one client's frame budget (pacing.py)
+
+    @classmethod
+    def for_config(cls, cfg: Any) -> ConnectionBounds:
+        """The defaults, with the pacing a DaemonConfig's flags set (rate 0: no pacing)."""
+        return cls(pace=PaceLimits(rate=cfg.client_frame_rate or None, burst=cfg.client_frame_burst,
+                                   error_cost=cfg.error_frame_cost, connect_cost=cfg.connect_frame_cost))
 
     def __post_init__(self) -> None:
         if min(self.max_connections, self.max_streams, self.out_frames, self.max_buffered_bytes,

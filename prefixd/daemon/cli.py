@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Sequence
 
 import prefixd
-from prefixd.daemon.config import (DEFAULT_CPU_LANES, DEFAULT_CPU_MAX_CONTEXT, DEFAULT_CUDA_LANES, DEFAULT_GRACE_S,
-                                   DEFAULT_GRID, DEFAULT_METRICS_ADDR, DEFAULT_PAGE_SIZE, LOG_LEVELS, ConfigError,
-                                   config_from_args)
+from prefixd.daemon.config import (DEFAULT_CLIENT_FRAME_BURST, DEFAULT_CLIENT_FRAME_RATE, DEFAULT_CONNECT_FRAME_COST,
+                                   DEFAULT_CPU_LANES, DEFAULT_CPU_MAX_CONTEXT, DEFAULT_CUDA_LANES,
+                                   DEFAULT_ERROR_FRAME_COST, DEFAULT_GRACE_S, DEFAULT_GRID, DEFAULT_METRICS_ADDR,
+                                   DEFAULT_PAGE_SIZE, LOG_LEVELS, ConfigError, config_from_args)
 
 
 def _add_socket(p: argparse.ArgumentParser) -> None:
@@ -63,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="flush the disk tier and exit after this long with no client and no request "
                             "(default: never; for socket-activated units)")
     serve.add_argument("--log-level", default=None, choices=LOG_LEVELS, help="log verbosity (default: info)")
+    serve.add_argument("--client-frame-rate", type=float, default=None, metavar="FRAMES",
+                       help="frames a second one client (peer process, all its connections) is read at, "
+                            f"beyond its burst; 0: unpaced (default: {DEFAULT_CLIENT_FRAME_RATE:g})")
+    serve.add_argument("--client-frame-burst", type=int, default=None, metavar="FRAMES",
+                       help=f"frames a client may send at once (default: {DEFAULT_CLIENT_FRAME_BURST})")
+    serve.add_argument("--error-frame-cost", type=int, default=None, metavar="FRAMES",
+                       help=f"what a frame refused with an error costs a client (default: {DEFAULT_ERROR_FRAME_COST})")
+    serve.add_argument("--connect-frame-cost", type=int, default=None, metavar="FRAMES",
+                       help=f"what a new connection costs a client (default: {DEFAULT_CONNECT_FRAME_COST})")
     serve.add_argument("--http", default=None, metavar="HOST:PORT",
                        help="also serve the OpenAI-compatible HTTP API here (default: off; see docs/http.md)")
     serve.add_argument("--http-token-file", default=None, metavar="FILE",

@@ -32,6 +32,11 @@ AUTO_DRAFT = {
     ("llama", "invariant"): "ngram",
 }
 DEFAULT_DISK_BUDGET_BYTES = 8 << 30
+# One client's frame budget (prefixd/daemon/pacing.py): far above what a normal client sends.
+DEFAULT_CLIENT_FRAME_RATE = 2000.0
+DEFAULT_CLIENT_FRAME_BURST = 4096
+DEFAULT_ERROR_FRAME_COST = 16
+DEFAULT_CONNECT_FRAME_COST = 64
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -68,6 +73,10 @@ class DaemonConfig:
     idle_exit_s: float | None = None  # None: never exit for idleness
     draft: str = "auto"  # "auto" | "ngram" | "off" (auto: `resolve_draft` once the model is loaded)
     draft_max: int = DEFAULT_DRAFT_MAX
+    client_frame_rate: float = DEFAULT_CLIENT_FRAME_RATE  # frames a second one client is read at; 0: unpaced
+    client_frame_burst: int = DEFAULT_CLIENT_FRAME_BURST
+    error_frame_cost: int = DEFAULT_ERROR_FRAME_COST
+    connect_frame_cost: int = DEFAULT_CONNECT_FRAME_COST
 
     @property
     def num_lanes(self) -> int:
@@ -143,6 +152,12 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
         raise ConfigError(f"--disk-budget {cfg.disk_budget_bytes}: must be >= 0")
     if cfg.idle_exit_s is not None and cfg.idle_exit_s <= 0:
         raise ConfigError(f"--idle-exit {cfg.idle_exit_s:g}: must be > 0 seconds")
+    if cfg.client_frame_rate < 0 or cfg.client_frame_burst < 1:
+        raise ConfigError(f"--client-frame-rate {cfg.client_frame_rate:g} must be >= 0 (0: unpaced) and "
+                          f"--client-frame-burst {cfg.client_frame_burst} >= 1")
+    if cfg.error_frame_cost < 1 or cfg.connect_frame_cost < 0:
+        raise ConfigError(f"--error-frame-cost {cfg.error_frame_cost} must be >= 1 and "
+                          f"--connect-frame-cost {cfg.connect_frame_cost} >= 0")
     if cfg.metrics_addr:
         from prefixd.metrics.exporter import MetricsAddrError, parse_metrics_addr
 
@@ -204,6 +219,11 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
         idle_exit_s=pick("idle_exit", "PREFIXD_IDLE_EXIT", None, _opt_float),
         draft=pick("draft", "PREFIXD_DRAFT", "auto", _one_of(*DRAFTS)),
         draft_max=pick("draft_max", "PREFIXD_DRAFT_MAX", DEFAULT_DRAFT_MAX, int),
+        client_frame_rate=pick("client_frame_rate", "PREFIXD_CLIENT_FRAME_RATE", DEFAULT_CLIENT_FRAME_RATE, float),
+        client_frame_burst=pick("client_frame_burst", "PREFIXD_CLIENT_FRAME_BURST", DEFAULT_CLIENT_FRAME_BURST, int),
+        error_frame_cost=pick("error_frame_cost", "PREFIXD_ERROR_FRAME_COST", DEFAULT_ERROR_FRAME_COST, int),
+        connect_frame_cost=pick("connect_frame_cost", "PREFIXD_CONNECT_FRAME_COST", DEFAULT_CONNECT_FRAME_COST,
+                                int),
     )
     return _check(cfg)
 

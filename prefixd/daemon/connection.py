@@ -27,6 +27,7 @@ from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.engine_host import EngineFailed, EngineHost, StreamTokens
 from prefixd.daemon.fair import FairSeats
 from prefixd.daemon.host_work import HostWork, is_heavy
+from prefixd.daemon.pacing import ClientBudget
 from prefixd.daemon.peer_probe import peer_probe
 from prefixd.daemon.requests import RequestBuilder
 from prefixd.ipc.errors import ErrorCode, ProtocolError
@@ -66,9 +67,11 @@ class Services:
 class Connection:
     """Serves one framed stream until the client leaves, breaks framing, or stops reading."""
 
-    def __init__(self, framed: Any, services: Services, bounds: ConnectionBounds | None = None) -> None:
+    def __init__(self, framed: Any, services: Services, bounds: ConnectionBounds | None = None,
+                 budget: ClientBudget | None = None) -> None:
         bounds = bounds or ConnectionBounds()
         self.framed = framed
+        self.budget = budget  # the client's frame credits (pacing.py); None: not paced
         self.max_streams = bounds.max_streams
         self.services = services
         self._out_send, self._out_receive = anyio.create_memory_object_stream[dict](bounds.out_frames)
@@ -114,19 +117,23 @@ class Connection:
 
     async def _reader(self) -> None:
         while True:
+            if self.budget is not None:
+                await self.budget.wait()  # a client in debt is read no further until it is out
             try:
                 frame = await self.framed.receive_frame()
             except ProtocolError as e:
-                await self._send(ErrorReply.of(e).to_wire())
+                await self._refuse(e, charged=False)
                 if e.fatal:
                     return
                 continue
             except _CLOSED:
                 return
+            if self.budget is not None:
+                self.budget.frame()
             try:
                 msg = await self._open(frame)
             except ProtocolError as e:
-                await self._send(ErrorReply.of(e).to_wire())
+                await self._refuse(e)
                 continue
             if msg.get("type") == "generate":
                 await self._start_generate(msg)  # several generates sent together start in the same round
@@ -139,7 +146,7 @@ class Connection:
         try:
             self._admissible(msg)
         except ProtocolError as e:
-            await self._send(ErrorReply.of(e.with_id(request_id)).to_wire())
+            await self._refuse(e.with_id(request_id))
             return
         if request_id is not None:
             self._streams[request_id] = None
@@ -183,9 +190,19 @@ class Connection:
                 raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}")
             await handler(msg)
         except ProtocolError as e:
-            await self._send(ErrorReply.of(e.with_id(request_id)).to_wire())
+            await self._refuse(e.with_id(request_id))
         except EngineFailed as e:
             await self._send(ErrorReply(request_id, ErrorCode.INTERNAL.value, str(e)).to_wire())
+
+    async def _refuse(self, error: ProtocolError, charged: bool = True) -> None:
+        """Reply `error`; the client pays a refused frame's cost (`charged`: its frame was
+        already charged as read)."""
+        if self.budget is not None:
+            if charged:
+                self.budget.refused()
+            else:
+                self.budget.frame(refused=True)
+        await self._send(ErrorReply.of(error).to_wire())
 
     def _handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
         return {

@@ -28,7 +28,8 @@ from prefixd.daemon.engine_host import EngineHost, one_malloc_arena
 from prefixd.daemon.fair import FairSeats
 from prefixd.daemon.host_work import HostWork
 from prefixd.daemon.http.serve import HttpServer
-from prefixd.daemon.listener import PeerPolicy, SocketPathError, peer_cred
+from prefixd.daemon.listener import PeerCred, PeerPolicy, SocketPathError, peer_cred
+from prefixd.daemon.pacing import Pacer
 from prefixd.daemon.requests import RequestBuilder
 from prefixd.daemon.runtime import Runtime, load_runtime, run_on_own_thread
 from prefixd.daemon.startup import StartupError, activation_socket, bind_socket, check_device, open_exporter
@@ -62,7 +63,8 @@ class Server:
                  bounds: ConnectionBounds | None = None) -> None:
         self.cfg = cfg
         self._factory = runtime_factory
-        self.bounds = bounds or ConnectionBounds()
+        self.bounds = bounds or ConnectionBounds.for_config(cfg)
+        self.pacer = Pacer(self.bounds.pace)
         self.buffers = BufferBudget(self.bounds.max_buffered_bytes)
         self._env = os.environ if env is None else env
         self._out = sys.stderr if out is None else out
@@ -261,18 +263,22 @@ class Server:
         if len(self._connections) >= self.bounds.max_connections:
             await refuse_connection(stream, self.bounds.max_connections)
             return
-        await self._serve_connection(stream)
+        assert cred is not None  # allowed
+        await self._serve_connection(stream, cred)
 
-    async def _serve_connection(self, stream: anyio.abc.SocketStream) -> None:
+    async def _serve_connection(self, stream: anyio.abc.SocketStream, cred: PeerCred) -> None:
         framed = FramedStream(stream, self.limits, send_timeout_s=self.bounds.send_timeout_s,
                               frame_deadline_s=self.bounds.frame_deadline_s, budget=self.buffers)
-        connection = Connection(framed, self._services(), self.bounds)
+        budget = self.pacer.join((cred.pid, cred.uid)) if self.bounds.pace.rate is not None else None
+        connection = Connection(framed, self._services(), self.bounds, budget)
         self._connections.add(connection)
         try:
             await connection.serve()
         except Exception:  # a bug met by one connection closes only that connection
             log.exception("connection failed; closed it")
         finally:
+            if budget is not None:
+                self.pacer.leave(budget)
             self._connections.discard(connection)
             if framed.peak_buffered_bytes >= _TRIM_AFTER_BYTES:
                 return_freed_memory()
@@ -363,6 +369,7 @@ class Server:
             "model": dict(self._runtime.model_info),
             "connections": len(self._connections),
             "buffered_bytes": self.buffers.used_bytes,
+            **self.pacer.stats(),
             "uptime_s": time.monotonic() - self._started_s,
             "socket": str(self.socket_path) if self.socket_path else None,
             "shutting_down": self.should_exit,
