@@ -26,6 +26,8 @@ feed it numbers.
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 from typing import Sequence
 
 from prefixd.scheduler.records import RoundPlan
@@ -37,18 +39,23 @@ NUM_STRENGTHS = 3
 class RoundCosts:
     """A decode round's time as a function of its row count, learned online.
 
-    Before a row count has been seen its time is interpolated between the nearest counts seen
-    on either side; beyond them it is extrapolated by the outer segment's slope or by
-    `prior_row_frac` of the smallest round's time per row, the larger (a guess, corrected once
-    such a round runs). So a lane that has only drafted still learns what its undrafted round
-    would cost."""
+    Per row count it keeps the median of the last `window` rounds: on a shared machine a round
+    now and then takes many times its due (the engine thread lost its core), and a mean would
+    price drafts on those. A curve point is never above a larger count's (more rows never run
+    faster; a count inflated by such a round, then no longer visited, is held down by the
+    counts past it). Before a row count has been seen its time is interpolated between the
+    nearest counts seen on either side; beyond them it is extrapolated by the outer segment's
+    slope or by `prior_row_frac` of the smallest round's time per row, the larger (a guess,
+    corrected once such a round runs). So a lane that has only drafted still learns what its
+    undrafted round would cost."""
 
-    def __init__(self, *, alpha: float = 0.25, prior_row_frac: float = 0.05) -> None:
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.alpha = alpha
+    def __init__(self, *, window: int = 9, prior_row_frac: float = 0.05) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
         self.prior_row_frac = prior_row_frac
-        self._round_s: dict[int, float] = {}  # row count -> moving average of round seconds
+        self._samples: dict[int, deque[float]] = {}  # row count -> its last rounds' seconds
+        self._round_s: dict[int, float] = {}  # row count -> curve point
         self._rows: list[int] = []  # sorted keys of _round_s
 
     def observe_round(self, plan: RoundPlan, round_s: float) -> None:
@@ -63,12 +70,15 @@ class RoundCosts:
         """One decode round ran `num_rows` rows in `round_s` seconds."""
         if num_rows <= 0 or round_s <= 0.0:
             return
-        old = self._round_s.get(num_rows)
-        if old is None:
+        samples = self._samples.get(num_rows)
+        if samples is None:
             bisect.insort(self._rows, num_rows)
-            self._round_s[num_rows] = round_s
-        else:
-            self._round_s[num_rows] = old + self.alpha * (round_s - old)
+            samples = self._samples[num_rows] = deque(maxlen=self.window)
+        samples.append(round_s)
+        cap = float("inf")
+        for rows in reversed(self._rows):
+            cap = min(cap, statistics.median(self._samples[rows]))
+            self._round_s[rows] = cap
 
     def round_s(self, num_rows: int) -> float | None:
         """Estimated seconds of a round of `num_rows` rows; None before any round."""

@@ -12,7 +12,7 @@ from prefixd.scheduler.records import LaneWork, RoundPlan
 
 
 def costs_of(table: dict[int, float]) -> RoundCosts:
-    costs = RoundCosts(alpha=1.0)
+    costs = RoundCosts(window=1)
     for rows, seconds in table.items():
         costs.observe(rows, seconds)
     return costs
@@ -48,12 +48,24 @@ def test_round_cost_above_the_largest_seen_grows_by_the_prior_per_row():
     assert costs.round_s(7) == pytest.approx(5.2)
 
 
-def test_round_cost_is_a_moving_average_per_row_count():
-    costs = RoundCosts(alpha=0.5)
-    costs.observe(3, 4.0)
-    costs.observe(3, 2.0)
+def test_round_cost_is_the_median_of_recent_rounds_per_row_count():
+    costs = RoundCosts(window=3)
+    for seconds in (1.0, 9.0, 1.2):  # a round that lost its core does not move the median
+        costs.observe(3, seconds)
+    assert costs.round_s(3) == 1.2
     costs.observe(0, 9.0)  # an empty round teaches nothing
-    assert costs.round_s(3) == 3.0
+    for seconds in (2.0, 2.0):  # the window forgets what the machine no longer does
+        costs.observe(3, seconds)
+    assert costs.round_s(3) == 2.0
+
+
+def test_a_row_count_never_costs_more_than_a_larger_one():
+    costs = RoundCosts()
+    costs.observe(8, 9.0)  # inflated, and once drafting pays never visited again
+    costs.observe(9, 1.1)
+    costs.observe(10, 1.2)
+    assert costs.round_s(8) == 1.1
+    assert allocate([[0.1]], costs, base_rows=8) == [0]  # +1 % tokens at 1.1, not 9 times the tokens at 9.0
 
 
 def test_only_decode_rounds_teach_the_cost_curve():
