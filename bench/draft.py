@@ -3,6 +3,7 @@
     python bench/draft.py                     # 1 and 8 lanes, 128 tokens per reply, modes int4 and invariant
     python bench/draft.py --quick             # 1 lane and 2 lanes, 48 tokens per reply
     python bench/draft.py --modes int4 --draft-max 8 --threads 2
+    python bench/draft.py --modes int4 --lanes 8 --workloads echo --repeat 3   # medians of 3 alternating runs
 
 Two workloads built from this repository's own text, rendered with the model's chat template:
 - echo: agent-style turns: a tool listing whose paths the reply must quote back in tool calls,
@@ -25,6 +26,7 @@ import argparse
 import ast
 import json
 import os
+import statistics
 import sys
 import textwrap
 import time
@@ -79,6 +81,9 @@ def echo_messages(i: int) -> list[dict]:
 
 def prose_messages(i: int) -> list[dict]:
     return [{"role": "user", "content": f"Write a short original story about {TOPICS[i % len(TOPICS)]}."}]
+
+
+WORKLOADS = {"echo": echo_messages, "prose": prose_messages}
 
 
 class DraftCounts:
@@ -179,6 +184,9 @@ def main() -> None:
     parser.add_argument("--draft-max", type=int, default=DEFAULT_DRAFT_MAX)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--lanes", default="", help="lane counts, comma-separated (default: 1,8; --quick: 1,2)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per row, undrafted and drafted alternating; the table shows medians")
+    parser.add_argument("--workloads", default="echo,prose", help="workloads, comma-separated")
     parser.add_argument("--turns", type=int, default=0,
                         help="requests per workload, run lanes at a time (default: 8; --quick: 2)")
     args = parser.parse_args()
@@ -199,8 +207,9 @@ def main() -> None:
     print_machine({"model": str(ckpt.path), "dtype": args.dtype, "reply tokens": str(max_tokens),
                    "draft max": str(args.draft_max), "torch threads": str(torch.get_num_threads())})
     rows = []
+    workloads = [(name, WORKLOADS[name]) for name in args.workloads.split(",")]
     if args.model == "default" and not args.no_llama_cpp:
-        for name, workload in (("echo", echo_messages), ("prose", prose_messages)):
+        for name, workload in workloads:
             plain, lookup = llama_cpp_rates(str(default_model_path()), tok, workload, turns, max_tokens, args.draft_max)
             rows.append([f"{name} llama.cpp", 1, fmt_rate(plain), fmt_rate(lookup), fmt_ratio(lookup, plain),
                          "-", "-", "-"])
@@ -209,19 +218,29 @@ def main() -> None:
         mode = resolve_mode(mode, ckpt.config.family, torch.device("cpu"), dtype)
         runner = ModelRunner(ckpt, device=torch.device("cpu"), dtype=dtype, num_lanes=max(lane_counts),
                              num_pages=max(lane_counts) * 96, page_size=16, mode=mode)
-        for name, workload in (("echo", echo_messages), ("prose", prose_messages)):
+        for name, workload in workloads:
             for lanes in lane_counts:
-                rows.append(measure(runner, tok, workload, lanes, turns, max_tokens, args.draft_max, f"{name} {mode}"))
+                rows.append(measure(runner, tok, workload, lanes, turns, max_tokens, args.draft_max, f"{name} {mode}",
+                                    args.repeat))
                 print("measured:", rows[-1], flush=True)
         del runner
     print(markdown_table(["workload", "lanes", "undrafted tok/s", "drafted tok/s", "ratio", "acceptance",
                           "accepted per verify", "ids equal"], rows))
 
 
-def measure(runner, tok, workload, lanes: int, turns: int, max_tokens: int, draft_max: int, label: str) -> list:
-    """One table row: the workload's turns undrafted, then drafted, on the same runner."""
-    off_ids, _, base, _ = run_turns(runner, tok, workload, lanes, turns, max_tokens, "off", draft_max)
-    on_ids, usage, drafted, verifies = run_turns(runner, tok, workload, lanes, turns, max_tokens, "ngram", draft_max)
+def measure(runner, tok, workload, lanes: int, turns: int, max_tokens: int, draft_max: int, label: str,
+            repeat: int = 1) -> list:
+    """One table row: the workload's turns undrafted, then drafted, on the same runner, `repeat`
+    times alternating; the median rate of each (a busy machine slows runs unevenly)."""
+    bases, rates = [], []
+    for _ in range(repeat):
+        off_ids, _, base, _ = run_turns(runner, tok, workload, lanes, turns, max_tokens, "off", draft_max)
+        on_ids, usage, drafted, verifies = run_turns(runner, tok, workload, lanes, turns, max_tokens, "ngram", draft_max)
+        bases.append(base)
+        rates.append(drafted)
+        if repeat > 1:
+            print(f"  {label} {lanes} lanes: undrafted {base:.1f}, drafted {drafted:.1f} tok/s", flush=True)
+    base, drafted = statistics.median(bases), statistics.median(rates)
     drafted_n = sum(u.draft_tokens for u in usage.values())
     accepted_n = sum(u.accepted_tokens for u in usage.values())
     return [label, lanes, fmt_rate(base), fmt_rate(drafted), fmt_ratio(drafted, base),

@@ -89,7 +89,7 @@ class Engine:
         )
         self.verifies = Verifies(tables=self.tables, free_pages=lambda n: self.admitter.free_pages(n, spare=()),
                                  observer=self.observer, max_context=self.max_context,
-                                 invariant_rows=info.invariant_rows)
+                                 invariant_rows=info.invariant_rows, costs=self.draft_costs)
         self.cuts = CutKeeper(store=self.store, info=info, observer=self.observer,
                               reuse_allowed=self.admitter.reuse_allowed)
 
@@ -105,8 +105,7 @@ class Engine:
             req = dataclasses.replace(req, chunk_starts=tuple(req.chunk_starts[1:]))  # row 0 always starts one
         schedule = plan_schedule(len(req.tokens), req.chunk_starts, self.config.grid)
         stream = Stream(req=req, submit_s=self.clock(), seq=next(self._seq), schedule=schedule)
-        stream.drafter = new_drafter(self.config.draft if req.draft else "off", req.tokens, self.config.draft_max,
-                                     self.draft_costs)
+        stream.drafter = new_drafter(self.config.draft if req.draft else "off", req.tokens, self.config.draft_max)
         if self.config.cache and req.cache:
             stream.key, stream.note = make_key(
                 req.tokens, cache_key=req.cache_key, namespace=req.namespace, frame=req.frame,
@@ -153,7 +152,7 @@ class Engine:
         if not plan.empty:
             result = self.device.run_round(plan)
             forward_s = result.forward_s
-            self.draft_costs.observe_round(plan, result, self.clock() - t0)
+            self.draft_costs.observe_round(plan, self.clock() - t0)
             self._postprocess(planned, plan, result, events)
         self._report_store()
         busy = sum(1 for lane in self.lanes if lane.busy)
@@ -201,6 +200,7 @@ class Engine:
         busy = sorted((lane for lane in self.lanes if lane.busy), key=lambda lane: lane.stream.seq)
         decoding = [lane for lane in busy if lane.stream.decoding]
         prefilling = [lane for lane in busy if lane.stream.prefilling]
+        self.verifies.offer_round(decoding)
         _, planned = plan_round(
             decoding,
             prefilling,

@@ -7,8 +7,9 @@ in the same round (`LaneWork.drafts`); what is left here is host bookkeeping onl
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
+from prefixd.scheduler.draftpolicy import RoundCosts, allocate
 from prefixd.scheduler.events import EngineObserver
 from prefixd.scheduler.lanes import Lane, PageTables
 from prefixd.scheduler.records import LaneResult, LaneWork
@@ -19,24 +20,38 @@ class Verifies:
     """Drafts proposed per round and what the verifies accepted, for every lane."""
 
     def __init__(self, *, tables: PageTables, free_pages: Callable[[int], bool], observer: EngineObserver,
-                 max_context: int, invariant_rows: bool) -> None:
+                 max_context: int, invariant_rows: bool, costs: RoundCosts | None = None) -> None:
         self.tables = tables
         self.free_pages = free_pages
         self.observer = observer
         self.max_context = max_context
         self.invariant_rows = invariant_rows
+        self.costs = costs if costs is not None else RoundCosts()
+        self._granted: dict[int, tuple[int, ...]] = {}  # lane index -> drafts granted this round
         self.drafted = 0  # drafted tokens verified since start
         self.accepted = 0  # of them, accepted
 
+    def offer_round(self, decoding: Sequence[Lane]) -> None:
+        """Share this round's draft rows between the `decoding` lanes (`allocate`): each
+        drafting lane offers what it could draft, past neither its token nor its context
+        limit, and the round grants the rows worth their cost at its row count."""
+        offers = []
+        for lane in decoding:
+            stream = lane.stream
+            if stream is None or stream.drafter is None:
+                continue
+            done = stream.num_prompt + len(stream.generated)
+            limit = min(stream.req.max_tokens - len(stream.generated), self.max_context - done) - 1
+            offer = stream.drafter.offer(stream.generated, limit)
+            if offer is not None:
+                offers.append((lane, offer))
+        lengths = allocate([o.chances for _, o in offers], self.costs, base_rows=len(decoding))
+        self._granted = {lane.index: lane.stream.drafter.take(k) for (lane, _), k in zip(offers, lengths)}
+
     def drafts_for(self, lane: Lane) -> tuple[int, ...]:
-        """Tokens the lane's stream drafts this round: none without a drafter, past the stream's
-        token or context limit, or when pages for the verify rows are short."""
-        stream = lane.stream
-        if stream is None or stream.drafter is None:
-            return ()
-        done = stream.num_prompt + len(stream.generated)
-        limit = min(stream.req.max_tokens - len(stream.generated), self.max_context - done) - 1
-        drafts = stream.drafter.propose(stream.generated, limit)
+        """Tokens the lane verifies this round: what `offer_round` granted it, or none when
+        pages for the verify rows are short."""
+        drafts = self._granted.pop(lane.index, ())
         rows = lane.num_rows + 1 + len(drafts)
         need = self.tables.pages_needed(lane, rows)
         if drafts and need and not (self.free_pages(need) and self.tables.grow(lane, rows)):
