@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from prefixd.scheduler.draftpolicy import DraftPolicy, RoundCosts
+from prefixd.scheduler.mtp import MtpDrafter
 from prefixd.scheduler.ngram import NgramIndex
 
 
@@ -42,11 +43,15 @@ class StreamDrafter:
 MAX_MATCH = 4  # longest suffix the index matches
 
 
-def new_drafter(mode: str, prompt: Sequence[int], max_k: int, costs: RoundCosts | None = None) -> StreamDrafter | None:
+def new_drafter(mode: str, prompt: Sequence[int], max_k: int, costs: RoundCosts | None = None):
     """The drafter for `mode` ("off" or a max of 0: none); `costs` is the engine's shared
-    round cost curve (a private one when None)."""
+    round cost curve (a private one when None). Every drafter has `propose(generated, limit)`
+    and `record(num_drafted, num_accepted)`: "ngram" looks up the stream's own tokens, "mtp"
+    passes on what the device's draft head proposed (`scheduler.mtp`)."""
     if mode == "off" or max_k == 0:
         return None
     if mode == "ngram":
         return StreamDrafter(prompt, max_k, costs)
+    if mode == "mtp":
+        return MtpDrafter(max_k, costs)
     raise ValueError(f"unknown draft mode {mode!r}")
