@@ -17,6 +17,7 @@ from prefixd.scheduler.draftpolicy import DraftPolicy, RoundCosts
 
 # The head's probability of its first draft -> strength 1, 2 or 3.
 STRENGTH_P = (0.4, 0.8)
+IDLE_ROUNDS = 4
 
 
 class MtpDrafter:
@@ -29,13 +30,22 @@ class MtpDrafter:
         self._p = 0.0
         self._strength = 1  # of the last proposal verified
         self._last_k: int | None = None  # the last draft length asked of the policy
+        self._idle = 0  # rounds without proposals since the policy last drafted nothing
 
     def wants(self) -> int:
-        """Proposals to ask the device for this round: one more than the policy took last time
-        (the most at first), so a lane that stopped drafting costs one pass of the head."""
+        """Proposals to ask the device for this round (called once per round that samples):
+        one more than the policy took last time (the most at first); while the policy drafts
+        nothing, one every `IDLE_ROUNDS` rounds (the policy's own probes ride on those), so a
+        head that is never right costs little more than its rows."""
         if self._last_k is None:
             return self.policy.max_k
-        return min(self.policy.max_k, self._last_k + 1)
+        if self._last_k > 0:
+            return min(self.policy.max_k, self._last_k + 1)
+        self._idle += 1
+        if self._idle < IDLE_ROUNDS:
+            return 0
+        self._idle = 0
+        return 1
 
     def offer(self, at: int, tokens: Sequence[int], p: float) -> None:
         """The device proposed `tokens` after the stream's first `at` output tokens."""
