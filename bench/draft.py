@@ -182,6 +182,8 @@ def main() -> None:
     parser.add_argument("--modes", default="int4,invariant", help="runner modes, comma-separated ('': none)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
     parser.add_argument("--draft-max", type=int, default=DEFAULT_DRAFT_MAX)
+    parser.add_argument("--drafter", default="ngram", choices=("ngram", "mtp"),
+                        help="mtp: the model's MTP head (the undrafted rows run without the head)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--lanes", default="", help="lane counts, comma-separated (default: 1,8; --quick: 1,2)")
     parser.add_argument("--repeat", type=int, default=1,
@@ -202,10 +204,12 @@ def main() -> None:
     if args.lanes:
         lane_counts = tuple(int(n) for n in args.lanes.split(","))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    ckpt = load_checkpoint(args.model, device=torch.device("cpu"), dtype=dtype)
+    model = tiny_mtp_dir() if args.model == "tiny-mtp" else args.model
+    ckpt = load_checkpoint(model, device=torch.device("cpu"), dtype=dtype)
     tok = ckpt.tokenizer
     print_machine({"model": str(ckpt.path), "dtype": args.dtype, "reply tokens": str(max_tokens),
-                   "draft max": str(args.draft_max), "torch threads": str(torch.get_num_threads())})
+                   "draft max": str(args.draft_max), "torch threads": str(torch.get_num_threads()),
+                   "drafter": args.drafter, "repeat": str(args.repeat)})
     rows = []
     workloads = [(name, WORKLOADS[name]) for name in args.workloads.split(",")]
     if args.model == "default" and not args.no_llama_cpp:
@@ -216,26 +220,29 @@ def main() -> None:
             print("measured:", rows[-1], flush=True)
     for mode in [m for m in args.modes.split(",") if m]:
         mode = resolve_mode(mode, ckpt.config.family, torch.device("cpu"), dtype)
-        runner = ModelRunner(ckpt, device=torch.device("cpu"), dtype=dtype, num_lanes=max(lane_counts),
-                             num_pages=max(lane_counts) * 96, page_size=16, mode=mode)
+        runners = [ModelRunner(ckpt, device=torch.device("cpu"), dtype=dtype, num_lanes=max(lane_counts),
+                               num_pages=max(lane_counts) * 96, page_size=16, mode=mode, draft_head=head)
+                   for head in ((False, True) if args.drafter == "mtp" else (False,))]
         for name, workload in workloads:
             for lanes in lane_counts:
-                rows.append(measure(runner, tok, workload, lanes, turns, max_tokens, args.draft_max, f"{name} {mode}",
-                                    args.repeat))
+                rows.append(measure(runners[0], runners[-1], args.drafter, tok, workload, lanes, turns, max_tokens,
+                                    args.draft_max, f"{name} {mode}", args.repeat))
                 print("measured:", rows[-1], flush=True)
-        del runner
+        del runners
     print(markdown_table(["workload", "lanes", "undrafted tok/s", "drafted tok/s", "ratio", "acceptance",
                           "accepted per verify", "ids equal"], rows))
 
 
-def measure(runner, tok, workload, lanes: int, turns: int, max_tokens: int, draft_max: int, label: str,
-            repeat: int = 1) -> list:
-    """One table row: the workload's turns undrafted, then drafted, on the same runner, `repeat`
-    times alternating; the median rate of each (a busy machine slows runs unevenly)."""
+def measure(plain, drafting, drafter: str, tok, workload, lanes: int, turns: int, max_tokens: int, draft_max: int,
+            label: str, repeat: int = 1) -> list:
+    """One table row: the workload's turns undrafted on `plain`, then drafted with `drafter` on
+    `drafting` (the same runner for ngram), `repeat` times alternating; the median rate of each
+    (a busy machine slows runs unevenly)."""
     bases, rates = [], []
     for _ in range(repeat):
-        off_ids, _, base, _ = run_turns(runner, tok, workload, lanes, turns, max_tokens, "off", draft_max)
-        on_ids, usage, drafted, verifies = run_turns(runner, tok, workload, lanes, turns, max_tokens, "ngram", draft_max)
+        off_ids, _, base, _ = run_turns(plain, tok, workload, lanes, turns, max_tokens, "off", draft_max)
+        on_ids, usage, drafted, verifies = run_turns(drafting, tok, workload, lanes, turns, max_tokens, drafter,
+                                                     draft_max)
         bases.append(base)
         rates.append(drafted)
         if repeat > 1:
@@ -247,6 +254,25 @@ def measure(runner, tok, workload, lanes: int, turns: int, max_tokens: int, draf
             f"{accepted_n / drafted_n:.2f}" if drafted_n else "-",
             f"{accepted_n / verifies:.2f}" if verifies else "-",
             "yes" if off_ids == on_ids else "NO"]
+
+
+def tiny_mtp_dir() -> Path:
+    """`--model tiny-mtp`: a random-weight qwen3_5 with one MTP layer and the default model's
+    tokenizer and chat template (vocabulary of the tokenizer's size), in a temporary directory."""
+    import shutil
+    import tempfile
+
+    from prefixd.gpu.families.qwen3_5_tiny import make_tiny_hybrid_dir
+    from tests.helpers.tiny_models import _tokenizer_config, _tokenizer_files
+
+    src = Path(_tokenizer_files())
+    vocab = json.loads((src / "tokenizer.json").read_text())["model"]["vocab"]
+    path = make_tiny_hybrid_dir(Path(tempfile.mkdtemp(prefix="prefixd-tiny-mtp-")), seed=0, mtp_layers=1,
+                                vocab_size=len(vocab), initializer_range=0.1)
+    shutil.copyfile(src / "tokenizer.json", path / "tokenizer.json")
+    config = _tokenizer_config((src / "chat_template.txt").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return path
 
 
 if __name__ == "__main__":

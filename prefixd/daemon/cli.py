@@ -49,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grid", type=int, default=None, help=f"prefill chunk length G (default: {DEFAULT_GRID})")
     serve.add_argument("--max-context", type=int, default=None,
                        help=f"context cap (default: the model's; at most {DEFAULT_CPU_MAX_CONTEXT} on CPU)")
-    serve.add_argument("--draft", default=None, choices=("auto", "ngram", "off"),
-                       help="draft tokens to verify in each decode round: ngram (prompt lookup), off, or auto: "
-                            "ngram for the models and modes where it was measured to pay, else off (default: auto)")
+    serve.add_argument("--draft", default=None, choices=("auto", "mtp", "ngram", "off"),
+                       help="draft tokens to verify in each decode round: ngram (prompt lookup), mtp (the "
+                            "model's own multi-token-prediction head; qwen3_5 checkpoints that ship one), off, "
+                            "or auto: the drafter measured to pay for the model and mode, else off (default: auto)")
     serve.add_argument("--draft-max", type=int, default=None, help="most drafted tokens per lane and round (default: 4)")
     serve.add_argument("--grace", type=float, default=None, metavar="SECONDS",
                        help=f"on SIGTERM, time in-flight streams get to finish (default: {DEFAULT_GRACE_S:g})")

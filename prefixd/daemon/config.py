@@ -24,13 +24,15 @@ AUTO_CACHE_MAX_BYTES_CPU = 4 << 30  # host RAM is shared with everything else on
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # numeric modes (prefixd.gpu.model.MODES); "auto" is resolved by prefixd.gpu.families.resolve_mode
 MODES = ("auto", "invariant", "int4")
-DRAFTS = ("auto", "ngram", "off")
+DRAFTS = ("auto", "mtp", "ngram", "off")
 # `--draft auto`: the drafter per (family, numeric mode) that bench/draft.py found to pay on
 # the echo trace without slowing prose (docs/benchmarks.md, *Drafting*); unmeasured pairs: off.
 AUTO_DRAFT = {
     ("llama", "int4"): "ngram",
     ("llama", "invariant"): "ngram",
 }
+# ... and for a model that ships MTP layers (a draft head), where bench/draft.py --mtp measured.
+AUTO_DRAFT_HEAD: dict[tuple[str, str], str] = {}
 DEFAULT_DISK_BUDGET_BYTES = 8 << 30
 # One client's frame budget (prefixd/daemon/pacing.py): far above what a normal client sends.
 DEFAULT_CLIENT_FRAME_RATE = 2000.0
@@ -71,7 +73,7 @@ class DaemonConfig:
     disk_cache_dir: Path | None = None  # None: no disk tier (config_from_args fills the default)
     disk_budget_bytes: int = DEFAULT_DISK_BUDGET_BYTES
     idle_exit_s: float | None = None  # None: never exit for idleness
-    draft: str = "auto"  # "auto" | "ngram" | "off" (auto: `resolve_draft` once the model is loaded)
+    draft: str = "auto"  # "auto" | "mtp" | "ngram" | "off" (auto: `resolve_draft` once the model is loaded)
     draft_max: int = DEFAULT_DRAFT_MAX
     client_frame_rate: float = DEFAULT_CLIENT_FRAME_RATE  # frames a second one client is read at; 0: unpaced
     client_frame_burst: int = DEFAULT_CLIENT_FRAME_BURST
@@ -228,11 +230,14 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
     return _check(cfg)
 
 
-def resolve_draft(draft: str, family: str, mode: str) -> str:
+def resolve_draft(draft: str, family: str, mode: str, draft_head: bool = False) -> str:
     """`draft` itself, or for "auto" the drafter `AUTO_DRAFT` names for the loaded model's
-    family and numeric mode ("off" where none was measured to pay)."""
+    family and numeric mode ("off" where none was measured to pay); for a model with MTP
+    layers (`draft_head`), `AUTO_DRAFT_HEAD` first."""
     if draft != "auto":
         return draft
+    if draft_head and (family, mode) in AUTO_DRAFT_HEAD:
+        return AUTO_DRAFT_HEAD[family, mode]
     return AUTO_DRAFT.get((family, mode), "off")
 
 

@@ -17,6 +17,7 @@ import anyio
 
 from prefixd.daemon.config import AUTO_CACHE_FRACTION, AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig, resolve_draft
 from prefixd.daemon.sampling_defaults import sampling_defaults
+from prefixd.daemon.startup import StartupError
 
 log = logging.getLogger("prefixd.runtime")
 _DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -64,6 +65,11 @@ def kv_bytes_per_page(model_config: Any, cfg: DaemonConfig) -> int:
     return per_row * _DTYPE_BYTES[cfg.dtype] * cfg.page_size
 
 
+def mtp_layers(model_config: Any) -> int:
+    """Multi-token-prediction layers the checkpoint ships (qwen3_5 only; 0 for the others)."""
+    return int(getattr(model_config.extra.get("hybrid"), "num_mtp_layers", 0))
+
+
 def mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     """MemAvailable from /proc/meminfo, or None where it cannot be read."""
     try:
@@ -98,11 +104,15 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         max_context=max_context, available_bytes=available,
     )
     mode = resolve_mode(cfg.mode, checkpoint.config.family, device, dtype)  # the disk tier keys on it
+    draft = resolve_draft(cfg.draft, checkpoint.config.family, mode, draft_head=mtp_layers(checkpoint.config) > 0)
+    if draft == "mtp" and not mtp_layers(checkpoint.config):
+        raise StartupError(f"--draft mtp: {checkpoint.path} has no MTP (multi-token prediction) layers; "
+                           "use --draft ngram or --draft off")
     runner = ModelRunner(checkpoint, device=device, dtype=dtype, num_lanes=cfg.num_lanes,
-                         num_pages=num_pages, page_size=cfg.page_size, mode=mode)
+                         num_pages=num_pages, page_size=cfg.page_size, mode=mode, draft_head=draft == "mtp")
     sched = SchedulerConfig(num_lanes=cfg.num_lanes, grid=cfg.grid, max_context=max_context,
                             cache=cfg.cache, cache_budget_bytes=cfg.cache_budget_bytes,
-                            draft=resolve_draft(cfg.draft, checkpoint.config.family, mode), draft_max=cfg.draft_max)
+                            draft=draft, draft_max=cfg.draft_max)
     disk = build_disk_tier(cfg, checkpoint.path, runner, device.type, observer) if cfg.cache else None
     engine = Engine(runner, sched, observer=observer, disk=disk)
     info = runner.info

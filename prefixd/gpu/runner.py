@@ -6,7 +6,9 @@ one batched forward (the plan's lanes concatenated into one row batch; every row
 into its lane's pages, attention reads only through each lane's page table, and the lm_head
 runs only on rows that are sampled, returned or digested), the samples, and the captures.
 Verify rows (a lane's `LaneWork.drafts`) are sampled up to the first rejected draft, and the
-lane's state is rolled back to the last accepted row in the same round.
+lane's state is rolled back to the last accepted row in the same round. A runner with a draft
+head (`draft_head=True`, a qwen3_5 checkpoint with MTP layers) then runs the head's rows for
+every lane and returns its proposals with the lane's result (`gpu.families.qwen3_5_draft`).
 
 A failure that belongs to one lane ends that lane alone (`LaneResult.error`): image rows of the
 wrong shape keep the lane out of the forward; a non-finite logits row or a sampler error is
@@ -17,6 +19,7 @@ failure of the forward itself raises: the device, not one lane, failed.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Sequence
 
@@ -28,6 +31,7 @@ from prefixd.gpu.constrain import GrammarMask
 from prefixd.gpu.copy import CopyEngine
 from prefixd.gpu.digest import logits_sha256
 from prefixd.gpu.families import build_family
+from prefixd.gpu.families.qwen3_5_draft import MtpDrafts
 from prefixd.gpu.kv_pool import KVPool
 from prefixd.gpu.model import RoundInputs
 from prefixd.gpu.sampling import LaneSampler
@@ -47,7 +51,7 @@ class ModelRunner:
     """Runs rounds for `num_lanes` lanes over a pool of `num_pages` KV pages."""
 
     def __init__(self, checkpoint: Any, *, device: torch.device, dtype: torch.dtype, num_lanes: int,
-                 num_pages: int, page_size: int = 16, mode: str = "invariant") -> None:
+                 num_pages: int, page_size: int = 16, mode: str = "invariant", draft_head: bool = False) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.mode = mode
@@ -55,7 +59,8 @@ class ModelRunner:
         self.config = config = checkpoint.config
         self.model = build_family(checkpoint, self.device, dtype, mode)
         self.model.new_lane_states(num_lanes)
-        self.kv = KVPool(num_layers=self.model.num_kv_layers, num_pages=num_pages, page_size=page_size,
+        scratch = num_lanes if draft_head else 0  # a page per lane for chained MTP passes
+        self.kv = KVPool(num_layers=self.model.num_kv_layers, num_pages=num_pages + scratch, page_size=page_size,
                          num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                          device=self.device, dtype=dtype)
         self.info = DeviceInfo(
@@ -64,7 +69,8 @@ class ModelRunner:
             kv_bytes_per_page=self.kv.bytes_per_page, lane_state_bytes=self.model.lane_state_bytes,
             logits_row_bytes=4 * config.vocab_size, weights_bytes=int(checkpoint.weights_bytes),
             workspace_bytes_per_row=self.model.workspace_bytes_per_row,
-            invariant_rows=self.model.invariant_rows)
+            invariant_rows=self.model.invariant_rows, lookahead=1 if draft_head else 0, draft_head=draft_head)
+        self.drafts = MtpDrafts(self.model, self.kv, scratch_base=num_pages) if draft_head else None
         self.copies = CopyEngine(self.device)  # page and state copies, fenced
         self._samplers: dict[int, LaneSampler] = {}
         self._ll_tokenizer: Any = None
@@ -218,13 +224,23 @@ class ModelRunner:
         if runnable.lanes:
             inputs = self._inputs(runnable)
             t0 = time.perf_counter()
+            carries = self.drafts.carries(runnable.lanes) if self.drafts is not None else {}
             hidden = self.model.forward(inputs, self.kv)
             wanted, where = self._wanted_rows(runnable, inputs)
             logits = self.model.logits(hidden.index_select(0, wanted)) if where else None
             finite = torch.isfinite(logits).all(dim=1).tolist() if logits is not None else []
-            forward_s = time.perf_counter() - t0
             results.update((w.lane, self._lane_result(w, logits, where, finite)) for w in runnable.lanes)
+            if self.drafts is not None:
+                self._propose(runnable.lanes, inputs, hidden, carries, results)
+            forward_s = time.perf_counter() - t0
         return tuple(results[w.lane] for w in work), forward_s
+
+    def _propose(self, works: tuple[LaneWork, ...], inputs: RoundInputs, hidden: torch.Tensor,
+                 carries: dict, results: dict[int, LaneResult]) -> None:
+        """The draft head's rows for the round's lanes; its proposals join their results."""
+        first_rows = [span.row for span in inputs.spans]
+        for lane, (proposals, p) in self.drafts.run(works, first_rows, hidden, carries, results).items():
+            results[lane] = dataclasses.replace(results[lane], proposals=proposals, proposal_p=p)
 
     def _check_plan(self, plan: RoundPlan) -> None:
         """Raise ValueError (running nothing) on a plan the device cannot run as asked.

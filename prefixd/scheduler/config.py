@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from prefixd.scheduler.device import DeviceInfo
 
-DRAFT_MODES = frozenset({"ngram", "off"})
+DRAFT_MODES = frozenset({"mtp", "ngram", "off"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +24,7 @@ class SchedulerConfig:
     cache: bool = True
     cache_budget_bytes: int | None = None
     decode_headroom_rows: int = 16  # decode rows a stream must find room for when admitted
-    draft: str = "off"  # "ngram" (prompt lookup) or "off"
+    draft: str = "off"  # "ngram" (prompt lookup), "mtp" (the device's draft head) or "off"
     draft_max: int = 4  # most drafted tokens a lane verifies in one round
 
     def __post_init__(self) -> None:
@@ -55,6 +55,8 @@ class SchedulerConfig:
         """Raise ValueError if this config cannot run on `info`'s device."""
         if self.num_lanes > info.num_lanes:
             raise ValueError(f"{self.num_lanes} lanes asked, the device has {info.num_lanes}")
+        if self.draft == "mtp" and not info.draft_head:
+            raise ValueError("draft mode mtp needs a device that runs a draft head (a model with MTP layers)")
 
 
 def store_budget_bytes(info: DeviceInfo, config: SchedulerConfig) -> int:

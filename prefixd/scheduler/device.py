@@ -29,7 +29,8 @@ class DeviceInfo:
     weights_bytes: int
     workspace_bytes_per_row: int  # activations per prefill row in flight
     invariant_rows: bool  # True: every row is row-invariant (any identity-equal row resumes)
-    lookahead: int = 0  # tokens past a page whose ids key its last row (MTP heads); 0 here
+    lookahead: int = 0  # tokens past a page whose ids key its last row (1 with a draft head)
+    draft_head: bool = False  # the device runs an MTP head: LaneWork.propose gives proposals
 
 
 class Device(Protocol):

@@ -8,20 +8,11 @@ between them, and each lane `take`s its share.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
-from prefixd.scheduler.draftpolicy import DraftPolicy
+from prefixd.scheduler.draftpolicy import DraftPolicy, Offer
+from prefixd.scheduler.mtp import MtpDrafter
 from prefixd.scheduler.ngram import NgramIndex
-
-
-@dataclass(frozen=True, slots=True)
-class Offer:
-    """Drafts a lane could verify this round: `tokens`, and for each the chance that it is
-    kept (accepted along with every draft before it)."""
-
-    tokens: tuple[int, ...]
-    chances: tuple[float, ...]
 
 
 class StreamDrafter:
@@ -63,10 +54,14 @@ class StreamDrafter:
 MAX_MATCH = 4  # longest suffix the index matches
 
 
-def new_drafter(mode: str, prompt: Sequence[int], max_k: int) -> StreamDrafter | None:
-    """The drafter for `mode` ("off" or a max of 0: none)."""
+def new_drafter(mode: str, prompt: Sequence[int], max_k: int) -> StreamDrafter | MtpDrafter | None:
+    """The drafter for `mode` ("off" or a max of 0: none). Every drafter has `offer`, `take`
+    and `record`: "ngram" looks up the stream's own tokens, "mtp" passes on what the device's
+    draft head proposed (`scheduler.mtp`)."""
     if mode == "off" or max_k == 0:
         return None
     if mode == "ngram":
         return StreamDrafter(prompt, max_k)
+    if mode == "mtp":
+        return MtpDrafter(max_k)
     raise ValueError(f"unknown draft mode {mode!r}")

@@ -28,12 +28,22 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections import deque
+from dataclasses import dataclass
 from typing import Sequence
 
 from prefixd.scheduler.records import RoundPlan
 
 # Match strengths: the suffix that matched was 1, 2, or 3+ tokens long.
 NUM_STRENGTHS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """Drafts a lane could verify this round: `tokens`, and for each the chance that it is
+    kept (accepted along with every draft before it)."""
+
+    tokens: tuple[int, ...]
+    chances: tuple[float, ...]
 
 
 class RoundCosts:

@@ -21,6 +21,7 @@ from prefixd.scheduler.cuts import CutKeeper
 from prefixd.scheduler.device import Device
 from prefixd.scheduler.draftpolicy import RoundCosts
 from prefixd.scheduler.drafting import new_drafter
+from prefixd.scheduler.mtp import ask_proposals, offer_proposals
 from prefixd.scheduler.events import EngineObserver, NullObserver
 from prefixd.scheduler.engine_state import check_engine, engine_status
 from prefixd.scheduler.lanes import Lane, PageTables
@@ -144,6 +145,8 @@ class Engine:
             self.disk.poll()
         builder = PlanBuilder()
         planned = self._schedule(events, builder)
+        if self.config.draft == "mtp":
+            planned = ask_proposals(planned)
         for p in planned:
             if self.cuts.captures_at(p):
                 builder.capture(p.lane.index, p.cut)
@@ -285,12 +288,14 @@ class Engine:
                     self._store_touched |= self.cuts.keep(lane, stream, p.cut, logits, captured.get(lane.index))
             else:
                 self._postprocess_decode(lane, stream, work, res, events)
+                offer_proposals(stream, res)
                 continue
             if work.sample_rows:
                 if res is None or len(res.sampled) != len(work.sample_rows):
                     raise RuntimeError(f"lane {lane.index}: the device sampled {res} for rows {work.sample_rows}")
                 digests = res.digests if stream.req.want_logits else None
                 self._emit(stream, res.sampled[0], digests, events, res.logprobs[0] if res.logprobs else None)
+                offer_proposals(stream, res)
 
     def _postprocess_decode(self, lane: Lane, stream: Stream, work: LaneWork, res: LaneResult | None,
                             events: list[Event]) -> None:

@@ -85,6 +85,10 @@ class LaneWork:
     the accepted drafts plus one more token in `sampled` (1..k+1 tokens), and rolls the lane's
     state back to the last accepted row itself, in the same round (a later step that touches
     the lane waits for that copy).
+
+    Draft head (`DeviceInfo.draft_head`): the device runs its MTP head over every lane's kept
+    rows; with `propose` > 0 and a token sampled, the result also carries up to `propose`
+    tokens the head predicts after it (`LaneResult.proposals`), for the next round to verify.
     """
 
     lane: int
@@ -97,6 +101,7 @@ class LaneWork:
     images: tuple[ImageRows, ...] = ()  # embeddings overlapping these rows
     drafts: tuple[int, ...] = ()  # drafted tokens verified by rows 1..k (see above)
     digest_rows: tuple[int, ...] = ()  # row indices whose logits' sha256 comes back
+    propose: int = 0  # on a device with a draft head: up to this many drafts after the token sampled here
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +223,10 @@ class LaneResult:
     # lane of the round is unaffected.
     error: str | None = None
     digests: tuple[str, ...] = ()  # sha256 hex of each LaneWork.digest_rows row's float32 bytes
+    # Draft head (LaneWork.propose): the tokens it proposes after the last token of `sampled`,
+    # and the head's probability of the first of them (its confidence).
+    proposals: tuple[int, ...] = ()
+    proposal_p: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -114,8 +114,9 @@ def test_draft_mode_and_length_from_flags_and_env():
     assert config_from_args(_args(), env={}).draft == "auto"
     cfg = config_from_args(_args(draft="ngram"), env={"PREFIXD_DRAFT_MAX": "6"})
     assert (cfg.draft, cfg.draft_max) == ("ngram", 6)
-    with pytest.raises(ConfigError, match="--draft='mtp'"):
-        config_from_args(_args(draft="mtp"), env={})
+    assert config_from_args(_args(draft="mtp"), env={}).draft == "mtp"
+    with pytest.raises(ConfigError, match="--draft='eagle'"):
+        config_from_args(_args(draft="eagle"), env={})
     with pytest.raises(ConfigError, match="--draft-max -1"):
         config_from_args(_args(draft_max=-1), env={})
 
@@ -126,3 +127,4 @@ def test_draft_auto_picks_per_family_and_mode_and_a_flag_wins():
     assert resolve_draft("auto", "qwen3_5", "invariant") == "off"  # not measured: no drafting
     assert resolve_draft("off", "llama", "int4") == "off"
     assert resolve_draft("ngram", "qwen3_5", "invariant") == "ngram"
+    assert resolve_draft("mtp", "qwen3_5", "invariant", draft_head=True) == "mtp"

@@ -67,3 +67,32 @@ def test_loaded_runtime_reports_the_resolved_mode_and_runs_the_thread_policy(tmp
             assert runtime.before_round is not None and runtime.before_round() >= 1
     finally:
         torch.set_num_threads(threads)  # the policy may have lowered this thread's count
+
+
+def _tiny_hybrid(path, mtp_layers: int):
+    import shutil
+    from pathlib import Path
+
+    from prefixd.gpu.families.qwen3_5_tiny import make_tiny_hybrid_dir
+    from tests.helpers.tiny_models import _tokenizer_files
+
+    make_tiny_hybrid_dir(path, seed=0, mtp_layers=mtp_layers)
+    shutil.copyfile(Path(_tokenizer_files()) / "tokenizer.json", path / "tokenizer.json")
+    return path
+
+
+def test_draft_mtp_runs_the_head_and_a_model_without_one_is_refused_at_start_up(tmp_path):
+    import pytest
+
+    from prefixd.daemon.runtime import load_runtime
+    from prefixd.daemon.startup import StartupError
+
+    cfg = DaemonConfig(model=str(_tiny_hybrid(tmp_path / "mtp", 1)), dtype="fp32", lanes=2, max_context=64,
+                       cache=False, draft="mtp")
+    runtime = load_runtime(cfg, observer=None)
+    assert runtime.model_info["draft"] == "mtp" and runtime.engine.status()["draft"]["mode"] == "mtp"
+    assert runtime.engine.info.draft_head and runtime.engine.info.lookahead == 1
+    plain = DaemonConfig(model=str(_tiny_hybrid(tmp_path / "plain", 0)), dtype="fp32", lanes=2, max_context=64,
+                         cache=False, draft="mtp")
+    with pytest.raises(StartupError, match="--draft mtp: .* has no MTP"):
+        load_runtime(plain, observer=None)

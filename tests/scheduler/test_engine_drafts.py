@@ -6,7 +6,9 @@ drafts whose verify rows cross a page boundary."""
 
 from __future__ import annotations
 
+import itertools
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -68,11 +70,16 @@ def echo_prompt(vocab: int, seed: int) -> tuple[int, ...]:
     return tuple(sweep + line * 3 + [(seed + 5) % vocab, (seed + 9) % vocab] + line[:2])
 
 
-def play(runner, reqs: list[StreamRequest], *, draft: str, cache: bool = False, turns: int = 1):
+def play(runner, reqs: list[StreamRequest], *, draft: str, cache: bool = False, turns: int = 1,
+         free_rows: bool = False):
     """Run `reqs` together for `turns` turns (each turn's prompt: the last prompt, its reply
-    and two more tokens); returns {(stream, turn): (ids, logits rows' sha256, usage)}."""
+    and two more tokens); returns {(stream, turn): (ids, logits rows' sha256, usage)}.
+    `free_rows`: the engine's clock ticks once a call, so every decode round costs the same
+    whatever its rows and the draft policy grants every offer in full (not only the ones a
+    real round's timing would pay for)."""
+    clock = (lambda ticks=itertools.count(): float(next(ticks))) if free_rows else time.monotonic
     engine = Engine(runner, SchedulerConfig(num_lanes=4, grid=64, round_row_budget=128, cache=cache,
-                                            draft=draft, draft_max=4))
+                                            draft=draft, draft_max=4), clock=clock)
     out = {}
     for t in range(turns):
         events = []
