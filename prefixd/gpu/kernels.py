@@ -1,8 +1,13 @@
 """Matrix products and sums whose bits for a row never depend on the rest of the call.
 
-On CPU these are the plain torch ops: the callers pad row counts where the BLAS needs it
-(linear.py) and torch's CPU reductions add a row's elements in an order fixed by the row
-alone.
+On CPU these are the plain torch ops, each library product (oneDNN / MKL GEMM and batched
+GEMM) run on one intra-op thread (`one_thread`): with several threads the library splits a
+call by its shape (over rows, or over K for some row counts), so a row's bits would follow
+the call's row count and even the buffers' alignment (seen on a 2-core AVX-512 CPU without
+BF16 instructions; docs/runtime.md has the probe). On one thread a call has no split, and
+the callers pad row counts where the BLAS still picks a kernel by M (linear.py). torch's
+own CPU reductions and the int4 weight-packed kernel (linear.py) add a row's elements in an
+order fixed by the row alone, on any thread count, and keep every thread.
 
 On CUDA the libraries choose a kernel per call shape: cuBLAS may split K across thread blocks
 when a call has few rows or few batches, and torch's reductions split a row across more
@@ -16,7 +21,11 @@ backend.resolve refuses a CUDA device when Triton is missing (CUDA builds of tor
 
 from __future__ import annotations
 
+from typing import Any, Callable, TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 try:  # Triton ships with CUDA builds of torch; CPU builds may not have it
     import triton
@@ -31,6 +40,21 @@ def triton_available() -> bool:
 
 def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton is not None
+
+
+def one_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs) on one torch intra-op thread (then the count in use before).
+
+    For CPU library products: their bits must not depend on how the library splits a call
+    across threads. Costs ~0.3 us a call when more than one thread is in use."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return fn(*args, **kwargs)
+    torch.set_num_threads(1)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
 
 
 MM_BLOCK_M, MM_BLOCK_N, MM_BLOCK_K, MM_WARPS, MM_STAGES = 64, 64, 32, 4, 3
@@ -85,7 +109,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) 
     Both operands share a dtype; fp32 operands multiply in full fp32 (no TF32)."""
     out_dtype = out_dtype or a.dtype
     if not _use_triton(a):
-        c = torch.bmm(a, b)
+        c = one_thread(torch.bmm, a, b)
         return c if c.dtype == out_dtype else c.to(out_dtype)
     if a.dtype != b.dtype:
         raise TypeError(f"bmm operands differ in dtype: {a.dtype} and {b.dtype}")
@@ -109,7 +133,7 @@ def mm_t(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
     """x (M, K) @ weight (N, K).T -> (M, N) in `out_dtype` (default weight's dtype)."""
     out_dtype = out_dtype or weight.dtype
     if not _use_triton(x):
-        out = torch.nn.functional.linear(x, weight)
+        out = one_thread(torch.nn.functional.linear, x, weight)
         return out if out.dtype == out_dtype else out.to(out_dtype)
     return bmm(x.unsqueeze(0), weight.t().unsqueeze(0), out_dtype)[0]
 

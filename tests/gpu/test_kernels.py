@@ -34,6 +34,43 @@ def test_cpu_ops_are_the_torch_ops(dtype: torch.dtype) -> None:
     assert torch.equal(kernels.mean_last(f), f.mean(-1, keepdim=True))
 
 
+# Row counts (beside 1..4) where 2-thread oneDNN / MKL calls gave other bits on a CPU
+# without BF16 instructions, and the fp32 K-split range (docs/runtime.md)
+CPU_ROW_COUNTS = [16, 17, 31, 33, 63, 64, 65, 96, 128, 192, 300]
+
+
+@pytest.fixture
+def two_threads():
+    """torch at 2 intra-op threads for the test (oversubscribed on a 1-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_products_keep_a_rows_bits_at_two_threads(dtype: torch.dtype, two_threads) -> None:
+    """mm_t and bmm on CPU: a row's bits do not depend on the call's row count when torch
+    runs several threads (the libraries' own thread split is what changes them)."""
+    for k, n in [(576, 3072), (1536, 576), (576, 960)]:
+        x, w = _randn(512, k, seed=k, dtype=dtype), _randn(n, k, seed=n, dtype=dtype)
+        ref = kernels.mm_t(x, w)
+        for m in CPU_ROW_COUNTS:
+            assert torch.equal(kernels.mm_t(x[:m].clone(), w), ref[:m]), (k, n, m)
+    keys, q = _randn(9, 64, 256, seed=5, dtype=dtype), _randn(9, 96, 64, seed=6, dtype=dtype)
+    ref = kernels.bmm(q, keys)
+    for m in [16, 17, 24, 48, 96] + ([1, 3, 6, 9] if dtype == torch.bfloat16 else []):
+        assert torch.equal(kernels.bmm(q[:, :m].clone(), keys), ref[:, :m]), m
+
+
+def test_one_thread_runs_on_one_thread_and_restores_the_count(two_threads) -> None:
+    seen = kernels.one_thread(torch.get_num_threads)
+    assert (seen, torch.get_num_threads()) == (1, 2)
+    with pytest.raises(ZeroDivisionError):
+        kernels.one_thread(lambda: 1 / 0)
+    assert torch.get_num_threads() == 2
+
+
 @pytest.mark.cuda
 @cuda
 @needs_triton

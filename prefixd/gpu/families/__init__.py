@@ -67,7 +67,7 @@ CPU_DEFAULT_MODE = "int4"
 # A mode's revision: bumped whenever what decides its bits changes (the int4 lm_head became two
 # 4-bit layers and its rounds lost their padding: revision 2), so that the disk tier, which
 # keys on `mode_identity`, never serves rows computed by an earlier revision.
-MODE_REVISIONS = {"invariant": 1, "int4": 2}
+MODE_REVISIONS = {"invariant": 2, "int4": 3}
 
 
 def mode_identity(mode: str) -> str:

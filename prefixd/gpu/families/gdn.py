@@ -118,8 +118,16 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     are counted from row 0 of this call, the last one padded with zero rows (k = 0,
     beta = 0, g = 0 write nothing and decay nothing). The gates of all blocks are computed
     at once, the rest GROUP blocks at a time (temporaries stay cache-sized); only the state
-    hand-over runs block by block.
+    hand-over runs block by block. On CPU the library products (bmm, the triangular solve) run
+    on one thread, so the bits never depend on the thread count in use (kernels.one_thread).
     """
+    if q.is_cuda:
+        return _chunked(q, k, v, g, beta, state)
+    return kernels.one_thread(_chunked, q, k, v, g, beta, state)
+
+
+def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     num_rows, heads, dk = k.shape
     out = v.new_empty(v.shape)
     if num_rows == 0:
