@@ -2,6 +2,7 @@
 
     python bench/probe_cpu.py            # invariance over M = 1..64 and larger, then timings
     python bench/probe_cpu.py --quick    # fewer row counts, fewer repeats
+    python bench/probe_cpu.py --threads 1,2   # the invariance tables at each torch thread count
 
 For each kernel and the default model's projection shapes, a reference call of R rows is
 compared with calls of M rows (the reference's first M rows) and with the reference rows
@@ -48,10 +49,11 @@ def _dense(n: int, k: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch
     return lambda x: torch.nn.functional.linear(x.to(dtype), w)
 
 
-PROBED = ("bf16 F.linear", "int4pack bf16 x", "int8pack bf16 x")  # fp32 / fp16 x: far too slow at large M
+PROBED = ("bf16 F.linear", "fp32 F.linear", "int4pack bf16 x", "int8pack bf16 x")  # int4 fp32 / fp16 x: far too slow
 
 KERNELS: dict[str, Callable[[int, int], Callable[[torch.Tensor], torch.Tensor]]] = {
     "bf16 F.linear": lambda n, k: _dense(n, k, torch.bfloat16),
+    "fp32 F.linear": lambda n, k: _dense(n, k, torch.float32),
     "int4pack fp32 x": lambda n, k: _int4(n, k, torch.float32),
     "int4pack fp16 x": lambda n, k: _int4(n, k, torch.float16),
     "int4pack bf16 x": lambda n, k: _int4(n, k, torch.bfloat16),
@@ -137,12 +139,22 @@ def _ranges(values: list[int]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", default=None,
+                        help="torch thread counts to probe invariance at, comma separated (default: torch's count); "
+                             "the library products of the forward run on one (prefixd.gpu.kernels.one_thread)")
     args = parser.parse_args(argv)
+    threads = [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
     counts = [1, 2, 3, 4, 5, 7, 8, 16, 17, 64, 200] if args.quick else [*range(1, 18), 31, 32, 33, 63, 64, 65, 100, 128, 256, 300, 512]
     shapes = SHAPES[:2] if args.quick else SHAPES[:4]  # lm_head: timed only
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}\n")
-    invariance(counts, shapes)
-    attention_invariance(counts)
+    default_threads = torch.get_num_threads()
+    for t in threads:
+        torch.set_num_threads(t)
+        print(f"## {t} torch thread{'s' if t > 1 else ''}\n")
+        invariance(counts, shapes)
+        attention_invariance(counts)
+        print()
+    torch.set_num_threads(default_threads)
     timings([1, 4, 16, 256], shapes if args.quick else SHAPES, 3 if args.quick else 10)
     return 0
 

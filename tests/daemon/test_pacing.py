@@ -73,7 +73,8 @@ async def _run_flood(path, frames: int, sent: anyio.Event, out: dict) -> None:
 
 
 async def test_a_flooding_client_is_paced_while_an_honest_one_beside_it_is_not(tmp_path):
-    bounds = _paced(rate=400.0, burst=50, error_cost=16, connect_cost=0)
+    # a rate far below any daemon's detokenize rate, so the flood waits even on a loaded machine
+    bounds = _paced(rate=100.0, burst=50, error_cost=16, connect_cost=0)
     async with running_server(tmp_path, bounds=bounds) as server:
         solo = await _generate(server.socket_path)
         flood: dict = {}
@@ -129,7 +130,7 @@ async def test_a_client_in_debt_is_answered_once_it_is_out_of_debt(tmp_path):
 
 
 async def test_600_frames_past_a_small_burst_are_all_answered_in_order(tmp_path):
-    bounds = _paced(rate=3000.0, burst=64, error_cost=16, connect_cost=0)
+    bounds = _paced(rate=300.0, burst=64, error_cost=16, connect_cost=0)  # below any daemon's frame rate
     async with running_server(tmp_path, bounds=replace(bounds, out_frames=16)) as server:
         data = b"".join(encode_frame({"type": "detokenize", "id": i, "ids": [100]}) for i in range(600))
         async with await FramedStream.connect(server.socket_path) as framed:
