@@ -180,18 +180,24 @@ class LlamaCppMeasure(Measure):
             self.llama.decode([(seq, len(ctx) + step, ctx[-1]) for seq, ctx in contexts.items()])
 
 
-def measure_all(m: Measure, sizes: Sizes, vocab: int) -> dict[str, float]:
-    """tok/s per row label."""
+def measure_all(m: Measure, sizes: Sizes, vocab: int, name: str = "") -> dict[str, float]:
+    """tok/s per row label; each row also on stderr as it is measured (a full run takes minutes)."""
     out: dict[str, float] = {}
     for n in sizes.prefill:
         tokens = prompt_tokens(n, vocab, seed=n)
         out[f"prefill {n} tok"] = rate(n, time_calls(lambda: m.prefill(tokens), sizes.repeats, warmup=0))
+        _progress(name, f"prefill {n} tok", out)
     for label, contexts in decode_cases(sizes, vocab):
         m.start_decode(contexts)
         steps = sizes.decode_steps
         times = time_calls(lambda: m.decode(contexts, steps), sizes.repeats, warmup=1)
         out[label] = rate(len(contexts) * steps, times)
+        _progress(name, label, out)
     return out
+
+
+def _progress(name: str, label: str, out: dict[str, float]) -> None:
+    print(f"{name}: {label}: {fmt_rate(out[label])} tok/s", file=sys.stderr, flush=True)
 
 
 def decode_cases(sizes: Sizes, vocab: int) -> list[tuple[str, dict[int, list[int]]]]:
@@ -220,10 +226,10 @@ Results = dict[str, dict[str, float]]
 def measure_engine(m: Measure, name: str, sizes: Sizes, vocab: int, busy: bool,
                    results: Results, busy_results: Results) -> None:
     """Quiet rates into results[name]; with `busy`, the same again beside busy_core()."""
-    results[name] = measure_all(m, sizes, vocab)
+    results[name] = measure_all(m, sizes, vocab, name)
     if busy:
         with busy_core():
-            busy_results[name] = measure_all(m, sizes, vocab)
+            busy_results[name] = measure_all(m, sizes, vocab, f"{name} (busy core)")
 
 
 def run_engines(args: argparse.Namespace, sizes: Sizes) -> tuple[Results, Results, list[str], dict[str, str]]:
