@@ -81,7 +81,8 @@ def _padded_rows(length: int, group: int, dtype: torch.dtype) -> int:
     """Query rows per lane of a tile: `length`, padded so that rows * group reaches the
     minimum row count of an fp32 product. bf16 products are not padded: torch's CPU bf16 bmm,
     on the one thread kernels.bmm runs it on, gives a row the same bits at every M from 1 and
-    every batch count at attention's shapes (bench/probe_cpu.py), and on CUDA kernels.bmm is one fixed configuration for every M."""
+    every batch count at attention's shapes (bench/probe_cpu.py), and on CUDA kernels.bmm is
+    one fixed configuration for every M."""
     if dtype == torch.bfloat16:
         return length
     rows = length
