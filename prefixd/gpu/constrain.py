@@ -17,8 +17,9 @@ waits for it. Off the CPU the mask is one masked_fill on the device.
 
 With `background`, the mask of the next row is built on one shared worker thread as soon
 as `advance` takes a token, and `apply` waits for it; the matcher is never read or moved
-while it runs. That pays where the forward leaves CPU cores free (an accelerator); on the
-CPU the forward's OpenMP threads want every core, so the mask is built on the caller's.
+while it runs. That pays where the forward leaves a CPU core free: on an accelerator, and on
+the CPU, where the forward's library products run on one thread (kernels.one_thread). The
+runner always asks for it; inline building stays for tests and benches.
 
     advance(t) ──> [worker:] matcher mask -> packed int32 words -> keep, fill (vocab,) int32
     apply(row) ──> [wait for the worker] ──> (row bits & keep) | fill, a new row

@@ -148,8 +148,10 @@ class ModelRunner:
             return None
         if self._ll_tokenizer is None:  # built on first use: ~1 s for a large vocabulary
             self._ll_tokenizer = ll_tokenizer(self.tokenizer)
+        # the next row's mask is built on the mask worker while the round's forward runs, on the
+        # CPU too: its library products run on one thread (kernels.one_thread), leaving a core
         return GrammarMask(self._ll_tokenizer, sampling.grammar, vocab_size=self.config.vocab_size,
-                           background=self.device.type != "cpu")  # on the CPU the forward wants every core
+                           background=True)
 
     def _sample_stored(self, item: StoredSample) -> LaneResult:
         """The lane's first token from a stored logits row, or the lane's error."""
