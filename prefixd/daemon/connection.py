@@ -29,6 +29,7 @@ from prefixd.daemon.fair import FairSeats
 from prefixd.daemon.host_work import HostWork, is_heavy
 from prefixd.daemon.pacing import ClientBudget
 from prefixd.daemon.peer_probe import peer_probe
+from prefixd.daemon.render_process import RenderPool
 from prefixd.daemon.requests import RequestBuilder
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.events import ErrorReply, OkReply, StatusReply
@@ -42,6 +43,7 @@ log = logging.getLogger("prefixd.connection")
 
 _LOOP_DETOKENIZE_IDS = 1024  # longer detokenizes run off the event loop
 _FLUSH_S = 1.0  # how long a closing connection may take to send its last frames
+_WRITE_BATCH = 64  # frames the writer takes from its queue for one write
 _CLOSED = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError)
 
 
@@ -57,6 +59,7 @@ class Services:
     next_stream_id: Callable[[], int]
     seats: FairSeats | None = None  # None: generates go to the engine as they come
     host_work: HostWork | None = None  # None: heavy renders run unbounded
+    renderer: RenderPool | None = None  # where heavy chat renders run; None: in the worker thread
 
     def max_context(self) -> int | None:
         """The longest prompt the model takes, as the hello reply's model map says."""
@@ -230,13 +233,14 @@ class Connection:
 
     async def _off_loop(self, msg: dict[str, Any], build: Callable[..., Any], *args: Any) -> Any:
         """`build(*args, client_gone)` in a worker thread; heavy requests (host_work.py) wait
-        for a heavy slot and pause to leave the engine its CPU."""
+        for a heavy slot, pause to leave the engine its CPU, and render their chat in the
+        render process (render_process.py)."""
         probe = peer_probe(self.framed)
         work = self.services.host_work
         if work is None or not is_heavy(msg):
             return await anyio.to_thread.run_sync(build, *args, probe)
         async with work.heavy(self._heavy_lock, probe) as poll:
-            return await anyio.to_thread.run_sync(build, *args, poll)
+            return await anyio.to_thread.run_sync(functools.partial(build, renderer=self.services.renderer), *args, poll)
 
     async def _on_detokenize(self, msg: dict[str, Any]) -> None:
         ids = msg.get("ids")
@@ -370,8 +374,14 @@ class Connection:
     async def _writer(self) -> None:
         try:
             async for frame in self._out_receive:
+                frames = [frame]
+                while len(frames) < _WRITE_BATCH:  # what else is queued goes out in the same write
+                    try:
+                        frames.append(self._out_receive.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
                 try:
-                    await self.framed.send(frame)
+                    await self.framed.send_many(frames)
                 except (*_CLOSED, TimeoutError) as e:
                     # Gone, or not reading within the send timeout: end the whole connection.
                     if isinstance(e, TimeoutError):

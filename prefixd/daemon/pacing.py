@@ -10,9 +10,12 @@ that fills at `rate` a second up to `burst`:
   needs to send fast);
 - every new connection costs `connect_cost` (so a reconnect flood costs its sender);
 - a connection whose client is in debt (fewer than 0 credits) reads nothing more until the
-  bucket has filled back to 0. Its frames wait in the kernel's socket buffer, and once that
-  is full the client's own writes block: backpressure. Nothing is dropped, and every frame
-  a client sends is answered in order, only later.
+  bucket has filled back to one *quantum* (`QUANTUM_S` of its rate, at least one credit, at
+  most its burst). Its frames wait in the kernel's socket buffer, and once that is full the
+  client's own writes block: backpressure. Nothing is dropped, and every frame a client
+  sends is answered in order, only later. (A client paced frame by frame would cost the loop
+  a timer, a wake-up and a reply write per frame, several times the frame's own work; paced
+  a quantum at a time, its frames are read and answered in batches.)
 
 A client that stays under the rate never waits. A client's budget outlives its
 connections until it has filled back up (a reconnect does not reset it), then is forgotten.
@@ -24,6 +27,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import anyio
+
+QUANTUM_S = 0.05  # a client in debt is read again once this much of its rate has refilled
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,13 +98,21 @@ class ClientBudget:
             return 0.0
         return -self.credits / self.limits.rate
 
+    def quantum(self) -> float:
+        """The credits a client in debt is let back in with (see the module docstring)."""
+        rate = self.limits.rate
+        return 0.0 if rate is None else min(float(self.limits.burst), max(1.0, rate * QUANTUM_S))
+
     def full(self, now: float) -> bool:
         self._fill(now)
         return self.limits.rate is None or self.credits >= self.limits.burst
 
     async def wait(self) -> None:
-        """Return once the client is out of debt (at once when it is not in debt)."""
-        while (pause := self.debt_s(anyio.current_time())) > 0:
+        """Return at once when the client is not in debt; in debt, once its bucket holds a
+        quantum again (its other connections may have spent it first: then wait again)."""
+        while self.debt_s(anyio.current_time()) > 0:
+            assert self.limits.rate is not None  # only a paced client is ever in debt
+            pause = (self.quantum() - self.credits) / self.limits.rate
             for counts in (self.counts, self._totals):
                 counts.waits += 1
                 counts.waited_s += pause

@@ -20,7 +20,7 @@ import math
 import os
 import socket
 from collections import deque
-from typing import Any
+from typing import Any, Sequence
 
 import anyio
 from anyio.abc import SocketAttribute, UNIXSocketStream
@@ -111,25 +111,48 @@ class FramedStream:
         """Send one map. Raises ProtocolError(frame_too_large) before sending anything when
         it does not fit, TimeoutError after send_timeout_s, anyio.BrokenResourceError when the
         peer is gone or an earlier send broke the stream."""
-        fds: list[int] = []
-        try:
-            if self.memfd_payloads:
-                msg, fds = extract_payloads(msg, self.limits)
-            data = encode_frame(msg, self.limits)
-            async with self._send_lock:
-                if self._broken:
-                    raise anyio.BrokenResourceError("an earlier send failed part-way")
+        await self.send_many((msg,))
+
+    async def send_many(self, msgs: Sequence[dict[str, Any]]) -> None:
+        """Send maps in order, those without descriptors together in one write (a burst of
+        replies costs one system call, not one each). Raises as `send`; a map that does not
+        fit is not sent: the maps before it are, then it raises."""
+        pending: list[bytes] = []
+        for msg in msgs:
+            fds: list[int] = []
+            try:
                 try:
-                    with anyio.fail_after(self.send_timeout_s):
-                        if fds:
-                            await self.stream.send_fds(data, fds)
-                        else:
-                            await self.stream.send(data)
+                    if self.memfd_payloads:
+                        msg, fds = extract_payloads(msg, self.limits)
+                    data = encode_frame(msg, self.limits)
                 except BaseException:
-                    self._broken = True  # part of the frame may be on the wire
+                    await self._write(b"".join(pending))
                     raise
-        finally:
-            close_fds(fds)  # the peer holds its own references once sent
+                if not fds:
+                    pending.append(data)
+                    continue
+                await self._write(b"".join(pending))
+                pending.clear()
+                await self._write(data, fds)
+            finally:
+                close_fds(fds)  # the peer holds its own references once sent
+        await self._write(b"".join(pending))
+
+    async def _write(self, data: bytes, fds: list[int] | None = None) -> None:
+        if not data:
+            return
+        async with self._send_lock:
+            if self._broken:
+                raise anyio.BrokenResourceError("an earlier send failed part-way")
+            try:
+                with anyio.fail_after(self.send_timeout_s):
+                    if fds:
+                        await self.stream.send_fds(data, fds)
+                    else:
+                        await self.stream.send(data)
+            except BaseException:
+                self._broken = True  # part of the frame may be on the wire
+                raise
 
     async def receive(self) -> dict[str, Any]:
         """The next map, its memfd fields resolved (int32 as list[int], else bytes). Raises anyio.EndOfStream at a clean end, ProtocolError for bad input:

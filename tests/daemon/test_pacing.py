@@ -148,3 +148,18 @@ async def test_rate_zero_turns_pacing_off(tmp_path):
     async with running_server(tmp_path, bounds=_paced(rate=None)) as server:
         assert (await _generate(server.socket_path))[2] == "length"
         assert server.pacer.clients == {}
+
+
+async def test_a_client_in_debt_is_let_back_in_with_a_quantum_of_its_rate():
+    # Let in frame by frame, a flood would cost the loop a timer, a wake-up and a write per
+    # frame; once in debt, a client waits until QUANTUM_S of its rate has refilled.
+    from prefixd.daemon.pacing import QUANTUM_S, ClientBudget
+
+    budget = ClientBudget(PaceLimits(rate=1000.0, burst=4096), anyio.current_time())
+    budget.charge(budget.credits + 1, anyio.current_time())  # one credit in debt
+    await budget.wait()
+    assert budget.counts.waits == 1
+    assert abs(budget.counts.waited_s - (1000.0 * QUANTUM_S + 1) / 1000.0) < 1e-3
+    assert budget.credits >= 1000.0 * QUANTUM_S - 1  # a batch of frames may be read now
+    assert ClientBudget(PaceLimits(rate=10.0, burst=4), 0.0).quantum() == 1.0  # at least one frame
+    assert ClientBudget(PaceLimits(rate=1e6, burst=64), 0.0).quantum() == 64.0  # at most the burst
