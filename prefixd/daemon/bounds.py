@@ -26,6 +26,7 @@ class ConnectionBounds:
     accept_backoff_s: float = 0.1  # pause after a failed accept (EMFILE...) before trying again
     max_heavy_jobs: int = 1  # heavy renders/encodes running at once (host_work.py); one per connection
     heavy_cpu_share: float = 0.25  # of one core, the most a heavy job's thread uses
+    render_process: bool = True  # heavy chat renders in a child process (render_process.py); False: a thread
     pace: PaceLimits = field(default_factory=PaceLimits)  # one client's frame budget (pacing.py)
 
     @classmethod

@@ -2,7 +2,8 @@
 
 A render runs Python in a worker thread: it competes with the engine thread for the GIL
 and for the CPU, and every round's many short GIL hand-offs wait behind it. So a request
-whose text is large is *heavy*, and heavy work is bounded:
+whose text is large is *heavy*, its chat renders in the render process where the daemon has
+one (render_process.py: no GIL shared with the engine), and heavy work is bounded:
 
 - at most `max_heavy` heavy jobs run at once in the daemon (others wait, first come first
   served), and one connection runs at most one at a time;

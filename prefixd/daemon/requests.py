@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -26,6 +26,13 @@ from prefixd.scheduler.records import ImageIdentity, ImageRows, SamplingParams
 from prefixd.scheduler.streams import StreamRequest
 from prefixd.text.grammar import GrammarChecker, GrammarError, grammar_of, tool_call_grammar
 from prefixd.text.tools import prepare_chat, template_knows_tools
+
+
+class Renderer(Protocol):
+    """Where a chat renders when not in the calling thread (render_process.RenderPool)."""
+
+    def render(self, messages: list[dict], *, should_stop: Callable[[], bool] | None = None,
+               **template_kwargs: Any) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +94,13 @@ class RequestBuilder:
         cancel: Cancel = self._parse(msg, Cancel)
         return cancel.id, cancel.target
 
-    def tokenize(self, msg: dict[str, Any], client_gone: Callable[[], bool] | None = None) -> TokensReply:
-        """The tokens reply; a chat render stops early once `client_gone()` is true."""
+    def tokenize(self, msg: dict[str, Any], client_gone: Callable[[], bool] | None = None, *,
+                 renderer: Renderer | None = None) -> TokensReply:
+        """The tokens reply; a chat render stops early once `client_gone()` is true, and runs
+        in `renderer` where one is given (render_process.py)."""
         req: Tokenize = self._parse(msg, Tokenize)
         if req.messages is not None:
-            rendered = self._render(req.messages, req.id, client_gone)
+            rendered = self._render(req.messages, req.id, client_gone, renderer=renderer)
             return TokensReply(req.id, tuple(rendered.ids), tuple(rendered.message_starts))
         add_special = self.tokenizer.add_bos if req.add_special is None else req.add_special
         return TokensReply(req.id, tuple(self.tokenizer.encode(req.text, add_special=add_special)))
@@ -102,14 +111,14 @@ class RequestBuilder:
         return TextReply(req.id, self.tokenizer.decode(req.ids))
 
     def generate(self, msg: dict[str, Any], stream_id: int, version: int = SUPPORTED_VERSIONS[-1],
-                 client_gone: Callable[[], bool] | None = None) -> BuiltGenerate:
+                 client_gone: Callable[[], bool] | None = None, *, renderer: Renderer | None = None) -> BuiltGenerate:
         """The validated generate of a connection speaking protocol `version`; a chat render
-        stops early once `client_gone()` is true."""
+        stops early once `client_gone()` is true, and runs in `renderer` where one is given."""
         req: Generate = self._parse(msg, Generate, version)
         grammar = self._grammar(req)
         starts: tuple[int, ...] = ()
         if req.messages is not None:
-            rendered = self._render(req.messages, req.id, client_gone, req.tools)
+            rendered = self._render(req.messages, req.id, client_gone, req.tools, renderer=renderer)
             tokens = tuple(rendered.ids)
             starts = tuple(s for s in rendered.message_starts if 0 < s < len(tokens))
         elif req.prompt is not None:
@@ -139,7 +148,8 @@ class RequestBuilder:
         return BuiltGenerate(req.id, request, StopSet(req.stop), parse_tools)
 
     def _render(self, messages: tuple[dict[str, Any], ...], request_id: int,
-                client_gone: Callable[[], bool] | None, tools: tuple[dict[str, Any], ...] | None = None) -> Any:
+                client_gone: Callable[[], bool] | None, tools: tuple[dict[str, Any], ...] | None = None, *,
+                renderer: Renderer | None = None) -> Any:
         from prefixd.text.chat import ChatTooLarge, RenderCancelled
 
         source = self._template_source(bool(tools))
@@ -147,8 +157,9 @@ class RequestBuilder:
         kwargs: dict[str, Any] = {} if client_gone is None else {"should_stop": client_gone}
         if template_tools is not None:
             kwargs["tools"] = template_tools
+        render = self.tokenizer.render_chat if renderer is None else renderer.render
         try:
-            return self.tokenizer.render_chat(chat, **kwargs)
+            return render(chat, **kwargs)
         except ProtocolError:
             raise
         except ChatTooLarge as e:

@@ -27,6 +27,7 @@ from prefixd.daemon.connection import Connection, Services
 from prefixd.daemon.engine_host import EngineHost, one_malloc_arena
 from prefixd.daemon.fair import FairSeats
 from prefixd.daemon.host_work import HostWork
+from prefixd.daemon.render_process import RenderPool
 from prefixd.daemon.http.serve import HttpServer
 from prefixd.daemon.listener import PeerCred, PeerPolicy, SocketPathError, peer_cred
 from prefixd.daemon.pacing import Pacer
@@ -80,6 +81,7 @@ class Server:
         self._host: EngineHost | None = None
         self._seats: FairSeats | None = None
         self.host_work = HostWork(self.bounds.max_heavy_jobs, self.bounds.heavy_cpu_share)
+        self.renderer = RenderPool(self.bounds.heavy_cpu_share) if self.bounds.render_process else None
         self._runtime: Runtime | None = None
         self._connections: set[Connection] = set()
         self._stream_ids = itertools.count(1)
@@ -118,10 +120,14 @@ class Server:
             self.metrics_port = self._exporter.port
         self._listener = await self._open_listener()
         check_device(self.cfg)
+        if self.renderer is not None:
+            await anyio.to_thread.run_sync(self.renderer.start)  # it imports while the model loads
         self.notifier.status("loading model")
         self._out.write(f"prefixd: loading model {self.cfg.model} on {self.cfg.device} ({self.cfg.dtype})\n")
         observer = MetricsObserver(self.metrics)
         self._runtime = await run_on_own_thread(self._factory, self.cfg, observer)
+        if self.renderer is not None:
+            self.renderer.bind(self._runtime.tokenizer)
         warning = cache_budget_warning(self._runtime.engine.info, self._runtime.engine.config)
         if warning is not None:
             log.warning("%s", warning)
@@ -169,6 +175,8 @@ class Server:
         if self._exporter is not None:
             self._exporter.close()
             self._exporter = None
+        if self.renderer is not None:
+            await anyio.to_thread.run_sync(self.renderer.close)
         if self._runtime is not None:
             log.info("stopped after %.1fs: exit code %d, %d requests served", time.monotonic() - self._started_s,
                      self.exit_code, self.metrics.num_requests())
@@ -355,6 +363,7 @@ class Server:
             next_stream_id=lambda: next(self._stream_ids),
             seats=self._seats,
             host_work=self.host_work,
+            renderer=self.renderer,
         )
 
     def _hello_reply(self) -> dict[str, Any]:

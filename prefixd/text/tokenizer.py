@@ -75,6 +75,10 @@ class Tokenizer:
         self._templates: dict[str, ChatTemplate] = {}
         self._bytes_table: list[bytes] | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (for the render process) without the caches, which rebuild on use."""
+        return {**self.__dict__, "_templates": {}, "_bytes_table": None}
+
     # --- construction ---------------------------------------------------------------
 
     @classmethod

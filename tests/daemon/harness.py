@@ -24,7 +24,7 @@ def open_fds() -> set[int]:
 @asynccontextmanager
 async def running_server(tmp_path: Path, device: LetterDevice | None = None, **overrides) -> AsyncIterator[Server]:
     device = device or LetterDevice()
-    bounds = overrides.pop("bounds", ConnectionBounds())
+    bounds = overrides.pop("bounds", ConnectionBounds(render_process=False))  # tests that render in it ask
     if "out_frames" in overrides:
         bounds = replace(bounds, out_frames=overrides.pop("out_frames"))
     if "max_streams" in overrides:

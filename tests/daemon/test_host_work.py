@@ -46,7 +46,7 @@ def _chat(n: int) -> list[dict]:
 
 async def test_one_heavy_render_at_a_time_while_a_light_one_goes_through(tmp_path):
     tokenizer = GatedTokenizer()
-    async with running_server(tmp_path, bounds=ConnectionBounds(max_heavy_jobs=1)) as server:
+    async with running_server(tmp_path, bounds=ConnectionBounds(max_heavy_jobs=1, render_process=False)) as server:
         server._runtime = dataclasses.replace(server._runtime, tokenizer=tokenizer)  # noqa: SLF001
         heavy = _chat(HEAVY_MESSAGES + 1)
         async with await AsyncClient.connect(server.socket_path) as a, \
@@ -92,7 +92,7 @@ def test_heaviness_is_judged_from_counts_and_lengths():
 
 async def test_a_heavy_request_whose_client_leaves_while_it_waits_never_runs(tmp_path):
     tokenizer = GatedTokenizer()
-    async with running_server(tmp_path, bounds=ConnectionBounds(max_heavy_jobs=1)) as server:
+    async with running_server(tmp_path, bounds=ConnectionBounds(max_heavy_jobs=1, render_process=False)) as server:
         server._runtime = dataclasses.replace(server._runtime, tokenizer=tokenizer)  # noqa: SLF001
         work = server.host_work
         heavy = _chat(HEAVY_MESSAGES + 1)

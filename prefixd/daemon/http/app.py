@@ -4,6 +4,7 @@ host -> OutputProcessor, then answers.py spells the events the OpenAI way."""
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import time
@@ -16,6 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from prefixd.daemon.engine_host import StreamTokens
+from prefixd.daemon.host_work import is_heavy
 from prefixd.daemon.http.answers import SSE_DONE, Answer
 from prefixd.daemon.http.openai_map import HttpError, MappedRequest, map_chat, map_completion
 from prefixd.ipc.errors import ErrorCode, ProtocolError
@@ -116,7 +118,9 @@ class HttpFront:
         stream_id = self.services.next_stream_id()
         msg = {**mapped.generate, "id": stream_id}
         try:
-            built = await anyio.to_thread.run_sync(self.services.builder.generate, msg, stream_id, 2)
+            renderer = self.services.renderer if is_heavy(msg) else None  # no GIL shared with the engine
+            build = functools.partial(self.services.builder.generate, renderer=renderer)
+            built = await anyio.to_thread.run_sync(build, msg, stream_id, 2)
             receive = await self.services.host.submit(built.request)
         except ProtocolError as e:
             raise _http_error(e) from None

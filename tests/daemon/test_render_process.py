@@ -1,0 +1,143 @@
+"""Heavy chat renders run in the render process, not in the daemon's interpreter: the reply
+is the same, the render's exceptions come back as themselves, a client that leaves cancels
+it, a child that dies is replaced, and none outlives the daemon."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from prefixd.daemon.bounds import ConnectionBounds
+from prefixd.daemon.host_work import HEAVY_MESSAGES
+from prefixd.daemon.render_process import RenderPool
+from prefixd.ipc.client import AsyncClient
+from prefixd.ipc.errors import ProtocolError
+from prefixd.text.chat import ChatTemplateError, RenderCancelled
+from tests.daemon.fakes import ByteTokenizer
+
+
+class PidTokenizer(ByteTokenizer):
+    """Renders as ByteTokenizer, with the rendering process's pid in front of the text."""
+
+    def render_chat(self, messages, *, add_generation_prompt=True, tools=None, should_stop=None):
+        return super().render_chat([{"role": "pid", "content": str(os.getpid())}, *messages],
+                                   add_generation_prompt=add_generation_prompt)
+
+
+class TrickyTokenizer(ByteTokenizer):
+    """A role names what the render does: fail, wait for its cancel, or kill its process
+    (once, while `die_once` exists, or always)."""
+
+    def __init__(self, die_once: Path | None = None) -> None:
+        self.die_once = die_once
+
+    def render_chat(self, messages, *, add_generation_prompt=True, tools=None, should_stop=None):
+        role = messages[0]["role"]
+        if role == "fail":
+            raise ChatTemplateError("this template takes no 'fail' role")
+        if role == "wait":
+            for _ in range(3000):  # a liveness bound: 30 s
+                if should_stop is not None and should_stop():
+                    raise RenderCancelled("the render was abandoned: its client has gone")
+                time.sleep(0.01)
+        if role == "die" or (role == "die_once" and self.die_once is not None and self.die_once.exists()):
+            if self.die_once is not None:
+                self.die_once.unlink(missing_ok=True)
+            os._exit(3)
+        return super().render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+
+
+@pytest.fixture
+def pool():
+    pool = RenderPool(cpu_share=1.0)
+    pool.start()
+    yield pool
+    pool.close()
+
+
+def test_the_render_process_renders_what_the_daemon_would(pool):
+    tokenizer = ByteTokenizer()
+    pool.bind(tokenizer)
+    messages = [{"role": "user", "content": f"m{i}"} for i in range(300)]
+    assert pool.render(messages) == tokenizer.render_chat(messages)
+    assert pool.render(messages, add_generation_prompt=False) == tokenizer.render_chat(messages, add_generation_prompt=False)
+
+
+def test_a_render_error_comes_back_as_itself(pool):
+    pool.bind(TrickyTokenizer())
+    with pytest.raises(ChatTemplateError, match="no 'fail' role"):
+        pool.render([{"role": "fail", "content": ""}])
+    assert pool.render([{"role": "user", "content": "x"}]).text.startswith("<user>x")  # the child serves on
+    assert pool.started == 1
+
+
+def test_a_caller_that_stops_cancels_the_render_in_the_child(pool):
+    pool.bind(TrickyTokenizer())
+    asked = time.monotonic() + 0.2
+    with pytest.raises(RenderCancelled):
+        pool.render([{"role": "wait", "content": ""}], should_stop=lambda: time.monotonic() > asked)
+    assert pool.render([{"role": "user", "content": "x"}]).text.startswith("<user>x")
+    assert pool.started == 1
+
+
+def test_a_child_that_dies_during_a_render_is_replaced_and_the_render_runs_again(pool, tmp_path):
+    marker = tmp_path / "die-once"
+    marker.touch()
+    pool.bind(TrickyTokenizer(die_once=marker))
+    first = pool.pid
+    rendered = pool.render([{"role": "die_once", "content": "x"}])
+    assert rendered.text.startswith("<die_once>x") and not marker.exists()
+    assert pool.started == 2 and pool.pid != first
+
+
+def test_a_render_that_kills_its_process_twice_is_an_internal_error(pool):
+    pool.bind(TrickyTokenizer())
+    with pytest.raises(ProtocolError) as err:
+        pool.render([{"role": "die", "content": ""}])
+    assert err.value.code.value == "internal"
+    assert pool.render([{"role": "user", "content": "x"}]).text.startswith("<user>x")  # a third child serves
+    assert pool.started == 3
+
+
+def test_closing_the_pool_ends_its_child():
+    pool = RenderPool(cpu_share=1.0)
+    pool.start()
+    pid = pool.pid
+    pool.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # exited and reaped
+
+
+async def test_a_heavy_socket_render_runs_in_the_render_process_and_a_light_one_in_the_daemon(tmp_path):
+    from tests.daemon.harness import running_server
+
+    import dataclasses
+
+    tokenizer = PidTokenizer()
+    async with running_server(tmp_path, bounds=ConnectionBounds()) as server:
+        server._runtime = dataclasses.replace(server._runtime, tokenizer=tokenizer)  # noqa: SLF001
+        server.renderer.bind(tokenizer)
+        child = server.renderer.pid
+        assert child is not None and child != os.getpid()
+        heavy = [{"role": "user", "content": "hi"} for _ in range(HEAVY_MESSAGES + 1)]
+        async with await AsyncClient.connect(server.socket_path) as client:
+            heavy_text = tokenizer.decode((await client.tokenize(messages=heavy)).ids)
+            light_text = tokenizer.decode((await client.tokenize(messages=heavy[:2])).ids)
+        assert heavy_text == f"<pid>{child}\n" + "<user>hi\n" * (HEAVY_MESSAGES + 1) + "<assistant>"
+        assert light_text.startswith(f"<pid>{os.getpid()}\n")
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # the daemon's shutdown ended it
+
+
+def test_a_tokenizer_that_cannot_be_pickled_renders_in_the_calling_thread(pool):
+    import threading
+
+    class Unpicklable(ByteTokenizer):
+        def __init__(self) -> None:
+            self.lock = threading.Lock()  # cannot be pickled
+
+    pool.bind(Unpicklable())
+    assert pool.render([{"role": "user", "content": "x"}]).text.startswith("<user>x")
