@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from prefixd.gpu.attention import AttentionSpan, plan_attention
-from prefixd.gpu.constrain import GrammarMask
+from prefixd.gpu.constrain import GrammarMask, held_masks
 from prefixd.gpu.copy import CopyEngine
 from prefixd.gpu.digest import logits_sha256
 from prefixd.gpu.families import build_family
@@ -148,10 +148,12 @@ class ModelRunner:
             return None
         if self._ll_tokenizer is None:  # built on first use: ~1 s for a large vocabulary
             self._ll_tokenizer = ll_tokenizer(self.tokenizer)
-        # the next row's mask is built on the mask worker while the round's forward runs, on the
-        # CPU too: its library products run on one thread (kernels.one_thread), leaving a core
+        # off the CPU the next row's mask is built on the mask worker while the round's forward
+        # runs; on the CPU every lane's is built together once the round has sampled (held_masks
+        # in _forward): a worker beside the forward slowed its 2-core int4 products more than
+        # the masks cost (bench/constrained_rounds.py)
         return GrammarMask(self._ll_tokenizer, sampling.grammar, vocab_size=self.config.vocab_size,
-                           background=True)
+                           background=self.device.type != "cpu")
 
     def _sample_stored(self, item: StoredSample) -> LaneResult:
         """The lane's first token from a stored logits row, or the lane's error."""
@@ -231,7 +233,8 @@ class ModelRunner:
             wanted, where = self._wanted_rows(runnable, inputs)
             logits = self.model.logits(hidden.index_select(0, wanted)) if where else None
             finite = torch.isfinite(logits).all(dim=1).tolist() if logits is not None else []
-            results.update((w.lane, self._lane_result(w, logits, where, finite)) for w in runnable.lanes)
+            with held_masks():  # next masks start once every lane has sampled (constrain.py)
+                results.update((w.lane, self._lane_result(w, logits, where, finite)) for w in runnable.lanes)
             if self.drafts is not None:
                 self._propose(runnable.lanes, inputs, hidden, carries, results)
             forward_s = time.perf_counter() - t0

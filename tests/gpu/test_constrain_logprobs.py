@@ -216,11 +216,11 @@ def test_a_lane_whose_grammar_ends_or_fails_mid_batch_ends_alone(runner, monkeyp
     class FailsOnItsThirdMask(mask_class):
         calls = 0
 
-        def _compute(self):
+        def _unpack(self, live):  # every way a mask is built (alone, batched, on the worker) ends here
             self.calls += 1
             if self.calls == 3:
                 raise RuntimeError("the grammar library failed")
-            return super()._compute()
+            return super()._unpack(live)
 
     def make_mask(ll_tok, grammar, **kwargs):
         return (FailsOnItsThirdMask if grammar == broken else mask_class)(ll_tok, grammar, **kwargs)

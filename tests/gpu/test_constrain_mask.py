@@ -115,3 +115,51 @@ def test_a_failure_on_the_worker_reaches_the_caller(ll_tok, monkeypatch):
     mask.advance(int(mask.allowed().nonzero()[0][0]))
     with pytest.raises(RuntimeError, match="mask failed"):
         mask.apply(torch.zeros(VOCAB))
+
+
+def test_masks_held_over_a_round_are_built_together_with_the_bits_each_builds_alone(tok, ll_tok):
+    # What the CPU runner does: every lane advances inside held_masks, and their next masks are
+    # built in one llguidance batch when the block ends (a wrong token's error state included).
+    from prefixd.gpu.constrain import held_masks
+
+    regex, json_schema = FORMATS["regex"][0], FORMATS["json"][0]
+    streams = [(regex, "the river runs past"), (json_schema, json.dumps({"name": "bees", "n": 12})),
+               (regex, "old stone"), (json_schema, '{"name": "x"')]
+    masks = [GrammarMask(ll_tok, grammar_of(fmt), vocab_size=VOCAB) for fmt, _ in streams]
+    refs = [llguidance.LLMatcher(ll_tok, grammar_of(fmt), log_level=0) for fmt, _ in streams]
+    texts = [tok.encode(text) for _, text in streams]
+    wrong = tok.encode("{")[0]  # not a letter: the first regex stream's last step puts it in error
+    for step in range(max(map(len, texts))):
+        with held_masks():
+            for k, ids in enumerate(texts):
+                if step < len(ids):
+                    token = wrong if (k == 0 and step == len(ids) - 1) else ids[step]
+                    masks[k].advance(token)
+                    refs[k].consume_token(token)
+            assert all(m._state is None for k, m in enumerate(masks) if step < len(texts[k]))  # held back
+        for k, mask in enumerate(masks):
+            assert mask._state is not None or step >= len(texts[k])  # built when the block ended
+            assert np.array_equal(mask.forbidden(), reference_forbidden(refs[k], ll_tok.eos_token))
+    assert masks[0].error is not None and np.flatnonzero(~masks[0].forbidden()).tolist() == [ll_tok.eos_token]
+
+
+def test_a_failed_batch_walk_builds_each_mask_alone_and_a_failed_mask_fails_only_its_own_apply(ll_tok, monkeypatch):
+    from prefixd.gpu import constrain
+
+    class BrokenExecutor:
+        def unsafe_compute_mask_ptr(self, *args):
+            raise RuntimeError("batch walk failed")
+
+    monkeypatch.setattr(constrain, "_mask_executor", lambda: BrokenExecutor())
+    grammar = grammar_of(FORMATS["regex"][0])
+    good, bad = (GrammarMask(ll_tok, grammar, vocab_size=VOCAB) for _ in range(2))
+    ref = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
+    monkeypatch.setattr(bad, "_compute", lambda: (_ for _ in ()).throw(RuntimeError("this stream's mask failed")))
+    token = ll_tok.tokenize_str("a")[0]
+    with constrain.held_masks():
+        for mask in (good, bad):
+            mask.advance(token)
+    ref.consume_token(token)
+    assert np.array_equal(good.forbidden(), reference_forbidden(ref, ll_tok.eos_token))  # built alone
+    with pytest.raises(RuntimeError, match="this stream's mask failed"):
+        bad.apply(torch.zeros(VOCAB))
