@@ -16,7 +16,9 @@ with an interpreter of its own:
 - the caller's `should_stop` (its client has gone) is polled while it waits; the child is
   then told to cancel, and stops at its next message boundary;
 - a child that dies (killed, out of memory) is replaced and the job runs once more in the
-  new one; a second death fails the job with an `internal` error. The child exits when the daemon closes its end (or
+  new one; a second death fails the job with an `internal` error. Where no child can be
+  started at all (no processes or descriptors left), the render runs in the caller's thread,
+  with a warning, rather than not at all. The child exits when the daemon closes its end (or
   dies: its socket then reads end-of-file).
 
 `RenderPool.render` blocks: call it from a worker thread, as the request builder runs.
@@ -56,10 +58,14 @@ class RenderPool:
         self.started = 0  # children started over the daemon's life (a restart after a death adds one)
 
     def start(self) -> None:
-        """Start the child now (it imports while the model loads)."""
+        """Start the child now (it imports while the model loads); a child that cannot be
+        started (no processes or descriptors left) is tried again at the first render."""
         with self._lock:
             if self._child is None:
-                self._child = self._spawn()
+                try:
+                    self._child = self._spawn()
+                except OSError as e:
+                    log.warning("the render process did not start (%s); heavy renders will try again", e)
 
     def bind(self, tokenizer: Any) -> None:
         """The tokenizer every render uses (sent to the child with its first job). One that
@@ -87,7 +93,11 @@ class RenderPool:
                 return self._tokenizer.render_chat(messages, should_stop=should_stop, **template_kwargs)
             for attempt in range(2):  # a child found dead gets one fresh successor (renders are pure)
                 if self._child is None or not self._child.alive():
-                    self._child = self._spawn()
+                    try:
+                        self._child = self._spawn()
+                    except OSError as e:  # rendered here rather than not at all
+                        log.warning("the render process did not start (%s); rendering in the daemon", e)
+                        return self._tokenizer.render_chat(messages, should_stop=should_stop, **template_kwargs)
                 child = self._child
                 try:
                     kind, *rest = child.run(next(self._jobs), self._tokenizer_blob, messages, template_kwargs,

@@ -61,8 +61,9 @@ def mask_worker() -> ThreadPoolExecutor:
 
 @contextmanager
 def held_masks() -> Iterator[None]:
-    """Masks that would start building on the worker inside this block start when it ends
-    (the calling thread's masks only; a mask needed inside the block is built inline)."""
+    """The next masks of masks advanced inside this block are built when it ends: inline ones
+    together (build_masks), background ones on the worker. The calling thread's masks only; a
+    mask needed inside the block (a draft's verify rows) is built on the spot."""
     if getattr(_holding, "masks", None) is not None:  # nested: the outer block starts them
         yield
         return

@@ -141,3 +141,19 @@ def test_a_tokenizer_that_cannot_be_pickled_renders_in_the_calling_thread(pool):
 
     pool.bind(Unpicklable())
     assert pool.render([{"role": "user", "content": "x"}]).text.startswith("<user>x")
+
+
+def test_a_child_that_cannot_be_started_leaves_the_render_to_the_calling_thread(monkeypatch):
+    from prefixd.daemon import render_process
+
+    def no_process(cls, cpu_share):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(render_process._Child, "spawn", classmethod(no_process))
+    pool = RenderPool(cpu_share=1.0)
+    pool.start()  # logged, not raised: the daemon starts without it
+    tokenizer = PidTokenizer()
+    pool.bind(tokenizer)
+    assert pool.pid is None
+    assert pool.render([{"role": "user", "content": "x"}]).text.startswith(f"<pid>{os.getpid()}\n")
+    pool.close()
