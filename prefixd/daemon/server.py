@@ -27,10 +27,10 @@ from prefixd.daemon.connection import Connection, Services
 from prefixd.daemon.engine_host import EngineHost, one_malloc_arena
 from prefixd.daemon.fair import FairSeats
 from prefixd.daemon.host_work import HostWork
-from prefixd.daemon.render_process import RenderPool
 from prefixd.daemon.http.serve import HttpServer
 from prefixd.daemon.listener import PeerCred, PeerPolicy, SocketPathError, peer_cred
 from prefixd.daemon.pacing import Pacer
+from prefixd.daemon.render_process import RenderPool
 from prefixd.daemon.requests import RequestBuilder
 from prefixd.daemon.runtime import Runtime, load_runtime, run_on_own_thread
 from prefixd.daemon.startup import StartupError, activation_socket, bind_socket, check_device, open_exporter

@@ -151,7 +151,7 @@ class ModelRunner:
         # off the CPU the next row's mask is built on the mask worker while the round's forward
         # runs; on the CPU every lane's is built together once the round has sampled (held_masks
         # in _forward): a worker beside the forward slowed its 2-core int4 products more than
-        # the masks cost (bench/constrained_rounds.py)
+        # the masks cost (bench/constrain.py)
         return GrammarMask(self._ll_tokenizer, sampling.grammar, vocab_size=self.config.vocab_size,
                            background=self.device.type != "cpu")
 
@@ -233,7 +233,7 @@ class ModelRunner:
             wanted, where = self._wanted_rows(runnable, inputs)
             logits = self.model.logits(hidden.index_select(0, wanted)) if where else None
             finite = torch.isfinite(logits).all(dim=1).tolist() if logits is not None else []
-            with held_masks():  # next masks start once every lane has sampled (constrain.py)
+            with held_masks():  # next masks are built once every lane has sampled (constrain.py)
                 results.update((w.lane, self._lane_result(w, logits, where, finite)) for w in runnable.lanes)
             if self.drafts is not None:
                 self._propose(runnable.lanes, inputs, hidden, carries, results)

@@ -4,6 +4,7 @@ it, a child that dies is replaced, and none outlives the daemon."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.errors import ProtocolError
 from prefixd.text.chat import ChatTemplateError, RenderCancelled
 from tests.daemon.fakes import ByteTokenizer
+from tests.daemon.harness import running_server
 
 
 class PidTokenizer(ByteTokenizer):
@@ -112,10 +114,6 @@ def test_closing_the_pool_ends_its_child():
 
 
 async def test_a_heavy_socket_render_runs_in_the_render_process_and_a_light_one_in_the_daemon(tmp_path):
-    from tests.daemon.harness import running_server
-
-    import dataclasses
-
     tokenizer = PidTokenizer()
     async with running_server(tmp_path, bounds=ConnectionBounds()) as server:
         server._runtime = dataclasses.replace(server._runtime, tokenizer=tokenizer)  # noqa: SLF001
