@@ -208,7 +208,11 @@ def child_main() -> None:
             tokenizer = pickle.loads(msg[1])
         elif msg[0] == "render":
             _, job, messages, kwargs = msg
-            conn.send(_render_one(conn, tokenizer, job, messages, kwargs, share, CpuShare))
+            reply = _render_one(conn, tokenizer, job, messages, kwargs, share, CpuShare)
+            try:
+                conn.send(reply)
+            except OSError:
+                return  # the daemon went away during the render
 
 
 def _render_one(conn: Connection, tokenizer: Any, job: int, messages: list[dict], kwargs: dict[str, Any],
