@@ -90,14 +90,14 @@ class RenderPool:
             if self._tokenizer is None:
                 raise RuntimeError("render pool: no tokenizer bound yet")
             if self._tokenizer_blob is None:
-                return self._tokenizer.render_chat(messages, should_stop=should_stop, **template_kwargs)
+                return self._render_here(messages, should_stop, template_kwargs)
             for attempt in range(2):  # a child found dead gets one fresh successor (renders are pure)
                 if self._child is None or not self._child.alive():
                     try:
                         self._child = self._spawn()
                     except OSError as e:  # rendered here rather than not at all
                         log.warning("the render process did not start (%s); rendering in the daemon", e)
-                        return self._tokenizer.render_chat(messages, should_stop=should_stop, **template_kwargs)
+                        return self._render_here(messages, should_stop, template_kwargs)
                 child = self._child
                 try:
                     kind, *rest = child.run(next(self._jobs), self._tokenizer_blob, messages, template_kwargs,
@@ -118,6 +118,10 @@ class RenderPool:
             if self._child is not None:
                 self._child.close()
                 self._child = None
+
+    def _render_here(self, messages: list[dict], should_stop: Callable[[], bool] | None,
+                     template_kwargs: dict[str, Any]) -> Any:
+        return self._tokenizer.render_chat(messages, should_stop=should_stop, **template_kwargs)
 
     def _spawn(self) -> _Child:
         self.started += 1
@@ -156,10 +160,10 @@ class _Child:
         cancelled = False
         while True:
             if self.conn.poll(_POLL_S):
-                reply = self.conn.recv()
-                if reply[1] == job:
-                    return (reply[0], *reply[2:])
-                continue  # an answer to an earlier, abandoned job
+                kind, answered, *rest = self.conn.recv()
+                # one job at a time per child, and a child whose job failed is discarded
+                assert answered == job, (answered, job)
+                return (kind, *rest)
             if not self.alive():
                 raise EOFError(f"exit status {self.proc.returncode}")
             if not cancelled and should_stop is not None and should_stop():
