@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixd.daemon.abandon import AbandonLimits
 from prefixd.daemon.pacing import PaceLimits
 
 
@@ -28,12 +29,15 @@ class ConnectionBounds:
     heavy_cpu_share: float = 0.25  # of one core, the most a heavy job's thread uses
     render_process: bool = True  # heavy chat renders in a child process (render_process.py); False: a thread
     pace: PaceLimits = field(default_factory=PaceLimits)  # one client's frame budget (pacing.py)
+    abandon: AbandonLimits = field(default_factory=AbandonLimits)  # holds for abandoned generates (abandon.py)
 
     @classmethod
     def for_config(cls, cfg: Any) -> ConnectionBounds:
-        """The defaults, with the pacing a DaemonConfig's flags set (rate 0: no pacing)."""
+        """The defaults, with the pacing (rate 0: no pacing) and abandon holds (0: none) a
+        DaemonConfig's flags set."""
         return cls(pace=PaceLimits(rate=cfg.client_frame_rate or None, burst=cfg.client_frame_burst,
-                                   error_cost=cfg.error_frame_cost, connect_cost=cfg.connect_frame_cost))
+                                   error_cost=cfg.error_frame_cost, connect_cost=cfg.connect_frame_cost),
+                   abandon=AbandonLimits(grace=cfg.abandon_grace, hold_max_s=cfg.abandon_hold_max_s))
 
     def __post_init__(self) -> None:
         if min(self.max_connections, self.max_streams, self.out_frames, self.max_buffered_bytes,

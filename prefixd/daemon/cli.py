@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Sequence
 
 import prefixd
-from prefixd.daemon.config import (DEFAULT_CLIENT_FRAME_BURST, DEFAULT_CLIENT_FRAME_RATE, DEFAULT_CONNECT_FRAME_COST,
-                                   DEFAULT_CPU_LANES, DEFAULT_CPU_MAX_CONTEXT, DEFAULT_CUDA_LANES,
+from prefixd.daemon.abandon import AbandonLimits
+from prefixd.daemon.config import (DEFAULT_ABANDON_GRACE, DEFAULT_ABANDON_HOLD_MAX_S, DEFAULT_CLIENT_FRAME_BURST,
+                                   DEFAULT_CLIENT_FRAME_RATE, DEFAULT_CONNECT_FRAME_COST, DEFAULT_CPU_LANES, DEFAULT_CPU_MAX_CONTEXT, DEFAULT_CUDA_LANES,
                                    DEFAULT_ERROR_FRAME_COST, DEFAULT_GRACE_S, DEFAULT_GRID, DEFAULT_METRICS_ADDR,
                                    DEFAULT_PAGE_SIZE, LOG_LEVELS, ConfigError, config_from_args)
 
@@ -74,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"what a frame refused with an error costs a client (default: {DEFAULT_ERROR_FRAME_COST})")
     serve.add_argument("--connect-frame-cost", type=int, default=None, metavar="FRAMES",
                        help=f"what a new connection costs a client (default: {DEFAULT_CONNECT_FRAME_COST})")
+    serve.add_argument("--abandon-grace", type=int, default=None, metavar="N",
+                       help="generates a client may abandon (cancel, or hang up on) before its next "
+                            f"ones wait while other clients are served; one is forgiven every "
+                            f"{1 / AbandonLimits().drain_per_s:g} s (default: {DEFAULT_ABANDON_GRACE})")
+    serve.add_argument("--abandon-hold-max", type=float, default=None, metavar="SECONDS",
+                       help="the longest such wait, doubling from 0.5 s past the grace; 0: never wait "
+                            f"(default: {DEFAULT_ABANDON_HOLD_MAX_S:g})")
     serve.add_argument("--http", default=None, metavar="HOST:PORT",
                        help="also serve the OpenAI-compatible HTTP API here (default: off; see docs/http.md)")
     serve.add_argument("--http-token-file", default=None, metavar="FILE",

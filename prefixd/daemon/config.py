@@ -39,6 +39,9 @@ DEFAULT_CLIENT_FRAME_RATE = 2000.0
 DEFAULT_CLIENT_FRAME_BURST = 4096
 DEFAULT_ERROR_FRAME_COST = 16
 DEFAULT_CONNECT_FRAME_COST = 64
+# Holds for a client that keeps abandoning generates (prefixd/daemon/abandon.py).
+DEFAULT_ABANDON_GRACE = 6
+DEFAULT_ABANDON_HOLD_MAX_S = 30.0
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -79,6 +82,8 @@ class DaemonConfig:
     client_frame_burst: int = DEFAULT_CLIENT_FRAME_BURST
     error_frame_cost: int = DEFAULT_ERROR_FRAME_COST
     connect_frame_cost: int = DEFAULT_CONNECT_FRAME_COST
+    abandon_grace: int = DEFAULT_ABANDON_GRACE  # abandoned generates a client may have before it is held
+    abandon_hold_max_s: float = DEFAULT_ABANDON_HOLD_MAX_S  # the longest hold; 0: never held
 
     @property
     def num_lanes(self) -> int:
@@ -160,6 +165,9 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
     if cfg.error_frame_cost < 1 or cfg.connect_frame_cost < 0:
         raise ConfigError(f"--error-frame-cost {cfg.error_frame_cost} must be >= 1 and "
                           f"--connect-frame-cost {cfg.connect_frame_cost} >= 0")
+    if cfg.abandon_grace < 0 or not 0 <= cfg.abandon_hold_max_s < float("inf"):
+        raise ConfigError(f"--abandon-grace {cfg.abandon_grace} must be >= 0 and "
+                          f"--abandon-hold-max {cfg.abandon_hold_max_s:g} a number of seconds >= 0 (0: never held)")
     if cfg.metrics_addr:
         from prefixd.metrics.exporter import MetricsAddrError, parse_metrics_addr
 
@@ -226,6 +234,8 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
         error_frame_cost=pick("error_frame_cost", "PREFIXD_ERROR_FRAME_COST", DEFAULT_ERROR_FRAME_COST, int),
         connect_frame_cost=pick("connect_frame_cost", "PREFIXD_CONNECT_FRAME_COST", DEFAULT_CONNECT_FRAME_COST,
                                 int),
+        abandon_grace=pick("abandon_grace", "PREFIXD_ABANDON_GRACE", DEFAULT_ABANDON_GRACE, int),
+        abandon_hold_max_s=pick("abandon_hold_max", "PREFIXD_ABANDON_HOLD_MAX", DEFAULT_ABANDON_HOLD_MAX_S, float),
     )
     return _check(cfg)
 

@@ -18,11 +18,12 @@ import logging
 import time
 from array import array
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from prefixd.daemon.abandon import AbandonLedger
 from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.engine_host import EngineFailed, EngineHost, StreamTokens
 from prefixd.daemon.fair import FairSeats
@@ -58,6 +59,7 @@ class Services:
     shutting_down: Callable[[], bool]
     next_stream_id: Callable[[], int]
     seats: FairSeats | None = None  # None: generates go to the engine as they come
+    abandons: AbandonLedger | None = None  # None: no client is held for abandoning generates
     host_work: HostWork | None = None  # None: heavy renders run unbounded
     renderer: RenderPool | None = None  # where heavy chat renders run; None: in the worker thread
 
@@ -71,9 +73,14 @@ class Connection:
     """Serves one framed stream until the client leaves, breaks framing, or stops reading."""
 
     def __init__(self, framed: Any, services: Services, bounds: ConnectionBounds | None = None,
-                 budget: ClientBudget | None = None) -> None:
+                 budget: ClientBudget | None = None, peer: Hashable | None = None) -> None:
         bounds = bounds or ConnectionBounds()
         self.framed = framed
+        # the client: its peer process (pid, uid) where the socket says, else this connection
+        # alone (a token, not self: a cycle would keep a closed connection's buffers until a gc)
+        token = object()
+        self.peer: Hashable = peer if peer is not None else token
+        self._seat_owner = (self.peer, token)  # seats are fair across clients, then their connections
         self.budget = budget  # the client's frame credits (pacing.py); None: not paced
         self.max_streams = bounds.max_streams
         self.services = services
@@ -102,6 +109,8 @@ class Connection:
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
+                if not self.services.shutting_down():
+                    self._abandon(sum(1 for stream_id in self._streams.values() if stream_id is not None))
                 self._cancel_all_streams()
                 self._out_send.close()
                 self._out_receive.close()
@@ -260,7 +269,13 @@ class Connection:
             self._stop_seat_wait(target)
         else:
             self.services.host.cancel_nowait(stream_id)
+            self._abandon(1)
         await self._send(OkReply(request_id).to_wire())
+
+    def _abandon(self, count: int) -> None:
+        """`count` of this client's generates that reached the engine were left (abandon.py)."""
+        if self.services.abandons is not None:
+            self.services.abandons.abandon(self.peer, count)
 
     def _admissible(self, msg: dict[str, Any]) -> None:
         request_id = msg.get("id")
@@ -291,7 +306,7 @@ class Connection:
         finally:
             if seated:
                 assert self.services.seats is not None
-                self.services.seats.give_back(self)
+                self.services.seats.give_back(self._seat_owner)
 
     async def _submit_and_forward(self, built: Any, stream_id: int) -> None:
         try:
@@ -317,7 +332,9 @@ class Connection:
             try:
                 if after is not None:
                     await after.wait()
-                await seats.take(self)
+                if self.services.abandons is not None:
+                    await self.services.abandons.wait(self.peer, lambda: seats.others_active(self._seat_owner))
+                await seats.take(self._seat_owner)
             finally:
                 self._seat_waits.pop(request_id, None)
             return True

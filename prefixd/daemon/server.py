@@ -20,6 +20,7 @@ import anyio
 import anyio.abc
 
 import prefixd
+from prefixd.daemon.abandon import AbandonLedger
 from prefixd.daemon.admission import AcceptErrors, refuse_connection, return_freed_memory
 from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.config import DaemonConfig, cache_budget_warning
@@ -66,6 +67,7 @@ class Server:
         self._factory = runtime_factory
         self.bounds = bounds or ConnectionBounds.for_config(cfg)
         self.pacer = Pacer(self.bounds.pace)
+        self.abandons = AbandonLedger(self.bounds.abandon)
         self.buffers = BufferBudget(self.bounds.max_buffered_bytes)
         self._env = os.environ if env is None else env
         self._out = sys.stderr if out is None else out
@@ -278,7 +280,7 @@ class Server:
         framed = FramedStream(stream, self.limits, send_timeout_s=self.bounds.send_timeout_s,
                               frame_deadline_s=self.bounds.frame_deadline_s, budget=self.buffers)
         budget = self.pacer.join((cred.pid, cred.uid)) if self.bounds.pace.rate is not None else None
-        connection = Connection(framed, self._services(), self.bounds, budget)
+        connection = Connection(framed, self._services(), self.bounds, budget, peer=(cred.pid, cred.uid))
         self._connections.add(connection)
         try:
             await connection.serve()
@@ -362,6 +364,7 @@ class Server:
             shutting_down=lambda: self.should_exit,
             next_stream_id=lambda: next(self._stream_ids),
             seats=self._seats,
+            abandons=self.abandons,
             host_work=self.host_work,
             renderer=self.renderer,
         )
@@ -379,6 +382,7 @@ class Server:
             "connections": len(self._connections),
             "buffered_bytes": self.buffers.used_bytes,
             **self.pacer.stats(),
+            **self.abandons.stats(),
             "uptime_s": time.monotonic() - self._started_s,
             "socket": str(self.socket_path) if self.socket_path else None,
             "shutting_down": self.should_exit,

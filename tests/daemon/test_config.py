@@ -73,11 +73,24 @@ def test_parse_size_units():
         ({"lanes": 0}, "--lanes"),
         ({"grid": 100, "page_size": 16}, "--grid"),
         ({"metrics_addr": "nope"}, "HOST:PORT"),
+        ({"abandon_grace": -1}, "--abandon-grace"),
+        ({"abandon_hold_max": -1.0}, "--abandon-hold-max"),
+        ({"abandon_hold_max": float("inf")}, "--abandon-hold-max"),
     ],
 )
 def test_bad_values_name_the_flag(flags, needle):
     with pytest.raises(ConfigError, match=needle):
         config_from_args(_args(**flags), env={})
+
+
+def test_abandon_flags_reach_the_connection_bounds_and_zero_turns_holds_off():
+    from prefixd.daemon.bounds import ConnectionBounds
+
+    cfg = config_from_args(_args(abandon_grace=2, abandon_hold_max=0.0), env={})
+    limits = ConnectionBounds.for_config(cfg).abandon
+    assert (limits.grace, limits.hold_max_s) == (2, 0.0) and limits.hold_s(50) == 0
+    env_cfg = config_from_args(_args(), env={"PREFIXD_ABANDON_GRACE": "9", "PREFIXD_ABANDON_HOLD_MAX": "5"})
+    assert ConnectionBounds.for_config(env_cfg).abandon.hold_s(100) == 5.0
 
 
 def test_bad_number_in_env_is_a_config_error():
