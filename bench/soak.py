@@ -122,7 +122,7 @@ async def run_phase(daemon: Daemon, requests: list[dict[str, Any]], seconds: flo
     run = HonestRun()
     if hostile is not None:
         await anyio.to_thread.run_sync(hostile.ready.wait, 120.0)  # the child has imported everything
-    cpu_before = daemon.thread_cpu_s()
+    cpu_before, children_before = daemon.thread_cpu_s(), daemon.children_cpu_s()
     deadline = time.monotonic() + seconds
     if hostile is not None:
         hostile.start(deadline)
@@ -131,6 +131,7 @@ async def run_phase(daemon: Daemon, requests: list[dict[str, Any]], seconds: flo
         for c in range(num_honest):
             tg.start_soon(honest_client, daemon.socket, requests, c * 3, deadline, run, reference)
     run.cpu_s = _cpu_used(cpu_before, daemon.thread_cpu_s(), daemon.proc.pid)
+    run.cpu_s["children"] = daemon.children_cpu_s() - children_before
     if hostile is not None:
         await anyio.to_thread.run_sync(hostile.collect, tally)
     return run
@@ -159,9 +160,10 @@ class Hostile:
         self._go.put(deadline)  # time.monotonic() is the system's CLOCK_MONOTONIC: shared by processes
 
     def collect(self, tally: Tally) -> None:
-        sent, codes = self._results.get(timeout=120.0)
+        sent, codes, cpu_s = self._results.get(timeout=120.0)
         tally.sent += sent
         tally.codes.update(codes)
+        tally.cpu_s += cpu_s
         self.proc.join(timeout=10.0)
 
 
@@ -180,8 +182,9 @@ def _hostile_main(socket: str, hidden: int, copies: int, actions: list[str], rea
                 for action in chosen:
                     tg.start_soon(_hostile_loop, action, target, deadline, tally)
 
+    cpu_before = time.process_time()
     anyio.run(run)
-    results.put((tally.sent, dict(tally.codes)))
+    results.put((tally.sent, dict(tally.codes), time.process_time() - cpu_before))
 
 
 async def _hostile_loop(action: Any, daemon: Daemon, deadline: float, tally: Tally) -> None:
@@ -246,6 +249,9 @@ def report(base: HonestRun, soak: HonestRun, tally: Tally, before: dict, after: 
         ("lanes busy / waiting after", f"{after['lanes_busy']} / {after['waiting']}"),
         ("daemon CPU s per s, loop / engine / other (baseline)", _cpu_text(base.cpu_s, base_seconds)),
         ("daemon CPU s per s, loop / engine / other (soak)", _cpu_text(soak.cpu_s, seconds)),
+        ("render process CPU s per s (baseline / soak)",
+         f"{base.cpu_s.get('children', 0.0) / base_seconds:.2f} / {soak.cpu_s.get('children', 0.0) / seconds:.2f}"),
+        ("hostile clients' own CPU s per s (their process)", f"{tally.cpu_s / seconds:.2f}"),
     ]
     return markdown_table(["measure", "value"], rows)
 

@@ -35,6 +35,7 @@ class Tally:
 
     sent: int = 0
     codes: Counter = field(default_factory=Counter)
+    cpu_s: float = 0.0  # the hostile process's own CPU time (user + system)
 
     def note(self, code: str) -> None:
         self.codes[str(code)] += 1

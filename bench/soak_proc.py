@@ -89,6 +89,22 @@ class Daemon:
             out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
         return out
 
+    def children_cpu_s(self) -> float:
+        """CPU seconds (user + system) the daemon's live child processes (the render process) used."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0.0
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid:  # its parent
+                total += (int(fields[11]) + int(fields[12])) / tick
+        return total
+
     async def sample_rss(self, deadline: float) -> None:
         """Track the peak RSS until `deadline`."""
         while time.monotonic() < deadline and self.proc.poll() is None:

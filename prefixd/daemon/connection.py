@@ -30,8 +30,8 @@ from prefixd.daemon.fair import FairSeats
 from prefixd.daemon.host_work import HostWork, is_heavy
 from prefixd.daemon.pacing import ClientBudget
 from prefixd.daemon.peer_probe import peer_probe
-from prefixd.daemon.render_process import RenderPool
-from prefixd.daemon.requests import RequestBuilder
+from prefixd.daemon.render_process import ClientRenderer, RenderPool, RenderShares
+from prefixd.daemon.requests import Renderer, RequestBuilder
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.events import ErrorReply, OkReply, StatusReply
 from prefixd.ipc.fields import request_id_of
@@ -62,6 +62,7 @@ class Services:
     abandons: AbandonLedger | None = None  # None: no client is held for abandoning generates
     host_work: HostWork | None = None  # None: heavy renders run unbounded
     renderer: RenderPool | None = None  # where heavy chat renders run; None: in the worker thread
+    render_shares: RenderShares | None = None  # render CPU by client; None: every render at one priority
 
     def max_context(self) -> int | None:
         """The longest prompt the model takes, as the hello reply's model map says."""
@@ -249,7 +250,12 @@ class Connection:
         if work is None or not is_heavy(msg):
             return await anyio.to_thread.run_sync(build, *args, probe)
         async with work.heavy(self._heavy_lock, probe) as poll:
-            return await anyio.to_thread.run_sync(functools.partial(build, renderer=self.services.renderer), *args, poll)
+            return await anyio.to_thread.run_sync(functools.partial(build, renderer=self._renderer()), *args, poll)
+
+    def _renderer(self) -> Renderer | None:
+        """The render process, charging this client's renders to it (render_process.py)."""
+        pool, shares = self.services.renderer, self.services.render_shares
+        return pool if pool is None or shares is None else ClientRenderer(pool, shares, self.peer)
 
     async def _on_detokenize(self, msg: dict[str, Any]) -> None:
         ids = msg.get("ids")

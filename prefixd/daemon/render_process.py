@@ -15,6 +15,12 @@ with an interpreter of its own:
   in the daemon: ChatTooLarge, RenderCancelled, ChatTemplateError, else RuntimeError);
 - the caller's `should_stop` (its client has gone) is polled while it waits; the child is
   then told to cancel, and stops at its next message boundary;
+- a client (peer process) that keeps the child busy gets its renders at idle priority: each
+  render's CPU time is charged to its client (`RenderShares`, through `ClientRenderer`), the
+  charge drains at `SHARE_PER_S` of a core, and while a client's charge is over
+  `GRACE_CPU_S` its renders run in a thread of the child under SCHED_IDLE: on CPU only
+  when the engine leaves a core idle. A long agent conversation (a few hundred messages,
+  ~0.1 s of CPU a turn) stays under it; a client sending big chats back to back does not;
 - a child that dies (killed, out of memory) is replaced and the job runs once more in the
   new one; a second death fails the job with an `internal` error. Where no child can be
   started at all (no processes or descriptors left), the render runs in the caller's thread,
@@ -34,14 +40,17 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 
 log = logging.getLogger("prefixd.render")
 
 RENDER_NICE = 10  # the child's niceness above the daemon's: the engine's threads come first
+GRACE_CPU_S = 0.5  # render CPU seconds a client may have on its charge before its renders idle
+SHARE_PER_S = 0.05  # how fast a charge drains: a client's sustained share of a core at priority
 _POLL_S = 0.01  # how often a waiting caller checks that its client is still there
 
 
@@ -86,6 +95,15 @@ class RenderPool:
     def render(self, messages: list[dict], *, should_stop: Callable[[], bool] | None = None,
                **template_kwargs: Any) -> Any:
         """`Tokenizer.render_chat(messages, **template_kwargs)` in the child (blocking)."""
+        try:
+            return self.render_timed(messages, should_stop=should_stop, **template_kwargs)[0]
+        except RenderFailed as e:
+            raise e.error from None
+
+    def render_timed(self, messages: list[dict], *, should_stop: Callable[[], bool] | None = None,
+                     idle: bool = False, **template_kwargs: Any) -> tuple[Any, float]:
+        """`render`, and the CPU seconds it took; `idle`: at idle priority in the child.
+        A render that raises is charged too (`RenderFailed` carries its CPU time)."""
         with self._lock:
             if self._tokenizer is None:
                 raise RuntimeError("render pool: no tokenizer bound yet")
@@ -100,8 +118,8 @@ class RenderPool:
                         return self._render_here(messages, should_stop, template_kwargs)
                 child = self._child
                 try:
-                    kind, *rest = child.run(next(self._jobs), self._tokenizer_blob, messages, template_kwargs,
-                                            should_stop)
+                    kind, cpu_s, *rest = child.run(next(self._jobs), self._tokenizer_blob, messages,
+                                                   template_kwargs, should_stop, idle)
                     break
                 except (EOFError, OSError) as e:
                     child.close()
@@ -110,8 +128,8 @@ class RenderPool:
                         raise ProtocolError(ErrorCode.INTERNAL, f"the chat render's process stopped twice "
                                             f"({e or 'no reply'}); the next render starts a new one") from None
         if kind == "ok":
-            return rest[0]
-        raise _exception(*rest)
+            return rest[0], cpu_s
+        raise RenderFailed(_exception(*rest), cpu_s)
 
     def close(self) -> None:
         with self._lock:
@@ -120,8 +138,13 @@ class RenderPool:
                 self._child = None
 
     def _render_here(self, messages: list[dict], should_stop: Callable[[], bool] | None,
-                     template_kwargs: dict[str, Any]) -> Any:
-        return self._tokenizer.render_chat(messages, should_stop=should_stop, **template_kwargs)
+                     template_kwargs: dict[str, Any]) -> tuple[Any, float]:
+        start = time.thread_time()
+        try:
+            rendered = self._tokenizer.render_chat(messages, should_stop=should_stop, **template_kwargs)
+        except Exception as e:
+            raise RenderFailed(e, time.thread_time() - start) from None
+        return rendered, time.thread_time() - start
 
     def _spawn(self) -> _Child:
         self.started += 1
@@ -140,7 +163,9 @@ class _Child:
     def spawn(cls, cpu_share: float) -> _Child:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with ours, theirs:
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+            # the tokenizer encodes in the job's own thread, so an idle job's encode is idle too
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+                   "TOKENIZERS_PARALLELISM": "false"}
             code = "from prefixd.daemon.render_process import child_main; child_main()"
             proc = subprocess.Popen(
                 [sys.executable, "-c", code, str(theirs.fileno()), repr(cpu_share), str(RENDER_NICE)],
@@ -152,18 +177,18 @@ class _Child:
         return self.proc.poll() is None
 
     def run(self, job: int, tokenizer: bytes, messages: list[dict], kwargs: dict[str, Any],
-            should_stop: Callable[[], bool] | None) -> tuple:
+            should_stop: Callable[[], bool] | None, idle: bool) -> tuple:
         if self.tokenizer is not tokenizer:
             self.conn.send(("tokenizer", tokenizer))
             self.tokenizer = tokenizer
-        self.conn.send(("render", job, messages, kwargs))
+        self.conn.send(("render", job, messages, kwargs, idle))
         cancelled = False
         while True:
             if self.conn.poll(_POLL_S):
-                kind, answered, *rest = self.conn.recv()
+                kind, answered, cpu_s, *rest = self.conn.recv()
                 # one job at a time per child, and a child whose job failed is discarded
                 assert answered == job, (answered, job)
-                return (kind, *rest)
+                return (kind, cpu_s, *rest)
             if not self.alive():
                 raise EOFError(f"exit status {self.proc.returncode}")
             if not cancelled and should_stop is not None and should_stop():
@@ -211,8 +236,14 @@ def child_main() -> None:
         if msg[0] == "tokenizer":
             tokenizer = pickle.loads(msg[1])
         elif msg[0] == "render":
-            _, job, messages, kwargs = msg
-            reply = _render_one(conn, tokenizer, job, messages, kwargs, share, CpuShare)
+            _, job, messages, kwargs, idle = msg
+            replies: list[tuple] = []
+            # a thread per job: SCHED_IDLE cannot be undone unprivileged, so it ends with the job
+            worker = threading.Thread(target=lambda: replies.append(
+                _render_one(conn, tokenizer, job, messages, kwargs, share, CpuShare, idle)))
+            worker.start()
+            worker.join()
+            reply = replies[0] if replies else ("raise", job, 0.0, "RuntimeError", "the render thread failed")
             try:
                 conn.send(reply)
             except OSError:
@@ -220,7 +251,7 @@ def child_main() -> None:
 
 
 def _render_one(conn: Connection, tokenizer: Any, job: int, messages: list[dict], kwargs: dict[str, Any],
-                share: float, cpu_share: type) -> tuple:
+                share: float, cpu_share: type, idle: bool) -> tuple:
     def cancelled() -> bool:
         while conn.poll(0):
             msg = conn.recv()
@@ -228,8 +259,75 @@ def _render_one(conn: Connection, tokenizer: Any, job: int, messages: list[dict]
                 return True
         return False
 
+    if idle:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only
+        except (AttributeError, OSError):
+            pass  # no SCHED_IDLE here: the job runs at the child's niceness
+    start = time.thread_time()
     try:
         rendered = tokenizer.render_chat(messages, should_stop=cpu_share(share, cancelled), **kwargs)
     except Exception as e:  # sent back and raised in the daemon as a render in it would be
-        return ("raise", job, type(e).__name__, str(e))
-    return ("ok", job, rendered)
+        return ("raise", job, time.thread_time() - start, type(e).__name__, str(e))
+    return ("ok", job, time.thread_time() - start, rendered)
+
+
+class RenderFailed(Exception):
+    """A render's own exception (`error`), with the CPU seconds it used before it raised."""
+
+    def __init__(self, error: Exception, cpu_s: float) -> None:
+        super().__init__(error)
+        self.error = error
+        self.cpu_s = cpu_s
+
+
+class RenderShares:
+    """Render CPU charged by client: over `grace_s` (draining at `per_s`), renders idle.
+    Thread-safe: renders run in worker threads."""
+
+    def __init__(self, grace_s: float = GRACE_CPU_S, per_s: float = SHARE_PER_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.grace_s, self.per_s = grace_s, per_s
+        self._clock = clock
+        self._charges: dict[Hashable, tuple[float, float]] = {}  # client -> (charge, when)
+        self._lock = threading.Lock()
+        self.idle_renders = 0  # renders run at idle priority, over the daemon's life
+
+    def charge(self, client: Hashable) -> float:
+        with self._lock:
+            return self._charge(client, self._clock())
+
+    def over(self, client: Hashable) -> bool:
+        return self.charge(client) > self.grace_s
+
+    def add(self, client: Hashable, cpu_s: float) -> None:
+        with self._lock:
+            now = self._clock()
+            for other in [c for c in self._charges if not self._charge(c, now)]:
+                del self._charges[other]  # drained: forgotten
+            self._charges[client] = (self._charge(client, now) + cpu_s, now)
+
+    def _charge(self, client: Hashable, now: float) -> float:
+        charge, when = self._charges.get(client, (0.0, now))
+        return max(0.0, charge - (now - when) * self.per_s)
+
+
+class ClientRenderer:
+    """The render pool as one client's requests see it (requests.Renderer): each render is
+    charged to the client, and runs at idle priority while the client is over its share."""
+
+    def __init__(self, pool: RenderPool, shares: RenderShares, client: Hashable) -> None:
+        self.pool, self.shares, self.client = pool, shares, client
+
+    def render(self, messages: list[dict], *, should_stop: Callable[[], bool] | None = None,
+               **template_kwargs: Any) -> Any:
+        idle = self.shares.over(self.client)
+        if idle:
+            self.shares.idle_renders += 1
+        try:
+            rendered, cpu_s = self.pool.render_timed(messages, should_stop=should_stop, idle=idle, **template_kwargs)
+        except RenderFailed as e:
+            self.shares.add(self.client, e.cpu_s)
+            raise e.error from None
+        self.shares.add(self.client, cpu_s)
+        return rendered

@@ -31,7 +31,7 @@ from prefixd.daemon.host_work import HostWork
 from prefixd.daemon.http.serve import HttpServer
 from prefixd.daemon.listener import PeerCred, PeerPolicy, SocketPathError, peer_cred
 from prefixd.daemon.pacing import Pacer
-from prefixd.daemon.render_process import RenderPool
+from prefixd.daemon.render_process import RenderPool, RenderShares
 from prefixd.daemon.requests import RequestBuilder
 from prefixd.daemon.runtime import Runtime, load_runtime, run_on_own_thread
 from prefixd.daemon.startup import StartupError, activation_socket, bind_socket, check_device, open_exporter
@@ -84,6 +84,7 @@ class Server:
         self._seats: FairSeats | None = None
         self.host_work = HostWork(self.bounds.max_heavy_jobs, self.bounds.heavy_cpu_share)
         self.renderer = RenderPool(self.bounds.heavy_cpu_share) if self.bounds.render_process else None
+        self.render_shares = RenderShares()  # heavy renders at idle priority for a client past its share
         self._runtime: Runtime | None = None
         self._connections: set[Connection] = set()
         self._stream_ids = itertools.count(1)
@@ -367,6 +368,7 @@ class Server:
             abandons=self.abandons,
             host_work=self.host_work,
             renderer=self.renderer,
+            render_shares=self.render_shares,
         )
 
     def _hello_reply(self) -> dict[str, Any]:
@@ -383,6 +385,7 @@ class Server:
             "buffered_bytes": self.buffers.used_bytes,
             **self.pacer.stats(),
             **self.abandons.stats(),
+            "renders_idle": self.render_shares.idle_renders,
             "uptime_s": time.monotonic() - self._started_s,
             "socket": str(self.socket_path) if self.socket_path else None,
             "shutting_down": self.should_exit,

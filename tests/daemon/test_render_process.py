@@ -1,6 +1,7 @@
 """Heavy chat renders run in the render process, not in the daemon's interpreter: the reply
 is the same, the render's exceptions come back as themselves, a client that leaves cancels
-it, a child that dies is replaced, and none outlives the daemon."""
+it, a child that dies is replaced, and none outlives the daemon. A client that keeps the
+child busy has its renders run at idle priority."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.host_work import HEAVY_MESSAGES
-from prefixd.daemon.render_process import RenderPool
+from prefixd.daemon.render_process import ClientRenderer, RenderFailed, RenderPool, RenderShares
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.errors import ProtocolError
 from prefixd.text.chat import ChatTemplateError, RenderCancelled
@@ -45,6 +46,12 @@ class TrickyTokenizer(ByteTokenizer):
                 if should_stop is not None and should_stop():
                     raise RenderCancelled("the render was abandoned: its client has gone")
                 time.sleep(0.01)
+        if role == "policy":  # the scheduling policy of the thread rendering
+            messages = [{"role": "policy", "content": str(os.sched_getscheduler(0))}]
+        if role == "busy":
+            end = time.thread_time() + 0.05
+            while time.thread_time() < end:
+                pass
         if role == "die" or (role == "die_once" and self.die_once is not None and self.die_once.exists()):
             if self.die_once is not None:
                 self.die_once.unlink(missing_ok=True)
@@ -102,6 +109,58 @@ def test_a_render_that_kills_its_process_twice_is_an_internal_error(pool):
     assert err.value.code.value == "internal"
     assert pool.render([{"role": "user", "content": "x"}]).text.startswith("<user>x")  # a third child serves
     assert pool.started == 3
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux only")
+def test_an_idle_render_runs_under_sched_idle_and_the_next_one_does_not(pool):
+    pool.bind(TrickyTokenizer())
+    policy = [{"role": "policy", "content": ""}]
+    idle, _ = pool.render_timed(policy, idle=True)
+    plain, _ = pool.render_timed(policy)
+    assert f"<policy>{os.SCHED_IDLE}" in idle.text
+    assert f"<policy>{os.SCHED_OTHER}" in plain.text  # SCHED_IDLE ended with its job's thread
+    assert pool.started == 1
+
+
+def test_a_render_reports_its_cpu_time_and_so_does_one_that_fails(pool):
+    pool.bind(TrickyTokenizer())
+    _, busy_s = pool.render_timed([{"role": "busy", "content": ""}])
+    assert busy_s >= 0.05
+    with pytest.raises(RenderFailed) as failed:
+        pool.render_timed([{"role": "fail", "content": ""}])
+    assert isinstance(failed.value.error, ChatTemplateError) and failed.value.cpu_s >= 0
+
+
+class RecordingPool:
+    def __init__(self) -> None:
+        self.idle: list[bool] = []
+
+    def render_timed(self, messages, *, should_stop=None, idle=False, **kwargs):
+        self.idle.append(idle)
+        if messages[0]["role"] == "fail":
+            raise RenderFailed(ChatTemplateError("no"), 0.4)
+        return "rendered", 0.3
+
+
+def test_a_client_over_its_render_share_renders_idle_until_its_charge_drains():
+    now = [0.0]
+    shares = RenderShares(grace_s=0.5, per_s=0.1, clock=lambda: now[0])
+    pool = RecordingPool()
+    busy, other = ClientRenderer(pool, shares, "busy"), ClientRenderer(pool, shares, "other")
+    chat = [{"role": "user", "content": "x"}]
+    assert busy.render(chat) == "rendered" and busy.render(chat) == "rendered"  # 0.6 charged
+    with pytest.raises(ChatTemplateError):  # a failed render is charged too (1.0), and raises as itself
+        busy.render([{"role": "fail", "content": ""}])
+    busy.render(chat)
+    other.render(chat)
+    assert pool.idle == [False, False, True, True, False]  # over 0.5 from the third; by client
+    assert shares.idle_renders == 2
+    now[0] = 9.0  # 1.3 - 0.9 drained: 0.4, under the grace again
+    busy.render(chat)
+    assert pool.idle[-1] is False and shares.charge("busy") == pytest.approx(0.7)
+    now[0] = 100.0
+    shares.add("new", 0.0)
+    assert shares.charge("busy") == 0 and "busy" not in shares._charges  # noqa: SLF001 - drained: forgotten
 
 
 def test_closing_the_pool_ends_its_child():
