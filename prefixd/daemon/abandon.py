@@ -14,10 +14,12 @@ every abandoned generate adds 1, and it drains at `drain_per_s`. While the level
     min(hold_max_s, HOLD_BASE_S * 2 ** (level - grace - 1))
 
 from that moment: the client's next generates wait before they ask for a seat (fair.py)
-until the hold has passed. They wait only while another client holds a seat or waits for
-one; a client alone on the daemon never waits. A held generate can be cancelled like any
-generate waiting for its seat. With the defaults, a client that abandons one generate every
-ten seconds, or a burst of six, never waits.
+until the hold has passed, and while its level stays above the grace, they then go one at
+a time (a generate waits while another of the client's holds a seat), so what a hold lets
+through is one prefill, not a burst. They wait only while another client holds a seat or
+waits for one; a client alone on the daemon never waits. A held generate can be cancelled
+like any generate waiting for its seat. With the defaults, a client that abandons one
+generate every ten seconds, or a burst of six, never waits.
 
     level:  ... 6 (grace) | 7     8     9     10    11    12 ...
     hold:         none    | 0.5s  1s    2s    4s    8s    16s ... up to hold_max_s
@@ -94,10 +96,19 @@ class AbandonLedger:
         record = self._clients.get(peer)
         return 0.0 if record is None else max(0.0, record.hold_until - self._clock())
 
-    async def wait(self, peer: Hashable, contended: Callable[[], bool]) -> None:
-        """Return once `peer`'s hold has passed, or at once while `contended()` is False."""
+    def held(self, peer: Hashable, seated: int) -> float:
+        """How long `peer`'s next generate should wait (seconds, or POLL_S to look again),
+        with `seated` of its generates holding seats; 0: it may go."""
+        left = self.hold_left_s(peer)
+        if left > 0:
+            return left
+        return POLL_S if seated > 0 and self.level(peer) > self.limits.grace and self.limits.hold_max_s else 0.0
+
+    async def wait(self, peer: Hashable, contended: Callable[[], bool], seated: Callable[[], int] = lambda: 0) -> None:
+        """Return once `peer`'s hold has passed (and, past its grace, none of its generates
+        holds a seat: `seated()`), or at once while `contended()` is False."""
         first = True
-        while (left := self.hold_left_s(peer)) > 0 and contended():
+        while (left := self.held(peer, seated())) > 0 and contended():
             if first:
                 self.holds += 1
                 first = False

@@ -339,7 +339,8 @@ class Connection:
                 if after is not None:
                     await after.wait()
                 if self.services.abandons is not None:
-                    await self.services.abandons.wait(self.peer, lambda: seats.others_active(self._seat_owner))
+                    await self.services.abandons.wait(self.peer, lambda: seats.others_active(self._seat_owner),
+                                                      lambda: seats.held_by((self.peer,)))
                 await seats.take(self._seat_owner)
             finally:
                 self._seat_waits.pop(request_id, None)

@@ -15,7 +15,7 @@ import sys
 import anyio
 import pytest
 
-from prefixd.daemon.abandon import HOLD_BASE_S, AbandonLedger, AbandonLimits
+from prefixd.daemon.abandon import HOLD_BASE_S, POLL_S, AbandonLedger, AbandonLimits
 from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.fair import FairSeats
 from prefixd.ipc.client import AsyncClient
@@ -162,6 +162,19 @@ def test_the_ledger_holds_past_the_grace_doubling_to_the_cap_and_drains():
     assert AbandonLimits(hold_max_s=0).hold_s(100) == 0  # 0: never held
     with pytest.raises(ValueError):
         AbandonLimits(drain_per_s=0)
+
+
+def test_past_its_grace_a_client_goes_one_generate_at_a_time_once_its_hold_has_passed():
+    now = [0.0]
+    ledger = AbandonLedger(AbandonLimits(grace=2, drain_per_s=0.1, hold_max_s=1.0), clock=lambda: now[0])
+    ledger.abandon("p", 4)
+    assert ledger.held("p", seated=0) == 1.0  # the hold first
+    now[0] = 2.0  # the hold has passed; level 3.8, still past the grace
+    assert ledger.held("p", seated=0) == 0  # one may go
+    assert ledger.held("p", seated=1) == POLL_S  # the next waits for it
+    now[0] = 20.0  # drained to the grace: any number again
+    assert ledger.held("p", seated=3) == 0
+    assert AbandonLedger(AbandonLimits(grace=0, hold_max_s=0)).held("q", seated=5) == 0  # holds off
 
 
 async def test_a_held_wait_ends_when_no_other_client_is_active():
