@@ -300,6 +300,13 @@ class RenderShares:
     def over(self, client: Hashable) -> bool:
         return self.charge(client) > self.grace_s
 
+    def take_idle(self, client: Hashable) -> bool:
+        """Whether `client`'s next render runs idle (counted in `idle_renders` if so)."""
+        with self._lock:
+            idle = self._charge(client, self._clock()) > self.grace_s
+            self.idle_renders += idle
+            return idle
+
     def add(self, client: Hashable, cpu_s: float) -> None:
         with self._lock:
             now = self._clock()
@@ -321,9 +328,7 @@ class ClientRenderer:
 
     def render(self, messages: list[dict], *, should_stop: Callable[[], bool] | None = None,
                **template_kwargs: Any) -> Any:
-        idle = self.shares.over(self.client)
-        if idle:
-            self.shares.idle_renders += 1
+        idle = self.shares.take_idle(self.client)
         try:
             rendered, cpu_s = self.pool.render_timed(messages, should_stop=should_stop, idle=idle, **template_kwargs)
         except RenderFailed as e:
