@@ -35,7 +35,7 @@ AUTO_DRAFT = {
 AUTO_DRAFT_HEAD: dict[tuple[str, str], str] = {}
 DEFAULT_DISK_BUDGET_BYTES = 8 << 30
 # One client's frame budget (prefixd/daemon/pacing.py): far above what a normal client sends.
-DEFAULT_CLIENT_FRAME_RATE = 2000.0
+DEFAULT_CLIENT_FRAME_RATE = 500.0
 DEFAULT_CLIENT_FRAME_BURST = 4096
 DEFAULT_ERROR_FRAME_COST = 16
 DEFAULT_CONNECT_FRAME_COST = 64

@@ -35,7 +35,7 @@ QUANTUM_S = 0.05  # a client in debt is read again once this much of its rate ha
 class PaceLimits:
     """One client's budget; `rate` None: no pacing at all."""
 
-    rate: float | None = 2000.0  # frame credits a second
+    rate: float | None = 500.0  # frame credits a second
     burst: int = 4096  # credits a client may spend at once (and starts with)
     error_cost: int = 16  # credits a frame refused with an error costs
     connect_cost: int = 64  # credits a new connection costs
