@@ -297,9 +297,6 @@ class RenderShares:
         with self._lock:
             return self._charge(client, self._clock())
 
-    def over(self, client: Hashable) -> bool:
-        return self.charge(client) > self.grace_s
-
     def take_idle(self, client: Hashable) -> bool:
         """Whether `client`'s next render runs idle (counted in `idle_renders` if so)."""
         with self._lock:
