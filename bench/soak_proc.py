@@ -78,31 +78,20 @@ class Daemon:
     def thread_cpu_s(self) -> dict[int, float]:
         """CPU seconds (user + system) each of the daemon's threads has used, by thread id;
         the thread whose id is the process id runs the event loop."""
-        tick = os.sysconf("SC_CLK_TCK")
         out = {}
         for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
-            try:
-                with open(f"/proc/{self.proc.pid}/task/{tid}/stat") as f:
-                    fields = f.read().rpartition(")")[2].split()
-            except FileNotFoundError:
-                continue  # a worker thread that ended
-            out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+            stat = _read_stat(f"/proc/{self.proc.pid}/task/{tid}/stat")
+            if stat is not None:  # else a worker thread that ended
+                out[int(tid)] = stat[1]
         return out
 
     def children_cpu_s(self) -> float:
         """CPU seconds (user + system) the daemon's live child processes (the render process) used."""
-        tick = os.sysconf("SC_CLK_TCK")
         total = 0.0
         for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rpartition(")")[2].split()
-            except OSError:
-                continue
-            if int(fields[1]) == self.proc.pid:  # its parent
-                total += (int(fields[11]) + int(fields[12])) / tick
+            stat = _read_stat(f"/proc/{pid}/stat") if pid.isdigit() else None
+            if stat is not None and stat[0] == self.proc.pid:
+                total += stat[1]
         return total
 
     async def sample_rss(self, deadline: float) -> None:
@@ -129,3 +118,13 @@ class Daemon:
         self.peak_rss = max(self.peak_rss, self.rss_bytes())
         return {"rss": self.rss_bytes(), "fds": self.num_fds(), "pages_used": status["pages_used"],
                 "lanes_busy": status["lanes_busy"], "waiting": status["waiting"]}
+
+
+def _read_stat(path: str) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds user + system) from a /proc stat file; None once it is gone."""
+    try:
+        with open(path) as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
