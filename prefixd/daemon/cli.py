@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Sequence
 
 import prefixd
-from prefixd.daemon.abandon import AbandonLimits
+from prefixd.daemon.abandon import HOLD_BASE_S, AbandonLimits
 from prefixd.daemon.config import (DEFAULT_ABANDON_GRACE, DEFAULT_ABANDON_HOLD_MAX_S, DEFAULT_CLIENT_FRAME_BURST,
-                                   DEFAULT_CLIENT_FRAME_RATE, DEFAULT_CONNECT_FRAME_COST, DEFAULT_CPU_LANES, DEFAULT_CPU_MAX_CONTEXT, DEFAULT_CUDA_LANES,
-                                   DEFAULT_ERROR_FRAME_COST, DEFAULT_GRACE_S, DEFAULT_GRID, DEFAULT_METRICS_ADDR,
-                                   DEFAULT_PAGE_SIZE, LOG_LEVELS, ConfigError, config_from_args)
+                                   DEFAULT_CLIENT_FRAME_RATE, DEFAULT_CONNECT_FRAME_COST, DEFAULT_CPU_LANES,
+                                   DEFAULT_CPU_MAX_CONTEXT, DEFAULT_CUDA_LANES, DEFAULT_ERROR_FRAME_COST,
+                                   DEFAULT_GRACE_S, DEFAULT_GRID, DEFAULT_METRICS_ADDR, DEFAULT_PAGE_SIZE, LOG_LEVELS,
+                                   ConfigError, config_from_args)
 
 
 def _add_socket(p: argparse.ArgumentParser) -> None:
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                             f"ones wait while other clients are served; one is forgiven every "
                             f"{1 / AbandonLimits().drain_per_s:g} s (default: {DEFAULT_ABANDON_GRACE})")
     serve.add_argument("--abandon-hold-max", type=float, default=None, metavar="SECONDS",
-                       help="the longest such wait, doubling from 0.5 s past the grace; 0: never wait "
+                       help=f"the longest such wait, doubling from {HOLD_BASE_S:g} s past the grace; 0: never wait "
                             f"(default: {DEFAULT_ABANDON_HOLD_MAX_S:g})")
     serve.add_argument("--http", default=None, metavar="HOST:PORT",
                        help="also serve the OpenAI-compatible HTTP API here (default: off; see docs/http.md)")
