@@ -67,6 +67,7 @@ async def test_a_client_that_keeps_abandoning_waits_while_another_is_served_and_
         path = str(server.socket_path)
         async with await AsyncClient.connect(path) as honest:  # cache off: the fake's stored rows are no letters
             solo = await honest.generate(prompt="later", max_tokens=6, cache=False).collect()
+            honest_solo = await honest.generate(prompt="honest", max_tokens=40, cache=False).collect()
         hostile_socks = await anyio.to_thread.run_sync(_connections_of_another_process, path, 3)
         ledger, seats = server.abandons, server._seats  # noqa: SLF001 - the test watches the queue
         async with await _client(hostile_socks[0]) as hostile:
@@ -82,7 +83,7 @@ async def test_a_client_that_keeps_abandoning_waits_while_another_is_served_and_
 
         async with await AsyncClient.connect(path) as honest, await _client(hostile_socks[1]) as hostile:
             device.gate.clear()  # the honest stream holds its seat in a parked round
-            running = await honest.generate(prompt="honest", max_tokens=40).start()
+            running = await honest.generate(prompt="honest", max_tokens=40, cache=False).start()
             await _wait_for(lambda: seats.num_free == 1)
             held = await hostile.generate(prompt="later", max_tokens=6, cache=False).start()
             await _wait_for(lambda: ledger.holds == 1)
@@ -90,7 +91,7 @@ async def test_a_client_that_keeps_abandoning_waits_while_another_is_served_and_
             assert ledger.stats()["clients_held"] == 1
             device.gate.set()
             honest_result = await running.collect()
-            assert honest_result.finish_reason == "length"
+            assert (honest_result.finish_reason, honest_result.ids) == ("length", honest_solo.ids)  # unchanged beside it
             with anyio.fail_after(30):  # its hold has ~10 minutes left: only the honest client's end lets it go
                 result = await held.collect()
             assert (result.finish_reason, result.ids, result.text) == (solo.finish_reason, solo.ids, solo.text)
