@@ -21,6 +21,7 @@ backend.resolve refuses a CUDA device when Triton is missing (CUDA builds of tor
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -55,6 +56,39 @@ def one_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return fn(*args, **kwargs)
     finally:
         torch.set_num_threads(threads)
+
+
+class RowVarianceError(RuntimeError):
+    """A CPU library product gives a row other bits depending on the call's row count."""
+
+
+_cpu_products_checked = False
+PROBE_ROWS = (2, 3, 5, 8, 17, 20, 24, 31, 32, 33, 48)  # AMX kernels differed at 20..32 and 33+ (docs/runtime.md)
+
+
+def check_cpu_products() -> None:
+    """Raise RowVarianceError unless a bf16 product's rows keep their bits at every probed
+    row count (once per process; ~20 ms). oneDNN picks AMX kernels by row count unless
+    capped before its first product (prefixd/gpu/__init__.py); this is where a process that
+    ran a bf16 product before importing prefixd.gpu, or a user's ONEDNN_MAX_CPU_ISA, is caught
+    instead of serving rows whose bits follow the round."""
+    global _cpu_products_checked
+    if _cpu_products_checked:
+        return
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 576, generator=gen).to(torch.bfloat16)
+    w = torch.randn(3072, 576, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        ref = mm_t(x, w)
+        bad = [m for m in PROBE_ROWS if not torch.equal(mm_t(x[:m].clone(), w), ref[:m])]
+    if bad:
+        isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "unset")
+        raise RowVarianceError(
+            f"bf16 products on this CPU give a row other bits at {len(bad)} of {len(PROBE_ROWS)} probed row "
+            f"counts (e.g. {bad[0]} rows), so outputs would depend on the round (ONEDNN_MAX_CPU_ISA={isa}). "
+            "Start prefixd in a process where no bf16 product ran before prefixd.gpu was imported, "
+            "with ONEDNN_MAX_CPU_ISA unset or AVX512_CORE_BF16")
+    _cpu_products_checked = True
 
 
 MM_BLOCK_M, MM_BLOCK_N, MM_BLOCK_K, MM_WARPS, MM_STAGES = 64, 64, 32, 4, 3

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from prefixd.gpu import kernels
 from prefixd.gpu.attention import AttentionSpan, plan_attention
 from prefixd.gpu.constrain import GrammarMask, held_masks
 from prefixd.gpu.copy import CopyEngine
@@ -55,6 +56,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.mode = mode
+        if self.device.type == "cpu":
+            kernels.check_cpu_products()  # AMX left on would make a row's bits follow the round
         self.tokenizer = checkpoint.tokenizer
         self.config = config = checkpoint.config
         self.model = build_family(checkpoint, self.device, dtype, mode)

@@ -3,6 +3,11 @@ bits do not depend on how many rows, batches or trailing zero columns share the 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +17,15 @@ from prefixd.gpu import kernels
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="needs Triton")
 DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        return flag in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
 # (in, out): the default model's projections, its lm_head, and the hybrid test shapes
 SHAPES = [(576, 1728), (1536, 576), (576, 49152), (1024, 3584)]
 ROW_COUNTS = [1, 2, 3, 5, 7, 8, 16, 17, 63, 64, 65, 130, 257, 1000]
@@ -125,3 +139,33 @@ def test_cuda_row_sums_do_not_depend_on_rows_or_trailing_zeros() -> None:
     many = kernels.sum_dim(state, -2)
     assert torch.equal(kernels.sum_dim(state[:1], -2), many[:1])
     assert torch.equal(kernels.mean_last(x[:7]), kernels.mean_last(x)[:7])
+
+
+def _run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def _env_without_isa() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+
+
+def test_importing_the_package_caps_onednn_before_torch_runs_a_product() -> None:
+    """A fresh process that imports prefixd.gpu first passes the row check, whatever the CPU
+    (on one with AMX, oneDNN would otherwise pick kernels by row count)."""
+    code = ("import os, prefixd.gpu, torch; from prefixd.gpu import kernels; kernels.check_cpu_products(); "
+            "print(os.environ['ONEDNN_MAX_CPU_ISA'])")
+    done = _run_python(code, _env_without_isa())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "AVX512_CORE_BF16"
+
+
+@pytest.mark.skipif(not _cpu_has("amx_bf16"), reason="only a CPU with AMX picks kernels by row count")
+def test_a_product_run_before_the_cap_is_caught_when_a_runner_would_start() -> None:
+    """On an AMX CPU, a bf16 product run before prefixd.gpu is imported leaves oneDNN uncapped:
+    the check refuses with a clear error instead of serving rows whose bits follow the round."""
+    code = ("import torch; torch.nn.functional.linear(torch.ones(3, 64).bfloat16(), torch.ones(64, 64).bfloat16()); "
+            "from prefixd.gpu import kernels\n"
+            "try:\n    kernels.check_cpu_products()\nexcept kernels.RowVarianceError as e:\n    print('refused', e)")
+    done = _run_python(code, _env_without_isa())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("refused bf16 products on this CPU give a row other bits"), done.stdout
