@@ -18,9 +18,6 @@ import os
 import sys
 from typing import Callable, Sequence
 
-# prefixd caps oneDNN below AMX (prefixd/gpu/__init__.py): probe what it runs; set
-# ONEDNN_MAX_CPU_ISA=DEFAULT in the environment to probe the uncapped library
-os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402

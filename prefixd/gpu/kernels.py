@@ -58,6 +58,24 @@ def one_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         torch.set_num_threads(threads)
 
 
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(flag in line.split() for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+
+
+# On a CPU with AMX, oneDNN picks its bf16 kernel by a call's row count even on one thread
+# (against a 512-row call, rows took other bits at M 20..32 on 3072x576 and at every M >= 33
+# on 49152x576), and no padding rule fixes that. A call of one fixed row count always runs the
+# same kernel, and a row's bits in it do not depend on the other rows or its position among
+# them: so there every bf16 product runs in calls of exactly CPU_PRODUCT_ROWS rows (the last
+# padded with zero rows). Elsewhere None: one call, padded by the callers (linear.py).
+AMX_PRODUCT_ROWS = 16
+CPU_PRODUCT_ROWS: int | None = AMX_PRODUCT_ROWS if _cpu_has("amx_bf16") else None
+
+
 class RowVarianceError(RuntimeError):
     """A CPU library product gives a row other bits depending on the call's row count."""
 
@@ -67,27 +85,31 @@ PROBE_ROWS = (2, 3, 5, 8, 17, 20, 24, 31, 32, 33, 48)  # AMX kernels differed at
 
 
 def check_cpu_products() -> None:
-    """Raise RowVarianceError unless a bf16 product's rows keep their bits at every probed
-    row count (once per process; ~20 ms). oneDNN picks AMX kernels by row count unless
-    capped before its first product (prefixd/gpu/__init__.py); this is where a process that
-    ran a bf16 product before importing prefixd.gpu, or a user's ONEDNN_MAX_CPU_ISA, is caught
-    instead of serving rows whose bits follow the round."""
+    """Raise RowVarianceError unless bf16 products keep a row's bits at every probed row count
+    (once per process; ~50 ms): `mm_t` at the default model's widest projection, and `bmm` at
+    attention's shapes (torch's CPU bf16 bmm is row-invariant at every M by probe, not by
+    construction). Runs when a CPU runner is built, so a CPU or library that breaks a rule
+    the forward relies on is refused instead of serving rows whose bits follow the round."""
     global _cpu_products_checked
     if _cpu_products_checked:
         return
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(512, 576, generator=gen).to(torch.bfloat16)
-    w = torch.randn(3072, 576, generator=gen).to(torch.bfloat16)
+    randn = lambda *shape: torch.randn(*shape, generator=gen).to(torch.bfloat16)  # noqa: E731
+    x, w = randn(512, 576), randn(3072, 576)
+    q, keys = randn(9, 96, 64), randn(9, 256, 64)
+    bad = []
     with torch.inference_mode():
         ref = mm_t(x, w)
-        bad = [m for m in PROBE_ROWS if not torch.equal(mm_t(x[:m].clone(), w), ref[:m])]
+        bad += [f"mm_t at {m} rows" for m in PROBE_ROWS if not torch.equal(mm_t(x[:m].clone(), w), ref[:m])]
+        ref = bmm(q, keys.transpose(1, 2))
+        bad += [f"bmm at {m} rows" for m in (1, 3, 6, 17, 48)
+                if not torch.equal(bmm(q[:, :m].clone(), keys.transpose(1, 2)), ref[:, :m])]
     if bad:
-        isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "unset")
         raise RowVarianceError(
-            f"bf16 products on this CPU give a row other bits at {len(bad)} of {len(PROBE_ROWS)} probed row "
-            f"counts (e.g. {bad[0]} rows), so outputs would depend on the round (ONEDNN_MAX_CPU_ISA={isa}). "
-            "Start prefixd in a process where no bf16 product ran before prefixd.gpu was imported, "
-            "with ONEDNN_MAX_CPU_ISA unset or AVX512_CORE_BF16")
+            f"bf16 products on this CPU give a row other bits depending on the call's row count "
+            f"({', '.join(bad)}), so outputs would depend on the round; prefixd cannot run exactly "
+            f"here with torch {torch.__version__} (CPU_PRODUCT_ROWS={CPU_PRODUCT_ROWS}, "
+            f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')})")
     _cpu_products_checked = True
 
 
@@ -167,9 +189,24 @@ def mm_t(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
     """x (M, K) @ weight (N, K).T -> (M, N) in `out_dtype` (default weight's dtype)."""
     out_dtype = out_dtype or weight.dtype
     if not _use_triton(x):
-        out = one_thread(torch.nn.functional.linear, x, weight)
+        if CPU_PRODUCT_ROWS is not None and x.dtype != torch.float32:
+            out = one_thread(_linear_fixed_rows, x, weight, CPU_PRODUCT_ROWS)
+        else:
+            out = one_thread(torch.nn.functional.linear, x, weight)
         return out if out.dtype == out_dtype else out.to(out_dtype)
     return bmm(x.unsqueeze(0), weight.t().unsqueeze(0), out_dtype)[0]
+
+
+def _linear_fixed_rows(x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """x @ weight.T as calls of exactly `rows` rows each (the last padded with zero rows)."""
+    m = x.shape[0]
+    padded = -(-m // rows) * rows
+    if padded != m:
+        x = torch.cat([x, x.new_zeros((padded - m, x.shape[1]))])
+    if padded == rows:
+        return torch.nn.functional.linear(x, weight)[:m]
+    outs = [torch.nn.functional.linear(x[i:i + rows], weight) for i in range(0, padded, rows)]
+    return torch.cat(outs)[:m]
 
 
 def sum_dim(x: torch.Tensor, dim: int) -> torch.Tensor:

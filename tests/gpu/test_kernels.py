@@ -3,9 +3,6 @@ bits do not depend on how many rows, batches or trailing zero columns share the 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -145,27 +142,36 @@ def _run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 
-def _env_without_isa() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
-
-
-def test_importing_the_package_caps_onednn_before_torch_runs_a_product() -> None:
-    """A fresh process that imports prefixd.gpu first passes the row check, whatever the CPU
-    (on one with AMX, oneDNN would otherwise pick kernels by row count)."""
-    code = ("import os, prefixd.gpu, torch; from prefixd.gpu import kernels; kernels.check_cpu_products(); "
-            "print(os.environ['ONEDNN_MAX_CPU_ISA'])")
-    done = _run_python(code, _env_without_isa())
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "AVX512_CORE_BF16"
+def test_cpu_bf16_rows_keep_their_bits_at_every_row_count_even_with_amx() -> None:
+    """mm_t on CPU, one thread: every row count against a 700-row call (on an AMX CPU, calls
+    of CPU_PRODUCT_ROWS rows; without them oneDNN's AMX kernels differ at 20..32 and 33+)."""
+    for k, n in [(576, 3072), (576, 49152)]:
+        x, w = _randn(700, k, seed=k, dtype=torch.bfloat16), _randn(n, k, seed=n, dtype=torch.bfloat16)
+        ref = kernels.mm_t(x, w)
+        for m in [1, 2, 15, 16, 17, 20, 31, 32, 33, 100, 300, 512]:
+            assert torch.equal(kernels.mm_t(x[:m].clone(), w), ref[:m]), (k, n, m)
+            assert torch.equal(kernels.mm_t(x[700 - m:].clone(), w), ref[700 - m:]), (k, n, m, "tail")
 
 
 @pytest.mark.skipif(not _cpu_has("amx_bf16"), reason="only a CPU with AMX picks kernels by row count")
-def test_a_product_run_before_the_cap_is_caught_when_a_runner_would_start() -> None:
-    """On an AMX CPU, a bf16 product run before prefixd.gpu is imported leaves oneDNN uncapped:
-    the check refuses with a clear error instead of serving rows whose bits follow the round."""
-    code = ("import torch; torch.nn.functional.linear(torch.ones(3, 64).bfloat16(), torch.ones(64, 64).bfloat16()); "
-            "from prefixd.gpu import kernels\n"
-            "try:\n    kernels.check_cpu_products()\nexcept kernels.RowVarianceError as e:\n    print('refused', e)")
-    done = _run_python(code, _env_without_isa())
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("refused bf16 products on this CPU give a row other bits"), done.stdout
+def test_amx_cpus_run_bf16_products_in_calls_of_fixed_rows() -> None:
+    assert kernels.CPU_PRODUCT_ROWS == kernels.AMX_PRODUCT_ROWS
+    kernels.check_cpu_products()
+
+
+def test_the_start_up_check_refuses_products_whose_rows_follow_the_call(monkeypatch) -> None:
+    """A library whose product gives a row other bits when fewer rows share the call (here:
+    the last row rounded differently at odd row counts) is refused by name."""
+    real = torch.nn.functional.linear
+
+    def varying(x, w, *args):
+        out = real(x, w, *args)
+        if x.shape[0] % 2:
+            out[-1] = out[-1].add(1)
+        return out
+
+    monkeypatch.setattr(kernels, "_cpu_products_checked", False)
+    monkeypatch.setattr(kernels, "CPU_PRODUCT_ROWS", None)
+    monkeypatch.setattr(torch.nn.functional, "linear", varying)
+    with pytest.raises(kernels.RowVarianceError, match="mm_t at 3 rows"):
+        kernels.check_cpu_products()
