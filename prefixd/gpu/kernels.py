@@ -5,7 +5,9 @@ GEMM) run on one intra-op thread (`one_thread`): with several threads the librar
 call by its shape (over rows, or over K for some row counts), so a row's bits would follow
 the call's row count and even the buffers' alignment (seen on a 2-core AVX-512 CPU without
 BF16 instructions; docs/runtime.md has the probe). On one thread a call has no split, and
-the callers pad row counts where the BLAS still picks a kernel by M (linear.py). torch's
+the callers pad row counts where the BLAS still picks a kernel by M (linear.py). On a CPU
+with AMX, where oneDNN picks its bf16 kernel by M in ways no padding fixes, every bf16
+product runs as calls of exactly CPU_PRODUCT_ROWS rows instead (`mm_t`). torch's
 own CPU reductions and the int4 weight-packed kernel (linear.py) add a row's elements in an
 order fixed by the row alone, on any thread count, and keep every thread.
 

@@ -5,7 +5,8 @@ On this project's CPUs (MKL, oneDNN), on one thread (kernels.one_thread: with se
 library's split of a call changes a row's bits), an fp32 GEMM gives other bits below M = 16
 (the last rows of a small call take another kernel; bmm behaves the same), and a bf16 GEMM
 gives other bits at M = 1 (a GEMV path; rare, since outputs are rounded to bf16). So calls
-are padded to at least `MIN_FP32_ROWS` / `MIN_LOW_ROWS` rows. docs/runtime.md has the probe.
+are padded to at least `MIN_FP32_ROWS` / `MIN_LOW_ROWS` rows (on a CPU with AMX, kernels.mm_t
+then runs bf16 products as calls of a fixed row count). docs/runtime.md has the probe.
 On CUDA the product runs in kernels.py (one fixed Triton configuration for every M); the
 padding is harmless there. Its invariance is checked by the CUDA tests.
 

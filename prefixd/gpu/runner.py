@@ -57,7 +57,7 @@ class ModelRunner:
         self.dtype = dtype
         self.mode = mode
         if self.device.type == "cpu":
-            kernels.check_cpu_products()  # AMX left on would make a row's bits follow the round
+            kernels.check_cpu_products()  # refuse a CPU library whose rows' bits follow the round
         self.tokenizer = checkpoint.tokenizer
         self.config = config = checkpoint.config
         self.model = build_family(checkpoint, self.device, dtype, mode)
