@@ -86,6 +86,7 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
     """Load the model named by `cfg.model` and build the engine around it (blocking)."""
     from prefixd.gpu.backend import free_device_bytes, resolve
     from prefixd.gpu.families import resolve_mode
+    from prefixd.gpu.kernels import RowVarianceError, check_cpu_products
     from prefixd.gpu.loading import load_checkpoint
     from prefixd.gpu.runner import ModelRunner
     from prefixd.gpu.threads import CpuThreads
@@ -93,6 +94,11 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
     from prefixd.scheduler.engine import Engine
 
     device, dtype = resolve(cfg.device, cfg.dtype)
+    if device.type == "cpu":  # before the load: a CPU whose products break row invariance is refused at once
+        try:
+            check_cpu_products()
+        except RowVarianceError as e:
+            raise StartupError(str(e)) from None
     checkpoint = load_checkpoint(cfg.model, device=device, dtype=dtype, progress=progress)
     max_context = cfg.resolved_max_context(checkpoint.config.max_context)
     if cfg.max_context is not None and cfg.max_context > checkpoint.config.max_context:

@@ -137,3 +137,27 @@ def test_an_unexpected_error_is_one_line_with_a_pointer_to_the_traceback(tmp_pat
     assert cli.main(["serve", "--socket", str(tmp_path / "p.sock"), "--metrics-addr", ""]) == 70
     err = capsys.readouterr().err
     assert err == "prefixd: internal error: ValueError('a bug') (--log-level debug shows the traceback)\n"
+
+
+def test_a_cpu_whose_bf16_products_follow_the_row_count_is_refused_before_the_load(tmp_path):
+    """Row invariance is checked before the model loads: here a sitecustomize makes bf16
+    `torch.bmm` give the last query row of every odd-sized call other bits, as a library that
+    picks its kernel by row count would (attention's products are not split into calls of
+    fixed rows on any CPU, so this fails the check everywhere)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import torch\n"
+        "_bmm = torch.bmm\n"
+        "def _varying(a, b, **kw):\n"
+        "    out = _bmm(a, b, **kw)\n"
+        "    if a.dtype == torch.bfloat16 and a.shape[1] % 2:\n"
+        "        out[:, -1] = out[:, -1].add(1)\n"
+        "    return out\n"
+        "torch.bmm = _varying\n")
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}
+    out = _serve(tmp_path, "--device", "cpu", env=env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "cannot load model" not in out.stderr  # refused before the load (after its progress line)
+    assert out.stderr.splitlines()[-1].startswith(
+        "prefixd: bf16 products on this CPU give a row other bits depending on the call's row count (bmm at 1 rows")
