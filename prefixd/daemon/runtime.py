@@ -33,6 +33,7 @@ class Runtime:
     decoder_factory: Callable[[], Any] | None = None  # None: prefixd.text.tokenizer.StreamDecoder
     disk: Any = None  # prefixd.disk.tier.DiskTier, or None when the disk tier is off
     before_round: Callable[[], Any] | None = None  # on the engine thread: the CPU thread policy
+    cpu_threads: Any = None  # prefixd.gpu.threads.CpuThreads on the CPU, else None
 
 
 def plan_num_pages(cfg: DaemonConfig, *, kv_bytes_per_page: int, max_context: int,
@@ -142,7 +143,7 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
     }
     threads = CpuThreads.up_to_current() if cfg.device == "cpu" else None
     return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info, disk=disk,
-                   before_round=None if threads is None else threads.tick)
+                   before_round=None if threads is None else threads.tick, cpu_threads=threads)
 
 
 def build_disk_tier(cfg: DaemonConfig, model_path: Any, runner: Any, device_kind: str, observer: Any) -> Any:

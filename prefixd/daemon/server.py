@@ -131,6 +131,8 @@ class Server:
         self._runtime = await run_on_own_thread(self._factory, self.cfg, observer)
         if self.renderer is not None:
             self.renderer.bind(self._runtime.tokenizer)
+            if self._runtime.cpu_threads is not None:  # a render in the child holds a core: the engine leaves it
+                self._runtime.cpu_threads.held_cores = self.renderer.cores_in_use
         warning = cache_budget_warning(self._runtime.engine.info, self._runtime.engine.config)
         if warning is not None:
             log.warning("%s", warning)

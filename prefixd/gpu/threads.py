@@ -102,6 +102,9 @@ class CpuThreads:
         self._last = sample()
         self.threads = max_threads
         self._applied: int | None = None
+        # cores the daemon's own other work holds right now (its render process, mid-render):
+        # the team leaves them, so none of its members waits at a barrier for one of them
+        self.held_cores: Callable[[], int] | None = None
 
     @classmethod
     def up_to_current(cls) -> CpuThreads:
@@ -118,10 +121,13 @@ class CpuThreads:
             self._last = now
         elif self._last is None:
             self._last = now
-        if self.threads != self._applied:
-            self._set_threads(self.threads)
-            self._applied = self.threads
-        return self.threads
+        threads = self.threads
+        if self.held_cores is not None:
+            threads = max(1, min(threads, self.num_cores - self.held_cores()))
+        if threads != self._applied:
+            self._set_threads(threads)
+            self._applied = threads
+        return threads
 
 
 def _torch_set_threads(n: int) -> None:

@@ -30,9 +30,10 @@ async def running_server(tmp_path: Path, device: LetterDevice | None = None, **o
     if "max_streams" in overrides:
         bounds = replace(bounds, max_streams=overrides.pop("max_streams"))
     env = overrides.pop("env", {})
+    factory = overrides.pop("runtime_factory", None) or fake_runtime_factory(device)
     cfg = DaemonConfig(socket_path=tmp_path / "run" / "prefixd.sock", metrics_addr="127.0.0.1:0",
                        grace_s=overrides.pop("grace_s", 5.0), **overrides)
-    server = Server(cfg, runtime_factory=fake_runtime_factory(device), env=env, out=io.StringIO(),
+    server = Server(cfg, runtime_factory=factory, env=env, out=io.StringIO(),
                     bounds=bounds)
     server.device = device  # type: ignore[attr-defined]
     async with anyio.create_task_group() as tg:

@@ -10,15 +10,17 @@ import os
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 
 from prefixd.daemon.bounds import ConnectionBounds
 from prefixd.daemon.host_work import HEAVY_MESSAGES
 from prefixd.daemon.render_process import ClientRenderer, RenderFailed, RenderPool, RenderShares
+from prefixd.gpu.threads import CpuThreads
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.errors import ProtocolError
 from prefixd.text.chat import ChatTemplateError, RenderCancelled
-from tests.daemon.fakes import ByteTokenizer
+from tests.daemon.fakes import ByteTokenizer, LetterDevice, fake_runtime_factory
 from tests.daemon.harness import running_server
 
 
@@ -90,6 +92,30 @@ def test_a_caller_that_stops_cancels_the_render_in_the_child(pool):
         pool.render([{"role": "wait", "content": ""}], should_stop=lambda: time.monotonic() > asked)
     assert pool.render([{"role": "user", "content": "x"}]).text.startswith("<user>x")
     assert pool.started == 1
+
+
+def test_a_render_in_the_child_holds_a_core_until_it_ends(pool):
+    """What the engine's thread policy reads (CpuThreads.held_cores): 1 while a render runs in
+    the child at normal priority, whether it returns, fails or is cancelled; 0 otherwise."""
+    pool.bind(TrickyTokenizer())
+    assert pool.cores_in_use() == 0
+    seen: list[int] = []
+
+    def stop() -> bool:
+        seen.append(pool.cores_in_use())
+        return len(seen) > 3
+
+    with pytest.raises(RenderCancelled):
+        pool.render([{"role": "wait", "content": ""}], should_stop=stop)
+    assert set(seen) == {1}
+    assert pool.cores_in_use() == 0
+    with pytest.raises(ChatTemplateError):
+        pool.render([{"role": "fail", "content": ""}])
+    assert pool.cores_in_use() == 0
+    seen.clear()  # a client past its share renders at idle priority: it holds no core
+    with pytest.raises(RenderFailed):  # render_timed carries the cancel with its CPU time
+        pool.render_timed([{"role": "wait", "content": ""}], should_stop=stop, idle=True)
+    assert set(seen) == {0}
 
 
 def test_a_child_that_dies_during_a_render_is_replaced_and_the_render_runs_again(pool, tmp_path):
@@ -187,6 +213,31 @@ async def test_a_heavy_socket_render_runs_in_the_render_process_and_a_light_one_
         assert light_text.startswith(f"<pid>{os.getpid()}\n")
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)  # the daemon's shutdown ended it
+
+
+async def test_the_engines_thread_policy_leaves_a_core_to_a_render_running_in_the_child(tmp_path):
+    """Wiring: the daemon hands its engine's CPU thread policy the render pool's held cores, so
+    the team runs one thread on 2 cores while a render runs, and both again after it."""
+    device = LetterDevice()
+    threads = CpuThreads(2, num_cores=2, sample=lambda: None, set_threads=lambda n: None)
+    base = fake_runtime_factory(device)
+
+    def factory(cfg, observer):
+        return dataclasses.replace(base(cfg, observer), before_round=threads.tick, cpu_threads=threads)
+
+    async with running_server(tmp_path, device, bounds=ConnectionBounds(), runtime_factory=factory) as server:
+        server.renderer.bind(TrickyTokenizer())
+        seen: list[int] = []
+
+        def stop() -> bool:
+            seen.append(threads.tick())
+            return len(seen) > 3
+
+        with pytest.raises(RenderCancelled):
+            await anyio.to_thread.run_sync(lambda: server.renderer.render([{"role": "wait", "content": ""}],
+                                                                           should_stop=stop))
+        assert set(seen) == {1}
+        assert threads.tick() == 2
 
 
 def test_a_tokenizer_that_cannot_be_pickled_renders_in_the_calling_thread(pool):
