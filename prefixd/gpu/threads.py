@@ -82,7 +82,9 @@ def threads_for(free: float, max_threads: int) -> int:
 
 
 class CpuThreads:
-    """Adapts torch's intra-op thread count to the cores other processes leave free.
+    """Adapts torch's intra-op thread count to the cores other processes leave free, less the
+    cores `held_cores()` says the daemon's own other work holds now (a render in its render
+    process), read at every tick.
 
     `tick()` may change the calling thread's torch thread count; it returns the count in use.
     `sample` and `set_threads` are injectable for tests.
