@@ -49,7 +49,17 @@ def _dense(n: int, k: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch
     return lambda x: torch.nn.functional.linear(x.to(dtype), w)
 
 
-PROBED = ("bf16 F.linear", "fp32 F.linear", "int4pack bf16 x", "int8pack bf16 x")  # int4 fp32 / fp16 x: far too slow
+def _forward_mm(n: int, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The product the forward runs for a bf16 projection: prefixd's kernels.mm_t (one thread;
+    on a CPU with AMX, calls of exactly kernels.CPU_PRODUCT_ROWS rows)."""
+    from prefixd.gpu import kernels
+
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    return lambda x: kernels.mm_t(x.to(torch.bfloat16), w)
+
+
+PROBED = ("bf16 F.linear", "bf16 kernels.mm_t", "fp32 F.linear", "int4pack bf16 x",
+          "int8pack bf16 x")  # int4 fp32 / fp16 x: far too slow
 
 KERNELS: dict[str, Callable[[int, int], Callable[[torch.Tensor], torch.Tensor]]] = {
     "bf16 F.linear": lambda n, k: _dense(n, k, torch.bfloat16),
@@ -59,6 +69,7 @@ KERNELS: dict[str, Callable[[int, int], Callable[[torch.Tensor], torch.Tensor]]]
     "int4pack bf16 x": lambda n, k: _int4(n, k, torch.bfloat16),
     "int8pack bf16 x": lambda n, k: _int8(n, k, torch.bfloat16),
     "int8pack fp32 x": lambda n, k: _int8(n, k, torch.float32),
+    "bf16 kernels.mm_t": _forward_mm,
 }
 
 
