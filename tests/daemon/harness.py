@@ -31,10 +31,11 @@ async def running_server(tmp_path: Path, device: LetterDevice | None = None, **o
         bounds = replace(bounds, max_streams=overrides.pop("max_streams"))
     env = overrides.pop("env", {})
     factory = overrides.pop("runtime_factory", None) or fake_runtime_factory(device)
+    freeze_heap = overrides.pop("freeze_heap", False)
     cfg = DaemonConfig(socket_path=tmp_path / "run" / "prefixd.sock", metrics_addr="127.0.0.1:0",
                        grace_s=overrides.pop("grace_s", 5.0), **overrides)
     server = Server(cfg, runtime_factory=factory, env=env, out=io.StringIO(),
-                    bounds=bounds)
+                    bounds=bounds, freeze_heap=freeze_heap)
     server.device = device  # type: ignore[attr-defined]
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.run)
