@@ -65,7 +65,7 @@ class RenderPool:
         self._lock = threading.Lock()
         self._jobs = itertools.count(1)
         self.started = 0  # children started over the daemon's life (a restart after a death adds one)
-        self._rendering = 0  # renders now running in the child (0 or 1: one at a time)
+        self._holding_core = False  # a render at normal priority runs in the child now (one at a time)
 
     def start(self) -> None:
         """Start the child now (it imports while the model loads); a child that cannot be
@@ -93,7 +93,7 @@ class RenderPool:
         engine's CPU thread policy leaves it that core; a team member it preempted would stall
         every barrier of the round), else 0. A render at idle priority (a client past its
         share) holds none: it gets only what the engine leaves. Read from any thread."""
-        return 1 if self._rendering else 0
+        return 1 if self._holding_core else 0
 
     @property
     def pid(self) -> int | None:
@@ -125,8 +125,7 @@ class RenderPool:
                         log.warning("the render process did not start (%s); rendering in the daemon", e)
                         return self._render_here(messages, should_stop, template_kwargs)
                 child = self._child
-                held = 0 if idle else 1  # an idle render takes what the engine leaves: it holds no core
-                self._rendering += held
+                self._holding_core = not idle  # an idle render takes what the engine leaves: it holds no core
                 try:
                     kind, cpu_s, *rest = child.run(next(self._jobs), self._tokenizer_blob, messages,
                                                    template_kwargs, should_stop, idle)
@@ -138,7 +137,7 @@ class RenderPool:
                         raise ProtocolError(ErrorCode.INTERNAL, f"the chat render's process stopped twice "
                                             f"({e or 'no reply'}); the next render starts a new one") from None
                 finally:
-                    self._rendering -= held
+                    self._holding_core = False
         if kind == "ok":
             return rest[0], cpu_s
         raise RenderFailed(_exception(*rest), cpu_s)

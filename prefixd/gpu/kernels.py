@@ -60,7 +60,8 @@ def one_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         torch.set_num_threads(threads)
 
 
-def _cpu_has(flag: str) -> bool:
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists `flag` (e.g. "amx_bf16") for this machine's CPUs."""
     try:
         with open("/proc/cpuinfo") as f:
             return any(flag in line.split() for line in f if line.startswith("flags"))
@@ -75,7 +76,21 @@ def _cpu_has(flag: str) -> bool:
 # them: so there every bf16 product runs in calls of exactly CPU_PRODUCT_ROWS rows (the last
 # padded with zero rows). Elsewhere None: one call, padded by the callers (linear.py).
 AMX_PRODUCT_ROWS = 16
-CPU_PRODUCT_ROWS: int | None = AMX_PRODUCT_ROWS if _cpu_has("amx_bf16") else None
+CPU_PRODUCT_ROWS: int | None = AMX_PRODUCT_ROWS if cpu_has("amx_bf16") else None
+
+
+def fixed_row_calls(x: torch.Tensor) -> bool:
+    """Whether a CPU product of x runs as calls of CPU_PRODUCT_ROWS rows (`mm_t`): low
+    precision operands on a CPU with AMX."""
+    return CPU_PRODUCT_ROWS is not None and not x.is_cuda and x.dtype != torch.float32
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with zero rows appended up to `rows` (x itself when it already has them)."""
+    if x.shape[0] >= rows:
+        return x
+    pad = x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))
+    return torch.cat([x, pad], dim=0)
 
 
 class RowVarianceError(RuntimeError):
@@ -191,7 +206,7 @@ def mm_t(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = 
     """x (M, K) @ weight (N, K).T -> (M, N) in `out_dtype` (default weight's dtype)."""
     out_dtype = out_dtype or weight.dtype
     if not _use_triton(x):
-        if CPU_PRODUCT_ROWS is not None and x.dtype != torch.float32:
+        if fixed_row_calls(x):
             out = one_thread(_linear_fixed_rows, x, weight, CPU_PRODUCT_ROWS)
         else:
             out = one_thread(torch.nn.functional.linear, x, weight)
@@ -203,8 +218,7 @@ def _linear_fixed_rows(x: torch.Tensor, weight: torch.Tensor, rows: int) -> torc
     """x @ weight.T as calls of exactly `rows` rows each (the last padded with zero rows)."""
     m = x.shape[0]
     padded = -(-m // rows) * rows
-    if padded != m:
-        x = torch.cat([x, x.new_zeros((padded - m, x.shape[1]))])
+    x = pad_rows(x, padded)
     if padded == rows:
         return torch.nn.functional.linear(x, weight)[:m]
     outs = [torch.nn.functional.linear(x[i:i + rows], weight) for i in range(0, padded, rows)]

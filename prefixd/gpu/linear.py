@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixd.gpu import kernels
+from prefixd.gpu.kernels import pad_rows  # noqa: F401 - model.py pads the lm_head rows with it
 
 MIN_FP32_ROWS = 16
 MIN_LOW_ROWS = 4  # bf16 / fp16
@@ -36,14 +37,6 @@ def invariant_rows(n: int, dtype: torch.dtype) -> int:
     if dtype == torch.float32:
         return max(n, MIN_FP32_ROWS)
     return max(n, MIN_LOW_ROWS)
-
-
-def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x with zero rows appended up to `rows` (x itself when it already has them)."""
-    if x.shape[0] >= rows:
-        return x
-    pad = x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))
-    return torch.cat([x, pad], dim=0)
 
 
 INT4_GROUP = 32  # inputs sharing one scale and zero: a GGUF Q4_0 / Q4_1 block

@@ -3,8 +3,6 @@ bits do not depend on how many rows, batches or trailing zero columns share the 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,13 +12,6 @@ from prefixd.gpu import kernels
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="needs Triton")
 DTYPES = [torch.bfloat16, torch.float32]
-
-
-def _cpu_has(flag: str) -> bool:
-    try:
-        return flag in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
 
 
 # (in, out): the default model's projections, its lm_head, and the hybrid test shapes
@@ -153,7 +144,7 @@ def test_cpu_bf16_rows_keep_their_bits_at_every_row_count_even_with_amx() -> Non
             assert torch.equal(kernels.mm_t(x[700 - m:].clone(), w), ref[700 - m:]), (k, n, m, "tail")
 
 
-@pytest.mark.skipif(not _cpu_has("amx_bf16"), reason="only a CPU with AMX picks kernels by row count")
+@pytest.mark.skipif(not kernels.cpu_has("amx_bf16"), reason="only a CPU with AMX picks kernels by row count")
 def test_amx_cpus_run_bf16_products_in_calls_of_fixed_rows() -> None:
     assert kernels.CPU_PRODUCT_ROWS == kernels.AMX_PRODUCT_ROWS
     kernels.check_cpu_products()

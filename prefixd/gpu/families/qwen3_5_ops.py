@@ -16,7 +16,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.shape[0]
     if rows < MIN_ROWS:
         x = torch.cat([x, x.new_zeros((MIN_ROWS - rows, x.shape[1]))], dim=0)
-    if x.is_cuda or (kernels.CPU_PRODUCT_ROWS is not None and x.dtype != torch.float32):
+    if x.is_cuda or kernels.fixed_row_calls(x):
         # kernels.py: one fixed kernel for every M (CUDA; calls of fixed rows on an AMX CPU),
         # the bias added outside it
         out = kernels.mm_t(x, weight, x.dtype)
