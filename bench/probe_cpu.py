@@ -3,6 +3,7 @@
     python bench/probe_cpu.py            # invariance over M = 1..64 and larger, then timings
     python bench/probe_cpu.py --quick    # fewer row counts, fewer repeats
     python bench/probe_cpu.py --threads 1,2   # the invariance tables at each torch thread count
+    python bench/probe_cpu.py --timings-only  # only the timings (what a row more costs)
 
 For each kernel and the default model's projection shapes, a reference call of R rows is
 compared with calls of M rows (the reference's first M rows) and with the reference rows
@@ -153,20 +154,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", default=None,
                         help="torch thread counts to probe invariance at, comma separated (default: torch's count); "
                              "the library products of the forward run on one (prefixd.gpu.kernels.one_thread)")
+    parser.add_argument("--timings-only", action="store_true", help="skip the invariance tables")
     args = parser.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
     counts = [1, 2, 3, 4, 5, 7, 8, 16, 17, 64, 200] if args.quick else [*range(1, 18), 31, 32, 33, 63, 64, 65, 100, 128, 256, 300, 512]
     shapes = SHAPES[:2] if args.quick else SHAPES[:4]  # lm_head: timed only
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}\n")
     default_threads = torch.get_num_threads()
-    for t in threads:
+    for t in [] if args.timings_only else threads:
         torch.set_num_threads(t)
         print(f"## {t} torch thread{'s' if t > 1 else ''}\n")
         invariance(counts, shapes)
         attention_invariance(counts)
         print()
     torch.set_num_threads(default_threads)
-    timings([1, 4, 16, 256], shapes if args.quick else SHAPES, 3 if args.quick else 10)
+    # Around multiples of 4: torch's int4 kernel works in blocks of 4 rows (its time steps there)
+    timings([1, 4, 16, 256] if args.quick else [1, 2, 3, 4, 5, 8, 9, 12, 16, 256],
+            shapes if args.quick else SHAPES, 3 if args.quick else 10)
     return 0
 
 
