@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from prefixd.gpu import kernels
-from prefixd.gpu.kernels import pad_rows  # noqa: F401 - model.py pads the lm_head rows with it
 
 MIN_FP32_ROWS = 16
 MIN_LOW_ROWS = 4  # bf16 / fp16

@@ -23,7 +23,7 @@ from prefixd.gpu import kernels
 from prefixd.gpu.attention import AttentionSpan, AttentionTile, attend_into
 from prefixd.gpu.config import ModelConfig
 from prefixd.gpu.kv_pool import KVPool
-from prefixd.gpu.linear import (Weight, fuse, invariant_rows, linear, matmul, pad_rows, quantize_int4,
+from prefixd.gpu.linear import (Weight, fuse, invariant_rows, linear, matmul, quantize_int4,
                                quantize_int4_residual)
 from prefixd.gpu.rope import RopeTable, rotate, rotation_tables
 
@@ -202,7 +202,7 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, vocab) fp32 logits of final-normed hidden rows (n, hidden)."""
         n = hidden.shape[0]
-        return linear(pad_rows(hidden, self.padded_rows(n)), self.lm_head)[:n]
+        return linear(kernels.pad_rows(hidden, self.padded_rows(n)), self.lm_head)[:n]
 
 
 def rope_qk_into(qk: torch.Tensor, out: torch.Tensor, heads: int, scale: float,

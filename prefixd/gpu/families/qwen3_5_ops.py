@@ -14,8 +14,7 @@ MIN_ROWS = 16  # fp32 GEMM picks other kernels (other bits) for small M: pad up 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) with M padded to MIN_ROWS, so a row's bits never depend on M."""
     rows = x.shape[0]
-    if rows < MIN_ROWS:
-        x = torch.cat([x, x.new_zeros((MIN_ROWS - rows, x.shape[1]))], dim=0)
+    x = kernels.pad_rows(x, MIN_ROWS)
     if x.is_cuda or kernels.fixed_row_calls(x):
         # kernels.py: one fixed kernel for every M (CUDA; calls of fixed rows on an AMX CPU),
         # the bias added outside it
