@@ -1,4 +1,5 @@
-"""CPU probe: are torch's weight-packed (int4 / int8) matmuls row-invariant, and how fast are they?
+"""CPU probe: are the CPU products (torch's weight-packed int4 / int8 matmuls, prefixd's own int4
+kernel, bf16 / fp32 GEMMs) row-invariant, and how fast are they?
 
     python bench/probe_cpu.py            # invariance over M = 1..64 and larger, then timings
     python bench/probe_cpu.py --quick    # fewer row counts, fewer repeats
@@ -39,6 +40,14 @@ def _int4(n: int, k: int, x_dtype: torch.dtype) -> Callable[[torch.Tensor], torc
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(x_dtype), packed, GROUP, sz)
 
 
+def _prefixd_int4(n: int, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Mode int4's product: prefixd's kernel (prefixd/gpu/csrc/int4_mm.cpp), fp32 x read as is."""
+    from prefixd.gpu.linear import matmul, quantize_int4
+
+    w = quantize_int4(torch.randn(n, k) * 0.05)
+    return lambda x: matmul(x, w)
+
+
 def _int8(n: int, k: int, x_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     scales = (torch.rand(n) * 0.01).to(x_dtype)
@@ -60,7 +69,7 @@ def _forward_mm(n: int, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 PROBED = ("bf16 F.linear", "bf16 kernels.mm_t", "fp32 F.linear", "int4pack bf16 x",
-          "int8pack bf16 x")  # int4 fp32 / fp16 x: far too slow
+          "int8pack bf16 x", "prefixd int4")  # int4 fp32 / fp16 x: far too slow
 
 KERNELS: dict[str, Callable[[int, int], Callable[[torch.Tensor], torch.Tensor]]] = {
     "bf16 F.linear": lambda n, k: _dense(n, k, torch.bfloat16),
@@ -71,6 +80,7 @@ KERNELS: dict[str, Callable[[int, int], Callable[[torch.Tensor], torch.Tensor]]]
     "int8pack bf16 x": lambda n, k: _int8(n, k, torch.bfloat16),
     "int8pack fp32 x": lambda n, k: _int8(n, k, torch.float32),
     "bf16 kernels.mm_t": _forward_mm,
+    "prefixd int4": _prefixd_int4,
 }
 
 
@@ -168,8 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         attention_invariance(counts)
         print()
     torch.set_num_threads(default_threads)
-    # Around multiples of 4: torch's int4 kernel works in blocks of 4 rows (its time steps there)
-    timings([1, 4, 16, 256] if args.quick else [1, 2, 3, 4, 5, 8, 9, 12, 16, 256],
+    # Around multiples of 4: torch's int4 kernel works in blocks of 4 rows (its time steps there);
+    # 32 rows: 8 lanes with 3 drafts each
+    timings([1, 4, 16, 256] if args.quick else [1, 2, 3, 4, 5, 8, 9, 12, 16, 32, 256],
             shapes if args.quick else SHAPES, 3 if args.quick else 10)
     return 0
 

@@ -11,12 +11,14 @@ On CUDA the product runs in kernels.py (one fixed Triton configuration for every
 padding is harmless there. Its invariance is checked by the CUDA tests.
 
 Mode "int4" (CPU, bf16) keeps each projection as 4-bit codes in groups of 32 inputs with a
-bf16 scale and zero per group (`Int4Weight`), run by torch's weight-packed CPU kernel with
-bf16 activations: w = (q - 8) * scale + zero, 5 bits per weight streamed. The probe
-(bench/probe_cpu.py, docs/runtime.md) found its rows invariant for every M and row position.
+bf16 scale and base per group (`Int4Weight`: w = q * scale + base, 5 bits per weight streamed),
+run by prefixd's own CPU kernel (cpu_kernels.py, csrc/int4_mm.cpp): each row of the input is
+quantized to 8 bits per group of 32 inside the call, the group products are exact integer sums
+(AVX-512 VNNI where the CPU has it) and the rest a fixed sequence of fp32 operations per output,
+so a row's bits depend on that row alone, at every M, thread count and instruction set.
 A weight whose 4-bit rounding costs too much accuracy (the lm_head) is kept as two 4-bit
 layers, the weight's codes and those of its rounding error, side by side along the inputs
-(`quantize_int4_residual`): one call of the same kernel over the input read twice.
+(`quantize_int4_residual`): one call of the kernel, which reads the input twice.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixd.gpu import kernels
+from prefixd.gpu import cpu_kernels, kernels
 
 MIN_FP32_ROWS = 16
 MIN_LOW_ROWS = 4  # bf16 / fp16
@@ -38,35 +40,33 @@ def invariant_rows(n: int, dtype: torch.dtype) -> int:
     return max(n, MIN_LOW_ROWS)
 
 
-INT4_GROUP = 32  # inputs sharing one scale and zero: a GGUF Q4_0 / Q4_1 block
-_INT4_INNER_K_TILES = 2  # packing layout of the CPU kernel (any of 1, 2, 4, 8 gives the same bits)
+INT4_GROUP = cpu_kernels.GROUP  # inputs sharing one scale and base: a GGUF Q4_0 / Q4_1 block
 
 
 @dataclass(frozen=True)
 class Int4Weight:
-    """A (out, in) projection as 4-bit codes: w[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n].
+    """A (out, in) projection as 4-bit codes: w[n, k] = q[n, k] * scale[n, g] + base[n, g].
 
-    g = k // INT4_GROUP. `packed` is the CPU kernel's (out, in / 2) uint8 layout of q;
-    `scale_zeros` is (in / INT4_GROUP, out, 2) bf16: [..., 0] the scale, [..., 1] the zero.
+    g = k // INT4_GROUP; `codes` and `scales` are the kernel's layout (`cpu_kernels.pack`).
     """
 
-    packed: torch.Tensor
-    scale_zeros: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
     shape: tuple[int, int]
-    residual: bool = False  # packed is (out, in) codes: the weight's, then its error's; x read twice
+    residual: bool = False  # codes hold (out, 2 * in): the weight's, then its error's; x read twice
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scale_zeros.nbytes
+        return self.codes.nbytes + self.scales.nbytes
 
 
 def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes (N, K) int32 in 0..15, scale (N, K/32), zero (N, K/32)) of an (N, K) weight.
+    """(codes (N, K) int32 in 0..15, scale (N, K/32), base (N, K/32)) of an (N, K) weight.
 
-    Asymmetric per group of 32 inputs: scale = (max - min) / 15, zero = min + 8 * scale, both
-    rounded to bf16 (the kernel's), codes rounded to the nearest step from min. Weights
-    dequantized from a GGUF Q4_1 block (x = d*q + m, q spanning 0..15) come back with their
-    own codes q, and d, m up to the rounding of scale and zero to bf16.
+    Asymmetric per group of 32 inputs: scale = (max - min) / 15 and base = min, both rounded to
+    bf16, codes rounded to the nearest step from base. Weights dequantized from a GGUF Q4_1
+    block (x = d*q + m, q spanning 0..15) come back with their own codes q, and d, m up to
+    their rounding to bf16.
     """
     n, k = weight.shape
     if k % INT4_GROUP:
@@ -74,56 +74,52 @@ def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     groups = weight.float().reshape(n, k // INT4_GROUP, INT4_GROUP)  # (N, G, 32)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (N, G)
     scale = ((high - low) / 15).to(torch.bfloat16).float()
+    base = low.to(torch.bfloat16).float()
     step = torch.where(scale > 0, scale, torch.ones_like(scale))
-    zero = (low + 8 * scale).to(torch.bfloat16).float()
-    codes = torch.round((groups - (zero - 8 * scale)[..., None]) / step[..., None]).clamp_(0, 15)
-    return codes.reshape(n, k).to(torch.int32), scale, zero
+    codes = torch.round((groups - base[..., None]) / step[..., None]).clamp_(0, 15)
+    return codes.reshape(n, k).to(torch.int32), scale, base
 
 
 def quantize_int4(weight: torch.Tensor) -> Int4Weight:
-    """The (N, K) weight as 4-bit group-32 codes packed for the CPU kernel (`int4_codes`)."""
+    """The (N, K) weight as 4-bit group-32 codes in the kernel's layout (`int4_codes`)."""
     n, k = weight.shape
-    codes, scale, zero = int4_codes(weight)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), _INT4_INNER_K_TILES)
-    scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # (G, N, 2)
-    return Int4Weight(packed=packed, scale_zeros=scale_zeros, shape=(n, k))
+    codes, scales = cpu_kernels.pack(*int4_codes(weight))
+    return Int4Weight(codes=codes, scales=scales, shape=(n, k))
 
 
-def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """fp32 (N, K) weight of `int4_codes`' output: (q - 8) * scale + zero per group."""
+def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """fp32 (N, K) weight of `int4_codes`' output: q * scale + base per group."""
     n, k = codes.shape
-    groups = codes.float().reshape(n, k // INT4_GROUP, INT4_GROUP) - 8
-    return (groups * scale[..., None] + zero[..., None]).reshape(n, k)
+    groups = codes.float().reshape(n, k // INT4_GROUP, INT4_GROUP)
+    return (groups * scale[..., None] + base[..., None]).reshape(n, k)
 
 
 def quantize_int4_residual(weight: torch.Tensor) -> Int4Weight:
-    """The (N, K) weight as two 4-bit layers in one (N, 2K) packed weight: w's codes, then the
-    codes of w minus their dequantized values. x @ w.T is then [x | x] @ packed.T, one call of
-    the kernel with one fp32 accumulation: about 8 bits of precision for 10 bits streamed."""
+    """The (N, K) weight as two 4-bit layers in one (N, 2K) weight: w's codes, then the codes
+    of w minus their dequantized values. x @ w.T is then [x | x] @ both.T, one call of the
+    kernel (which reads x twice) with one fp32 accumulation: about 8 bits of precision for 10
+    bits streamed."""
     n, k = weight.shape
     error = weight.float() - dequantize_int4(*int4_codes(weight))
-    both = quantize_int4(torch.cat([weight.float(), error], dim=1))  # groups never straddle: k % 32 == 0
-    return Int4Weight(packed=both.packed, scale_zeros=both.scale_zeros, shape=(n, k), residual=True)
+    codes, scales = cpu_kernels.pack(*int4_codes(torch.cat([weight.float(), error], dim=1)))  # groups never straddle
+    return Int4Weight(codes=codes, scales=scales, shape=(n, k), residual=True)
 
 
 Weight = torch.Tensor | Int4Weight
 
 
 def matmul(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """x (M, in) @ weight.T in the GEMM's own output dtype (the weight's; bf16 for int4).
+    """x (M, in) @ weight.T in the GEMM's own output dtype (the weight's; fp32 for int4).
 
-    x must already hold `invariant_rows(M, dtype)` rows; it is cast to the GEMM's input dtype
-    (a no-op when it has it)."""
+    x must already hold `invariant_rows(M, dtype)` rows (any M for int4); it is cast to the
+    GEMM's input dtype (a no-op when it has it; int4 reads bf16 or fp32 as they are)."""
     if isinstance(weight, Int4Weight):
-        x = x.to(torch.bfloat16)
-        if weight.residual:
-            x = torch.cat([x, x], dim=1)  # (M, 2 * in): the weight's codes, then its error's
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, INT4_GROUP, weight.scale_zeros)
+        return cpu_kernels.matmul(x, weight.codes, weight.scales, weight.shape[0])
     return kernels.mm_t(x.to(weight.dtype), weight)
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 (M, out) = x (M, in) @ weight.T (+ bias), the GEMM in weight's dtype (bf16 for int4).
+    """fp32 (M, out) = x (M, in) @ weight.T (+ bias), the GEMM in weight's dtype (int4: its kernel).
 
     x must already hold `invariant_rows(M, dtype)` rows; the bias is added in fp32
     outside the GEMM so its bits do not depend on a fused epilogue.

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefixd.gpu import kernels
+from prefixd.gpu import cpu_kernels, kernels
 from prefixd.gpu.attention import AttentionSpan, AttentionTile, attend_into
 from prefixd.gpu.config import ModelConfig
 from prefixd.gpu.kv_pool import KVPool
@@ -86,6 +86,10 @@ def check_mode(mode: str, device: torch.device, dtype: torch.dtype) -> None:
         raise ValueError(f"mode {mode!r} is not available (have: {', '.join(MODES)})")
     if mode == "int4" and (device.type != "cpu" or dtype != torch.bfloat16):
         raise ValueError(f"mode 'int4' runs on the CPU in bf16 only (got {device.type}, {dtype})")
+    if mode == "int4":
+        ok, why = cpu_kernels.available()
+        if not ok:
+            raise ValueError(f"mode 'int4' needs prefixd's CPU kernel: {why}")
 
 
 class LlamaModel:
@@ -104,6 +108,8 @@ class LlamaModel:
         self.device = device
         self.dtype = dtype
         self.mode = mode
+        # int4 attends with prefixd's CPU kernel (cpu_kernels.attend): no tiles to plan
+        self.attention_tiles = mode != "int4"
         self.num_kv_layers = config.num_layers
         f32 = lambda t: t.to(device=device, dtype=torch.float32)  # noqa: E731
         lin = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
@@ -196,7 +202,11 @@ class LlamaModel:
             rope_qk_into(qk, out, heads, self.scale, (rnd.cos, rnd.sin), rnd.scaled)
         n = rnd.num_rows
         kv.write(i, rnd.slots, out[:n, heads:], v[:n])
-        attend_into(rnd.qk.view(-1, c.head_dim), heads + c.num_kv_heads, kv.k[i], kv.v[i], rnd.tiles, rnd.attn)
+        if rnd.cpu_index is not None:  # int4: prefixd's CPU attention, reading the pool in place
+            cpu_kernels.attend(rnd.qk.view(-1, c.head_dim), kv.k[i], kv.v[i], *rnd.cpu_index, heads,
+                               heads + c.num_kv_heads, rnd.attn)
+        else:
+            attend_into(rnd.qk.view(-1, c.head_dim), heads + c.num_kv_heads, kv.k[i], kv.v[i], rnd.tiles, rnd.attn)
         return matmul(rnd.attn[:-1], layer.o)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -244,6 +254,7 @@ class _Round:
         c = model.config
         device = inputs.tokens.device
         self.num_rows, self.slots, self.tiles = inputs.num_rows, inputs.slots, inputs.tiles
+        self.cpu_index = cpu_kernels.attention_index(inputs.spans) if not model.attention_tiles else None
         self.cos, self.sin = rotation_tables(*model.rope.lookup(inputs.positions))  # (rows, 1, head_dim) each
         self.scaled = None
         if not c.qk_norm and math.frexp(model.scale)[0] == 0.5:

@@ -1,15 +1,22 @@
-"""Mode int4: codes that represent GGUF Q4_1 blocks, the kernel's meaning, and its row invariance."""
+"""Mode int4: codes that represent GGUF Q4_1 blocks, the kernel's arithmetic bit for bit against a
+torch reference, and its row invariance."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from prefixd.gpu.linear import INT4_GROUP, Int4Weight, int4_codes, linear, quantize_int4, quantize_int4_residual
+from prefixd.gpu import cpu_kernels
+from prefixd.gpu.linear import (INT4_GROUP, Int4Weight, dequantize_int4, int4_codes, linear, quantize_int4,
+                                quantize_int4_residual)
 from prefixd.gpu.model import check_mode
 
-pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
-                                reason="torch without the int4 CPU kernel")
+KERNEL_OK, KERNEL_WHY = cpu_kernels.available()
+pytestmark = pytest.mark.skipif(not KERNEL_OK, reason=KERNEL_WHY)
 
 
 def q4_1_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -25,11 +32,11 @@ def q4_1_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, 
 
 def test_codes_of_q4_1_weights_are_the_blocks_own():
     weight, q, d, m = q4_1_weight(96, 128, seed=1)
-    codes, scale, zero = int4_codes(weight)
+    codes, scale, base = int4_codes(weight)
     assert torch.equal(codes, q.to(torch.int32))
     assert torch.equal(scale, d)
-    # zero = m + 8d rounded to bf16: dequantized weights differ from d*q + m by that rounding only
-    assert torch.equal(zero, (m + 8 * d).to(torch.bfloat16).float())
+    assert torch.equal(base, m)
+    assert torch.equal(dequantize_int4(codes, scale, base), weight)
 
 
 def test_codes_refuse_inputs_not_a_multiple_of_the_group():
@@ -37,16 +44,85 @@ def test_codes_refuse_inputs_not_a_multiple_of_the_group():
         int4_codes(torch.zeros(8, 48))
 
 
+def reference_int4_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """csrc/int4_mm.cpp's arithmetic written with torch ops: x's rows quantized to 8 bits per
+    group of 32, exact integer group products, then per group in order
+    acc = acc + d * (float(dot) * scale + base * float(sum(xq)))."""
+    m, kx = x.shape
+    n, k = codes.shape
+    gx, groups = kx // INT4_GROUP, k // INT4_GROUP
+    xf = x.float().reshape(m, gx, INT4_GROUP)
+    d = xf.abs().amax(-1) / 127
+    xq = torch.where(d[..., None] > 0, torch.round(xf / torch.where(d > 0, d, 1)[..., None]), 0)
+    s = xq.sum(-1)  # small integers: exact
+    q = codes.to(torch.int64).reshape(n, groups, INT4_GROUP)
+    acc = torch.zeros(m, n)
+    for g in range(groups):
+        j = g % gx
+        dot = (xq[:, j].to(torch.int64) @ q[:, g].T).float()  # |dot| < 2^24: exact in fp32
+        acc = acc + d[:, j:j + 1] * (dot * scale[:, g] + base[:, g] * s[:, j:j + 1])
+    return acc
+
+
+def kernel_paths() -> list[str]:
+    return ["vnni", "portable"] if cpu_kernels.isa() == "avx512-vnni" else ["portable"]
+
+
+@pytest.mark.parametrize(("n", "k", "kx"), [(960, 576, 576), (576, 1536, 1536), (50, 64, 64), (1000, 1152, 576)])
+def test_the_kernel_has_the_reference_arithmetics_bits_on_every_path(n, k, kx):
+    """Bit for bit against `reference_int4_mm`: outputs not a multiple of 32, a residual weight
+    (k = 2 kx: x read twice), bf16 and fp32 inputs, an all-zero row, every row count to 70."""
+    g = torch.Generator().manual_seed(n + k)
+    codes, scale, base = int4_codes(torch.randn(n, k, generator=g) * 0.05)
+    packed, scales = cpu_kernels.pack(codes, scale, base)
+    x = torch.randn(70, kx, generator=g) * 3
+    x[5] = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        xd = x.to(dtype)
+        want = reference_int4_mm(xd, codes, scale, base)
+        for path in kernel_paths():
+            for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 33, 64, 65, 70):
+                got = cpu_kernels.matmul(xd[:m], packed, scales, n, path)
+                assert torch.equal(got.view(torch.int32), want[:m].view(torch.int32)), (dtype, path, m)
+
+
+def test_a_row_that_is_not_finite_spoils_its_own_outputs_only():
+    g = torch.Generator().manual_seed(9)
+    weight = quantize_int4(torch.randn(64, 128, generator=g) * 0.05)
+    x = torch.randn(4, 128, generator=g)
+    ref = linear(x, weight)
+    x[2, 7] = float("nan")
+    x[3, 100] = float("inf")
+    got = linear(x, weight)
+    assert torch.equal(got[:2], ref[:2])
+    assert got[2:].isnan().all()
+
+
+def test_the_kernels_bits_do_not_depend_on_the_thread_count():
+    g = torch.Generator().manual_seed(10)
+    weight = quantize_int4(torch.randn(3072, 576, generator=g) * 0.05)
+    x = torch.randn(40, 576, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x, weight)
+        torch.set_num_threads(max(2, threads))
+        many = linear(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
 def test_int4_linear_computes_x_times_the_dequantized_weight():
     weight, q, d, m = q4_1_weight(64, 256, seed=2)
-    codes, scale, zero = int4_codes(weight)
-    dequant = ((codes.float().reshape(64, -1, INT4_GROUP) - 8) * scale[..., None] + zero[..., None]).reshape(64, 256)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
-    want = x.to(torch.bfloat16).double() @ dequant.double().T
+    want = x.double() @ weight.double().T
     got = linear(x, quantize_int4(weight))
     assert got.dtype == torch.float32
-    # bf16 output rounding only: a transposed scale layout or a wrong zero is off by far more
-    assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2)
+    # 8-bit activations: ~0.3 % of a group's largest input; a transposed scale layout, a lost
+    # base or a misplaced nibble is off by far more
+    scale = (x.abs().double() @ weight.abs().double().T)
+    assert ((got.double() - want).abs() <= 0.01 * scale).all()
 
 
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 576), (3072, 576), (576, 1536)])
@@ -76,7 +152,8 @@ ACCURACY_TEXT = ("The quick brown fox jumps over the lazy dog. " * 12
 @pytest.mark.slow
 def test_default_model_int4_agrees_with_its_exact_gguf_values(default_gguf):
     """Reference: fp32 mode (the GGUF's dequantized values, exact). bf16 mode measured 98.6 %
-    top-1 and 0.068 mean |logit error| on this text; int4 100 % and 0.109 (docs/runtime.md)."""
+    top-1 and 0.068 mean |logit error| on this text; int4 100 % and 0.205 (0.109 with bf16
+    activations before revision 4; the lm_head's share is 0.013; docs/runtime.md)."""
     from tests.gpu.runner_helpers import lane_pages, make_runner, run_chunks
 
     logits = {}
@@ -88,7 +165,7 @@ def test_default_model_int4_agrees_with_its_exact_gguf_values(default_gguf):
     exact, int4 = logits["invariant"], logits["int4"]
     top1 = (exact.argmax(-1) == int4.argmax(-1)).float().mean().item()
     assert top1 >= 0.97, f"top-1 agreement {top1:.3f}"
-    assert (exact - int4).abs().mean().item() <= 0.15
+    assert (exact - int4).abs().mean().item() <= 0.25
 
 
 def test_auto_mode_is_int4_for_the_llama_families_on_cpu_bf16_only():
@@ -111,7 +188,7 @@ def test_residual_int4_keeps_about_eight_bits_where_one_layer_keeps_four():
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(512, 576, generator=g) * 0.05
     x = torch.randn(6, 576, generator=g)
-    exact = x.to(torch.bfloat16).double() @ weight.double().T
+    exact = x.double() @ weight.double().T
     error = lambda w: (linear(x, w).double() - exact).abs().mean().item()  # noqa: E731
     one, two, bf16 = error(quantize_int4(weight)), error(quantize_int4_residual(weight)), error(weight.bfloat16())
     assert two * 10 < one, (one, two)
@@ -141,11 +218,34 @@ def test_int4_mode_runs_unpadded_rounds_and_a_two_layer_lm_head(tiny_llama_dir):
 
 
 def test_the_disk_tier_keys_a_mode_on_its_revision():
-    """int4's bits changed (two-layer lm_head, unpadded rows): its disk entries of revision 1
-    must never be served."""
+    """int4's bits changed (its own kernel, 8-bit activations): disk entries of revision 3 and
+    earlier must never be served."""
     from prefixd.gpu.families import mode_identity
 
-    assert mode_identity("int4") == "int4@3"
+    assert mode_identity("int4") == "int4@4"
     assert mode_identity("invariant") == "invariant@3"
     with pytest.raises(ValueError, match="no revision"):
         mode_identity("int3")
+
+
+def test_without_a_compiler_auto_runs_invariant_and_int4_says_why(tmp_path):
+    """A fresh process whose kernel cache is empty and whose compiler is missing: `auto` falls
+    back with a note on stderr, an explicit int4 is refused with the reason."""
+    code = """
+import torch
+from prefixd.gpu.families import resolve_mode
+from prefixd.gpu.model import check_mode
+print(resolve_mode("auto", "llama", torch.device("cpu"), torch.bfloat16))
+try:
+    check_mode("int4", torch.device("cpu"), torch.bfloat16)
+except ValueError as exc:
+    print("refused:", exc)
+"""
+    env = dict(os.environ, PREFIXD_KERNEL_DIR=str(tmp_path), CXX=str(tmp_path / "no-such-compiler"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "invariant"
+    assert lines[1].startswith("refused: mode 'int4' needs prefixd's CPU kernel") and "no-such-compiler" in lines[1]
+    assert "--mode auto runs the invariant mode" in done.stderr
+    assert not list(tmp_path.glob("*.so"))

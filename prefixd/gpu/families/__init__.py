@@ -8,10 +8,12 @@ A family turns a Checkpoint into a `FamilyModel`. Built in: llama, qwen2, qwen3
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any, Callable, Protocol
 
 import torch
 
+from prefixd.gpu import cpu_kernels
 from prefixd.gpu.kv_pool import KVPool
 
 
@@ -67,9 +69,10 @@ CPU_DEFAULT_MODE = "int4"
 # A mode's revision: bumped whenever what decides its bits changes (the int4 lm_head became two
 # 4-bit layers and its rounds lost their padding: revision 2; CPU library products moved to one
 # thread: invariant 2, int4 3; bf16 products in calls of fixed rows on CPUs with AMX:
-# invariant 3), so that the disk tier, which keys on `mode_identity`, never
+# invariant 3; int4 on prefixd's own kernel, 8-bit activations and w = q * scale + base: int4 4),
+# so that the disk tier, which keys on `mode_identity`, never
 # serves rows computed by an earlier revision.
-MODE_REVISIONS = {"invariant": 3, "int4": 3}
+MODE_REVISIONS = {"invariant": 3, "int4": 4}
 
 
 def mode_identity(mode: str) -> str:
@@ -91,7 +94,13 @@ def resolve_mode(mode: str, family: str, device: torch.device, dtype: torch.dtyp
         return mode
     _load(family)
     cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
-    return CPU_DEFAULT_MODE if cpu_bf16 and CPU_DEFAULT_MODE in _MODES.get(family, ()) else "invariant"
+    if not (cpu_bf16 and CPU_DEFAULT_MODE in _MODES.get(family, ())):
+        return "invariant"
+    ok, why = cpu_kernels.available()
+    if not ok:
+        print(f"prefixd: --mode auto runs the invariant mode: {why}", file=sys.stderr, flush=True)
+        return "invariant"
+    return CPU_DEFAULT_MODE
 
 
 def build_family(checkpoint: Any, device: torch.device, dtype: torch.dtype,

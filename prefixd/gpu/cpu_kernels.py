@@ -1,0 +1,173 @@
+"""Build, load and feed prefixd's CPU kernels: mode int4's product (csrc/int4_mm.cpp) and its
+paged attention (csrc/attention.cpp).
+
+They are C++ against torch's own headers and libraries, built into one library the first time
+a process needs them with the system's C++ compiler (half a minute or so) and kept in a cache
+folder keyed by the sources, torch's version and the compiler: $PREFIXD_KERNEL_DIR, else
+$CACHE_DIRECTORY/kernels (systemd's CacheDirectory=), else $XDG_CACHE_HOME/prefixd/kernels,
+else ~/.cache/prefixd/kernels. A build is written beside its final name and renamed, so two
+processes building at once both end with a whole library.
+
+Mode "int4" needs them; where they cannot be built (no C++ compiler) `available()` says why
+and `--mode auto` runs the invariant mode instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("int4_mm.cpp", "attention.cpp"))
+GROUP = 32  # inputs sharing a scale and base; also the activations' quantization group
+BLOCK_N = 32  # outputs a block of the packed layout holds
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool, "why": str, "path": Path
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def cache_dir() -> Path:
+    if os.environ.get("PREFIXD_KERNEL_DIR"):
+        return Path(os.environ["PREFIXD_KERNEL_DIR"])
+    if os.environ.get("CACHE_DIRECTORY"):
+        return Path(os.environ["CACHE_DIRECTORY"].split(":")[0]) / "kernels"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "prefixd" / "kernels"
+
+
+def _command(cxx: str, out: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cmd = [cxx, "-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off",
+           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w"]
+    for inc in cpp_extension.include_paths():
+        cmd += ["-isystem", inc]
+    lib = cpp_extension.library_paths()[0]
+    cmd += [*map(str, SOURCES), f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-o", str(out)]
+    return cmd
+
+
+def _library_path(cxx: str) -> Path:
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = cxx
+    key = hashlib.sha256()
+    for part in (*(p.read_bytes() for p in SOURCES), torch.__version__.encode(), version.encode(), sys.platform.encode()):
+        key.update(part)
+    return cache_dir() / f"prefixd_cpu-{key.hexdigest()[:16]}.so"
+
+
+def _build(cxx: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"prefixd: building the CPU kernels of mode int4 into {target.parent} (once; up to a minute)",
+          file=sys.stderr, flush=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(_command(cxx, Path(tmp)), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> None:
+    """Build (if needed) and load the kernel; RuntimeError saying why when it cannot."""
+    with _lock:
+        if _state.get("ok"):
+            return
+        if "why" in _state:
+            raise RuntimeError(str(_state["why"]))
+        try:
+            cxx = _compiler()
+            if cxx is None:
+                raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
+            path = _library_path(cxx)
+            if not path.exists():
+                _build(cxx, path)
+            torch.ops.load_library(str(path))
+        except (OSError, RuntimeError) as exc:
+            _state["why"] = f"the CPU kernels could not be built or loaded: {exc}"
+            raise RuntimeError(str(_state["why"])) from exc
+        _state.update(ok=True, path=path)
+
+
+def available() -> tuple[bool, str]:
+    """(whether the kernel loads, why not)."""
+    try:
+        load()
+    except RuntimeError as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def isa() -> str:
+    """The path the int4 product takes on this CPU: "avx512-vnni" or "portable" (the same bits)."""
+    load()
+    return torch.ops.prefixd.int4_isa()
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's layout (csrc/int4_mm.cpp) of codes (N, K) in 0..15 and scale, base (N, K/32).
+
+    Returns (codes uint8 (NB, G, 4, 2, 64), scales bf16 (NB, G, 2, 32)); padding outputs get
+    code 0 and zero scale and base."""
+    n, k = codes.shape
+    g = k // GROUP
+    nb = -(-n // BLOCK_N)
+    q = torch.zeros(nb * BLOCK_N, k, dtype=torch.uint8)
+    q[:n] = codes.to(torch.uint8)
+    # (nb, h, l, g, i, half, b): output nb*32 + 16h + l, input 32g + 8i + 4*half + b
+    q = q.reshape(nb, 2, 16, g, 4, 2, 4)
+    packed = q[..., 0, :] | (q[..., 1, :] << 4)  # (nb, h, l, g, i, b)
+    packed = packed.permute(0, 3, 4, 1, 2, 5).reshape(nb, g, 4, 2, 64).contiguous()
+    sb = torch.zeros(2, nb * BLOCK_N, g)
+    sb[0, :n], sb[1, :n] = scale.float(), base.float()
+    scales = sb.reshape(2, nb, BLOCK_N, g).permute(1, 3, 0, 2).to(torch.bfloat16).contiguous()
+    return packed, scales
+
+
+def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, path: str = "auto") -> torch.Tensor:
+    """fp32 (M, n) = x (M, Kx) bf16 @ W.T, W packed by `pack` (K a multiple of Kx)."""
+    return torch.ops.prefixd.int4_mm(x, codes, scales, n, path)
+
+
+def attention_path() -> str:
+    """The path attention takes on this CPU: "avx512" or "portable" (the same bits)."""
+    load()
+    return torch.ops.prefixd.attention_isa()
+
+
+def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, spans: torch.Tensor,
+           tables: torch.Tensor, heads: int, q_stride: int, out: torch.Tensor, path: str = "auto") -> None:
+    """Paged attention of every row of `spans` into `out` (csrc/attention.cpp has the arithmetic).
+
+    q ((R + 1) * q_stride, D) bf16, pre-scaled, q heads first in each row's q_stride vectors;
+    k_pool, v_pool (pages, page_size, kv_heads, D) bf16; spans (S, 3) int64 (first row, first
+    position, rows); tables (S, T) int32 pages; out (R + 1, heads * D) fp32."""
+    torch.ops.prefixd.attend(q, k_pool, v_pool, spans, tables, heads, q_stride, out, path)
+
+
+def attention_index(spans) -> tuple[torch.Tensor, torch.Tensor]:
+    """(spans (S, 3) int64, tables (S, T) int32) for `attend` from attention.AttentionSpan records."""
+    width = max((len(s.page_table) for s in spans), default=0)
+    rows = torch.tensor([(s.row, s.start, s.length) for s in spans], dtype=torch.long).view(-1, 3)
+    tables = torch.zeros(len(spans), max(width, 1), dtype=torch.int32)
+    for i, s in enumerate(spans):
+        tables[i, : len(s.page_table)] = torch.tensor(s.page_table, dtype=torch.int32)
+    return rows, tables

@@ -1,0 +1,325 @@
+// prefixd's CPU paged attention for mode "int4": every query row attends keys 0..p of its own
+// lane, read in place from the KV pool through the lane's page table (no gather), each row on
+// its own: a row's bits depend on its q, its position and its lane's keys and values only, not
+// on the other rows, lanes or threads of the call, nor on the instruction set (the AVX-512 path
+// and the portable one run the same operations; tests/gpu/test_cpu_attention.py compares them).
+//
+// For a row at position p, q head h (pre-scaled) and its kv head g = h / (heads / kv_heads),
+// with D = 16 * C (q, k, v read from bf16 exactly):
+//   score s_t, t = 0..p:  lane i < 16: P_i = q[i] * k_t[i], then P_i = fma(q[16c + i], k_t[16c + i], P_i)
+//                         for c = 1..C-1; s_t = ((P_j + P_j+8) over j < 8, then + 4, + 2, + 1 halvings)
+//   m = max_t s_t (NaN when some s_t is NaN)
+//   e_t = exp(s_t - m), the fixed polynomial `exp_fixed` (0 below -87)
+//   l: lane i < 16 sums e_t for t = i (mod 16) in order, then the same halvings
+//   o[d] = fma(e_t, v_t[d], o[d]) for t = 0..p in order, from 0;  out[d] = o[d] / l.
+//
+// Inputs: q ((R + 1) * q_stride, D) bf16, round row r's head h at r * q_stride + h; k, v pools
+// (pages, P, kv_heads, D) bf16; spans (S, 3) int64: (first row, first position, rows) per lane;
+// tables (S, T) int32: each lane's pages; out (R + 1, heads * D) fp32, rows of the spans written.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;
+constexpr int MAX_CHUNKS = 16;  // D up to 256
+constexpr int MAX_GROUP = 16;   // q heads per kv head
+
+inline float bf16f(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float pow2(int n) {  // 2^n for n in [-126, 127]: exact
+  uint32_t bits = static_cast<uint32_t>(n + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+constexpr float LOG2E = 1.44269504088896341f;
+constexpr float LN2_HI = 0.693359375f;
+constexpr float LN2_LO = -2.12194440e-4f;
+constexpr float EXP_MIN = -87.f;  // below: 0; at or above, every result is a normal float
+constexpr float C2 = 0.5f, C3 = 1.f / 6, C4 = 1.f / 24, C5 = 1.f / 120, C6 = 1.f / 720;
+
+inline float exp_fixed(float x) {  // x <= 0
+  if (x < EXP_MIN) return 0.f;
+  const float n = std::nearbyint(x * LOG2E);
+  float r = std::fma(n, -LN2_HI, x);
+  r = std::fma(n, -LN2_LO, r);
+  float p = std::fma(C6, r, C5);
+  p = std::fma(p, r, C4);
+  p = std::fma(p, r, C3);
+  p = std::fma(p, r, C2);
+  p = std::fma(p, r, 1.f);
+  p = std::fma(p, r, 1.f);
+  return p * pow2(static_cast<int>(n));  // NaN stays NaN
+}
+
+inline float halve16(const float* v) {  // the fixed halvings: 16 -> 8 -> 4 -> 2 -> 1
+  float a[8], b[4], c[2];
+  for (int j = 0; j < 8; ++j) a[j] = v[j] + v[j + 8];
+  for (int j = 0; j < 4; ++j) b[j] = a[j] + a[j + 4];
+  for (int j = 0; j < 2; ++j) c[j] = b[j] + b[j + 2];
+  return c[0] + c[1];
+}
+
+struct Attn {
+  const uint16_t* q;
+  const uint16_t* k;
+  const uint16_t* v;
+  const int64_t* spans;
+  const int32_t* tables;
+  float* out;
+  int64_t q_stride, heads, kv_heads, dim, page, table_len;
+};
+
+struct Task {
+  int64_t span, row, kv, head_from, head_to;  // q heads [head_from, head_to) of the kv head's group
+};
+
+inline const uint16_t* key_row(const Attn& a, const int32_t* table, int64_t t, int64_t kv) {
+  return a.k + ((static_cast<int64_t>(table[t / a.page]) * a.page + t % a.page) * a.kv_heads + kv) * a.dim;
+}
+
+inline const uint16_t* value_row(const Attn& a, const int32_t* table, int64_t t, int64_t kv) {
+  return a.v + ((static_cast<int64_t>(table[t / a.page]) * a.page + t % a.page) * a.kv_heads + kv) * a.dim;
+}
+
+// ---- portable path -----------------------------------------------------------------------------
+
+void row_portable(const Attn& a, const Task& task, std::vector<float>& scores) {
+  const int64_t* sp = a.spans + task.span * 3;
+  const int64_t r = sp[0] + task.row, pos = sp[1] + task.row, n = pos + 1;
+  const int32_t* table = a.tables + task.span * a.table_len;
+  const int64_t group = a.heads / a.kv_heads, chunks = a.dim / LANES;
+  scores.resize(group * n);
+  for (int64_t j = task.head_from; j < task.head_to; ++j) {
+    const int64_t h = task.kv * group + j;
+    const uint16_t* q = a.q + (r * a.q_stride + h) * a.dim;
+    float* s = scores.data() + j * n;
+    bool nan = false;
+    for (int64_t t = 0; t < n; ++t) {
+      const uint16_t* k = key_row(a, table, t, task.kv);
+      float lane[LANES];
+      for (int i = 0; i < LANES; ++i) lane[i] = bf16f(q[i]) * bf16f(k[i]);
+      for (int64_t c = 1; c < chunks; ++c)
+        for (int i = 0; i < LANES; ++i) lane[i] = std::fma(bf16f(q[c * LANES + i]), bf16f(k[c * LANES + i]), lane[i]);
+      s[t] = halve16(lane);
+      nan = nan || std::isnan(s[t]);
+    }
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+    if (nan) m = std::numeric_limits<float>::quiet_NaN();
+    float l[LANES] = {};
+    float o[MAX_CHUNKS * LANES] = {};
+    for (int64_t t = 0; t < n; ++t) {
+      const float e = exp_fixed(s[t] - m);
+      l[t % LANES] = l[t % LANES] + e;
+      const uint16_t* v = value_row(a, table, t, task.kv);
+      for (int64_t d = 0; d < a.dim; ++d) o[d] = std::fma(e, bf16f(v[d]), o[d]);
+    }
+    const float sum = halve16(l);
+    float* out = a.out + r * a.heads * a.dim + h * a.dim;
+    for (int64_t d = 0; d < a.dim; ++d) out[d] = o[d] / sum;
+  }
+}
+
+// ---- AVX-512 path ------------------------------------------------------------------------------
+
+#define PREFIXD_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+PREFIXD_AVX512 inline __m512 load_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+PREFIXD_AVX512 inline float halve16(__m512 v) {
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));  // lanes j + j+2
+  const __m128 d = _mm_add_ss(c, _mm_shuffle_ps(c, c, 1));  // lane 0 + lane 1
+  return _mm_cvtss_f32(d);
+}
+
+PREFIXD_AVX512 inline __m512 exp_fixed(__m512 x) {
+  const __m512 below = _mm512_set1_ps(EXP_MIN);
+  const __mmask16 zero = _mm512_cmp_ps_mask(x, below, _CMP_LT_OQ);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(C6), r, _mm512_set1_ps(C5));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(C4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(C3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(C2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  // 2^n by its bits; lanes that will be zeroed (or NaN) may hold any n: clamp the integer
+  __m512i ni = _mm512_cvtps_epi32(_mm512_max_ps(n, _mm512_set1_ps(-126.f)));
+  const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~zero), _mm512_mul_ps(p, scale));
+}
+
+template <int C>
+PREFIXD_AVX512 void row_avx512(const Attn& a, const Task& task, std::vector<float>& scores) {
+  const int64_t* sp = a.spans + task.span * 3;
+  const int64_t r = sp[0] + task.row, pos = sp[1] + task.row, n = pos + 1;
+  const int32_t* table = a.tables + task.span * a.table_len;
+  const int64_t group = a.heads / a.kv_heads;
+  const int64_t padded = (n + LANES - 1) / LANES * LANES;
+  scores.resize(group * padded);
+  alignas(64) float qf[MAX_GROUP][C * LANES];
+  const int64_t j0 = task.head_from, j1 = task.head_to;
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint16_t* q = a.q + (r * a.q_stride + task.kv * group + j) * a.dim;
+    for (int c = 0; c < C; ++c) _mm512_store_ps(qf[j] + c * LANES, load_bf16(q + c * LANES));
+  }
+  // scores, every head of the group from one read of each key
+  for (int64_t t = 0; t < n; ++t) {
+    const uint16_t* k = key_row(a, table, t, task.kv);
+    __m512 kc[C];
+    for (int c = 0; c < C; ++c) kc[c] = load_bf16(k + c * LANES);
+    for (int64_t j = j0; j < j1; ++j) {
+      __m512 acc = _mm512_mul_ps(_mm512_load_ps(qf[j]), kc[0]);
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_load_ps(qf[j] + c * LANES), kc[c], acc);
+      scores[j * padded + t] = halve16(acc);
+    }
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t h = task.kv * group + j;
+    float* s = scores.data() + j * padded;
+    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __mmask16 nan = 0;
+    for (int64_t t = 0; t < padded; t += LANES) {
+      const __mmask16 live = n - t >= LANES ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
+      nan |= _mm512_mask_cmp_ps_mask(live, x, x, _CMP_UNORD_Q);
+      mv = _mm512_mask_max_ps(mv, live, mv, x);
+    }
+    const float m = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mv);
+    // exponents in place, their lane sums beside
+    __m512 l = _mm512_setzero_ps();
+    const __m512 mm = _mm512_set1_ps(m);
+    for (int64_t t = 0; t < padded; t += LANES) {
+      const __mmask16 live = n - t >= LANES ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp_fixed(_mm512_sub_ps(_mm512_loadu_ps(s + t), mm)));
+      l = _mm512_add_ps(l, e);
+      _mm512_storeu_ps(s + t, e);
+    }
+    __m512 o[C];
+    for (int c = 0; c < C; ++c) o[c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const uint16_t* v = value_row(a, table, t, task.kv);
+      const __m512 e = _mm512_set1_ps(s[t]);
+      for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(e, load_bf16(v + c * LANES), o[c]);
+    }
+    const __m512 sum = _mm512_set1_ps(halve16(l));
+    float* out = a.out + r * a.heads * a.dim + h * a.dim;
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + c * LANES, _mm512_div_ps(o[c], sum));
+  }
+}
+
+using RowFn = void (*)(const Attn&, const Task&, std::vector<float>&);
+
+RowFn avx512_row(int64_t chunks) {
+  switch (chunks) {
+    case 1: return &row_avx512<1>;
+    case 2: return &row_avx512<2>;
+    case 3: return &row_avx512<3>;
+    case 4: return &row_avx512<4>;
+    case 5: return &row_avx512<5>;
+    case 6: return &row_avx512<6>;
+    case 7: return &row_avx512<7>;
+    case 8: return &row_avx512<8>;
+    case 16: return &row_avx512<16>;
+    default: return nullptr;
+  }
+}
+
+bool have_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return yes;
+}
+
+void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& spans,
+            const at::Tensor& tables, int64_t heads, int64_t q_stride, at::Tensor& out, c10::string_view path) {
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == at::kBFloat16 &&
+                  v_pool.scalar_type() == at::kBFloat16 && k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "attend: k and v pools must be contiguous bf16 (pages, page_size, kv_heads, D) of one shape");
+  const int64_t page = k_pool.size(1), kv_heads = k_pool.size(2), dim = k_pool.size(3);
+  TORCH_CHECK(dim % LANES == 0 && dim <= MAX_CHUNKS * LANES, "attend: head_dim must be a multiple of 16 up to 256, got ", dim);
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= MAX_GROUP, "attend: ", heads, " heads over ", kv_heads, " kv heads");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.is_contiguous() && q.dim() == 2 && q.size(1) == dim && q_stride >= heads,
+              "attend: q must be contiguous bf16 (rows * q_stride, D)");
+  TORCH_CHECK(spans.scalar_type() == at::kLong && spans.is_contiguous() && spans.dim() == 2 && spans.size(1) == 3,
+              "attend: spans must be contiguous int64 (S, 3)");
+  TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous() && tables.dim() == 2 && tables.size(0) == spans.size(0),
+              "attend: tables must be contiguous int32 (S, T)");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(1) == heads * dim,
+              "attend: out must be contiguous fp32 (rows, heads * D)");
+  TORCH_CHECK(path == "auto" || path == "avx512" || path == "portable", "attend: path must be auto, avx512 or portable");
+  const bool vec = path == "avx512" || (path == "auto" && have_avx512());
+  TORCH_CHECK(!vec || have_avx512(), "attend: this CPU has no AVX-512");
+
+  const int64_t s_count = spans.size(0), table_len = tables.size(1), q_rows = q.size(0) / q_stride;
+  const int64_t* sp = spans.const_data_ptr<int64_t>();
+  const int32_t* tb = tables.const_data_ptr<int32_t>();
+  const int64_t pages = k_pool.size(0);
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < s_count; ++s) {
+    const int64_t row = sp[s * 3], start = sp[s * 3 + 1], length = sp[s * 3 + 2];
+    TORCH_CHECK(row >= 0 && start >= 0 && length >= 0 && row + length <= std::min(q_rows, out.size(0)), "attend: span ", s, " out of range");
+    TORCH_CHECK(start + length <= table_len * page, "attend: span ", s, "'s page table cannot hold row ", start + length - 1);
+    for (int64_t i = 0; i < (start + length + page - 1) / page; ++i)
+      TORCH_CHECK(tb[s * table_len + i] >= 0 && tb[s * table_len + i] < pages, "attend: span ", s, " names page ", tb[s * table_len + i]);
+    for (int64_t i = 0; i < length; ++i)
+      for (int64_t g = 0; g < kv_heads; ++g) tasks.push_back({s, i, g, 0, heads / kv_heads});
+  }
+  // Few tasks (a lane or two decoding): one q head each, so that every thread has work. A
+  // head's arithmetic is the same alone or beside its group; the group only shares key reads.
+  if (static_cast<int64_t>(tasks.size()) < 4 * at::get_num_threads() && heads > kv_heads) {
+    std::vector<Task> split;
+    for (const Task& t : tasks)
+      for (int64_t j = 0; j < heads / kv_heads; ++j) split.push_back({t.span, t.row, t.kv, j, j + 1});
+    tasks.swap(split);
+  }
+  // long rows and short ones alternate, so that the threads' equal shares of tasks are equal work
+  std::vector<Task> order(tasks.size());
+  for (size_t i = 0, lo = 0, hi = tasks.size(); i < tasks.size(); ++i) order[i] = (i % 2 == 0) ? tasks[lo++] : tasks[--hi];
+
+  Attn a{reinterpret_cast<const uint16_t*>(q.const_data_ptr<at::BFloat16>()),
+         reinterpret_cast<const uint16_t*>(k_pool.const_data_ptr<at::BFloat16>()),
+         reinterpret_cast<const uint16_t*>(v_pool.const_data_ptr<at::BFloat16>()),
+         sp, tb, out.mutable_data_ptr<float>(), q_stride, heads, kv_heads, dim, page, table_len};
+  RowFn fn = vec ? avx512_row(dim / LANES) : nullptr;
+  if (fn == nullptr) fn = &row_portable;
+  at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) fn(a, order[i], scores);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(prefixd, m) {
+  m.def("attend(Tensor q, Tensor k_pool, Tensor v_pool, Tensor spans, Tensor tables, int heads, int q_stride, "
+        "Tensor(a!) out, str path='auto') -> ()");
+  m.def("attention_isa() -> str", [] { return std::string(have_avx512() ? "avx512" : "portable"); });
+}
+
+TORCH_LIBRARY_IMPL(prefixd, CPU, m) { m.impl("attend", &attend); }

@@ -1,0 +1,277 @@
+// prefixd's CPU product for mode "int4": out (M, N) fp32 = x (M, Kx) @ W.T, with W (N, K) held as
+// 4-bit codes q in groups of 32 inputs, a bf16 scale and base per group and output
+// (w = q * scale + base), and each row of x quantized to 8 bits per group of 32 inputs inside the
+// call. The inner products are exact integer sums; the rest is a fixed sequence of fp32
+// operations per output, so a row's bits depend on that row alone: not on the row count, the
+// blocking, the thread count or the instruction set that runs it (the AVX-512 VNNI path and the
+// portable one give the same bits; tests/gpu/test_int4.py checks both against a torch reference).
+//
+// x may be bf16 or fp32: only its values count. Per row m and group j of x (32 inputs, Gx = Kx / 32):
+//   amax = max |x[m, 32j + i]|, d[m, j] = amax / 127 (fp32 division; NaN if any x is not finite),
+//   xq[m, 32j + i] = nearest-even(x / d) (0 when d is 0), s[m, j] = sum_i xq[m, 32j + i].
+// Per output n, for g = 0, 1, ..., K/32 - 1 in order, with j = g mod Gx:
+//   dot  = sum_i q[n, 32g + i] * xq[m, 32j + i]           exact, int32
+//   acc  = acc + d[m, j] * (float(dot) * scale[g, n] + base[g, n] * float(s[m, j]))
+// each * and + one rounded fp32 operation (no fused multiply-add: built with -ffp-contract=off).
+// K may be a multiple of Kx: a residual weight holds W's codes, then those of its rounding
+// error, and reads x twice.
+//
+// Layout (prefixd/gpu/cpu_kernels.py packs it), N padded to NB blocks of 32 outputs:
+//   codes  uint8 (NB, G, 4, 2, 64): byte 4*l + b of [nb, g, i, h] holds, for output
+//          nb*32 + 16h + l, the code of input 32g + 8i + b in its low nibble and of input
+//          32g + 8i + 4 + b in its high nibble (the order VNNI's 4-byte lanes read);
+//   scales bf16 (NB, G, 2, 32): [nb, g, 0, c] the scale of output nb*32 + c, [.., 1, c] its base.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+
+namespace {
+
+constexpr int GROUP = 32;
+constexpr int BLOCK_N = 32;
+constexpr int ROW_TILE = 4;    // rows whose sums stay in registers
+constexpr int ROW_CHUNK = 64;  // rows of one task (its activations stay in cache)
+
+inline float bf16_value(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+struct Quantized {  // x's rows, quantized
+  const int8_t* xq;   // (M, Kx)
+  const float* d;     // (M, Gx)
+  const int32_t* s;   // (M, Gx)
+};
+
+struct Call {
+  Quantized x;
+  const uint8_t* codes;
+  const uint16_t* scales;
+  float* out;  // (M, N)
+  int64_t M, N, K, Kx;
+};
+
+// ---- the activations ---------------------------------------------------------------------------
+
+inline float value(float v) { return v; }
+inline float value(at::BFloat16 v) { return static_cast<float>(v); }  // exact
+
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t kx, int8_t* xq, float* d, int32_t* s) {
+  const int64_t gx = kx / GROUP;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < gx; ++j) {
+      const T* v = x + r * kx + j * GROUP;
+      float amax = 0.f;
+      bool finite = true;
+      for (int i = 0; i < GROUP; ++i) {
+        const float a = std::fabs(value(v[i]));
+        finite = finite && std::isfinite(a);
+        amax = std::max(amax, a);
+      }
+      float dj = amax / 127.f;
+      if (!finite) dj = std::numeric_limits<float>::quiet_NaN();  // the group's outputs become NaN
+      int32_t sum = 0;
+      for (int i = 0; i < GROUP; ++i) {
+        const int32_t q = !finite || dj == 0.f ? 0 : static_cast<int32_t>(std::nearbyint(value(v[i]) / dj));
+        xq[r * kx + j * GROUP + i] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      d[r * gx + j] = dj;
+      s[r * gx + j] = sum;
+    }
+  }
+}
+
+// ---- portable path: the same operations one by one -------------------------------------------
+
+void tile_scalar(const Call& c, int64_t m0, int rows, int64_t nb) {
+  const int64_t groups = c.K / GROUP, gx = c.Kx / GROUP;
+  const int64_t n0 = nb * BLOCK_N;
+  const int cols = static_cast<int>(std::min<int64_t>(BLOCK_N, c.N - n0));
+  for (int r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    for (int col = 0; col < cols; ++col) {
+      const int h = col / 16, l = col % 16;
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t j = g % gx;
+        const uint8_t* q = c.codes + ((nb * groups + g) * 8 + h) * 64 + 4 * l;
+        const int8_t* a = c.x.xq + m * c.Kx + j * GROUP;
+        int32_t dot = 0;
+        for (int i = 0; i < 4; ++i) {
+          for (int b = 0; b < 4; ++b) {
+            const uint8_t byte = q[i * 128 + b];
+            dot += static_cast<int32_t>(byte & 15) * a[8 * i + b] + static_cast<int32_t>(byte >> 4) * a[8 * i + 4 + b];
+          }
+        }
+        const uint16_t* sz = c.scales + (nb * groups + g) * 2 * BLOCK_N;
+        const float t = static_cast<float>(dot) * bf16_value(sz[col]);
+        const float u = bf16_value(sz[BLOCK_N + col]) * static_cast<float>(c.x.s[m * gx + j]);
+        const float sum = t + u;
+        const float step = c.x.d[m * gx + j] * sum;
+        acc = acc + step;
+      }
+      c.out[m * c.N + n0 + col] = acc;
+    }
+  }
+}
+
+// ---- AVX-512 VNNI path -------------------------------------------------------------------------
+
+#define PREFIXD_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+template <int R>
+PREFIXD_VNNI inline void tile_vnni_rows(const Call& c, int64_t m0, int64_t nb, float* out_tile /* (R, 32) */) {
+  const int64_t groups = c.K / GROUP, gx = c.Kx / GROUP;
+  const __m512i low4 = _mm512_set1_epi8(15);
+  __m512 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const uint8_t* q = c.codes + nb * groups * 512;
+  const uint16_t* sz = c.scales + nb * groups * 2 * BLOCK_N;
+  for (int64_t g = 0; g < groups; ++g, q += 512, sz += 2 * BLOCK_N) {
+    const int64_t j = g % gx;
+    __m512i dot[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m512i p0 = _mm512_loadu_si512(q + i * 128);
+      const __m512i p1 = _mm512_loadu_si512(q + i * 128 + 64);
+      const __m512i w00 = _mm512_and_si512(p0, low4), w01 = _mm512_and_si512(_mm512_srli_epi16(p0, 4), low4);
+      const __m512i w10 = _mm512_and_si512(p1, low4), w11 = _mm512_and_si512(_mm512_srli_epi16(p1, 4), low4);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int8_t* a = c.x.xq + (m0 + r) * c.Kx + j * GROUP + 8 * i;
+        int32_t lo, hi;
+        std::memcpy(&lo, a, 4);
+        std::memcpy(&hi, a + 4, 4);
+        const __m512i b0 = _mm512_set1_epi32(lo), b1 = _mm512_set1_epi32(hi);
+        dot[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][0], w00, b0), w01, b1);
+        dot[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][1], w10, b0), w11, b1);
+      }
+    }
+    __m512 scale[2], base[2];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      scale[h] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 16 * h))), 16));
+      base[h] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + BLOCK_N + 16 * h))), 16));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(static_cast<float>(c.x.s[(m0 + r) * gx + j]));
+      const __m512 d = _mm512_set1_ps(c.x.d[(m0 + r) * gx + j]);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][h]), scale[h]);
+        const __m512 u = _mm512_mul_ps(base[h], s);
+        acc[r][h] = _mm512_add_ps(acc[r][h], _mm512_mul_ps(d, _mm512_add_ps(t, u)));
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out_tile + r * BLOCK_N, acc[r][0]);
+    _mm512_storeu_ps(out_tile + r * BLOCK_N + 16, acc[r][1]);
+  }
+}
+
+PREFIXD_VNNI void tile_vnni(const Call& c, int64_t m0, int rows, int64_t nb) {
+  alignas(64) float tile[ROW_TILE * BLOCK_N];
+  const int64_t n0 = nb * BLOCK_N;
+  const int64_t cols = std::min<int64_t>(BLOCK_N, c.N - n0);
+  for (int r = 0; r < rows; r += ROW_TILE) {
+    const int n = std::min(ROW_TILE, rows - r);
+    switch (n) {
+      case 4: tile_vnni_rows<4>(c, m0 + r, nb, tile); break;
+      case 3: tile_vnni_rows<3>(c, m0 + r, nb, tile); break;
+      case 2: tile_vnni_rows<2>(c, m0 + r, nb, tile); break;
+      default: tile_vnni_rows<1>(c, m0 + r, nb, tile); break;
+    }
+    for (int i = 0; i < n; ++i) std::memcpy(c.out + (m0 + r + i) * c.N + n0, tile + i * BLOCK_N, cols * sizeof(float));
+  }
+}
+
+// ---- the call ----------------------------------------------------------------------------------
+
+bool have_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+
+// "vnni", "portable" or "auto" (the best this CPU has); the tests run both paths
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n, c10::string_view path) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.device().is_cpu(),
+              "int4_mm: x must be a 2-D CPU bf16 or fp32 tensor");
+  TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == 4 &&
+                  codes.size(3) == 2 && codes.size(4) == 64,
+              "int4_mm: codes must be contiguous uint8 (NB, G, 4, 2, 64)");
+  const int64_t nblocks = codes.size(0), groups = codes.size(1), k = groups * GROUP;
+  TORCH_CHECK(n > 0 && nblocks == (n + BLOCK_N - 1) / BLOCK_N, "int4_mm: codes do not hold ", n, " outputs in blocks of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 4 && scales.size(0) == nblocks &&
+                  scales.size(1) == groups && scales.size(2) == 2 && scales.size(3) == BLOCK_N,
+              "int4_mm: scales must be contiguous bf16 (NB, G, 2, 32)");
+  const int64_t m = x.size(0), kx = x.size(1);
+  TORCH_CHECK(kx > 0 && kx % GROUP == 0 && k % kx == 0, "int4_mm: x's width ", kx, " does not divide the weight's ", k);
+  TORCH_CHECK(path == "auto" || path == "vnni" || path == "portable", "int4_mm: path must be auto, vnni or portable");
+  const bool vnni = path == "vnni" || (path == "auto" && have_vnni());
+  TORCH_CHECK(!vnni || have_vnni(), "int4_mm: this CPU has no AVX-512 VNNI");
+
+  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (m == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  const int64_t gx = kx / GROUP;
+  at::Tensor xq = at::empty({m, kx}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({m, gx}, x.options().dtype(at::kFloat));
+  at::Tensor s = at::empty({m, gx}, x.options().dtype(at::kInt));
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    int8_t* q = xq.mutable_data_ptr<int8_t>() + begin * kx;
+    float* dd = d.mutable_data_ptr<float>() + begin * gx;
+    int32_t* ss = s.mutable_data_ptr<int32_t>() + begin * gx;
+    if (xc.scalar_type() == at::kFloat) quantize_rows(xc.const_data_ptr<float>() + begin * kx, end - begin, kx, q, dd, ss);
+    else quantize_rows(xc.const_data_ptr<at::BFloat16>() + begin * kx, end - begin, kx, q, dd, ss);
+  });
+
+  Call c{{xq.const_data_ptr<int8_t>(), d.const_data_ptr<float>(), s.const_data_ptr<int32_t>()},
+         codes.const_data_ptr<uint8_t>(),
+         reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::BFloat16>()),
+         out.mutable_data_ptr<float>(), m, n, k, kx};
+  const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
+  at::parallel_for(0, chunks * nblocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t chunk = t / nblocks, nb = t % nblocks;
+      const int64_t m0 = chunk * ROW_CHUNK;
+      const int rows = static_cast<int>(std::min<int64_t>(ROW_CHUNK, m - m0));
+      if (vnni) tile_vnni(c, m0, rows, nb);
+      else tile_scalar(c, m0, rows, nb);
+    }
+  });
+  return out;
+}
+
+std::string int4_isa() { return have_vnni() ? "avx512-vnni" : "portable"; }
+
+}  // namespace
+
+TORCH_LIBRARY(prefixd, m) {
+  m.def("int4_mm(Tensor x, Tensor codes, Tensor scales, int n, str path='auto') -> Tensor");
+  m.def("int4_isa() -> str", [] { return int4_isa(); });
+}
+
+TORCH_LIBRARY_IMPL(prefixd, CPU, m) { m.impl("int4_mm", &int4_mm); }

@@ -1,0 +1,124 @@
+"""Mode int4's CPU attention (csrc/attention.cpp): its paths agree bit for bit, it is softmax
+attention, a row's bits are its own, and stale or bad pool rows past a lane's last row are
+never read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixd.gpu import cpu_kernels
+from prefixd.gpu.attention import AttentionSpan
+
+KERNEL_OK, KERNEL_WHY = cpu_kernels.available()
+pytestmark = pytest.mark.skipif(not KERNEL_OK, reason=KERNEL_WHY)
+
+PAGE = 16
+
+
+def paths() -> list[str]:
+    return ["avx512", "portable"] if cpu_kernels.attention_path() == "avx512" else ["portable"]
+
+
+class Case:
+    """A pool of `pages` pages, random K/V, and lanes given as (start, rows) with their own pages."""
+
+    def __init__(self, lanes: list[tuple[int, int]], *, heads: int = 9, kv_heads: int = 3, dim: int = 64,
+                 pages: int = 64, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
+        self.k = (torch.randn(pages, PAGE, kv_heads, dim, generator=g)).bfloat16()
+        self.v = (torch.randn(pages, PAGE, kv_heads, dim, generator=g)).bfloat16()
+        perm = torch.randperm(pages, generator=g).tolist()
+        self.spans, row = [], 0
+        for start, rows in lanes:
+            need = -(-(start + rows) // PAGE)
+            table, perm = tuple(perm[:need]), perm[need:]
+            self.spans.append(AttentionSpan(row, start, rows, table))
+            # what a reused page holds past the lane's last row: anything, NaN included
+            last = start + rows
+            for t in range(last, need * PAGE):
+                self.k[table[t // PAGE], t % PAGE] = float("nan")
+                self.v[table[t // PAGE], t % PAGE] = float("inf")
+            row += rows
+        self.rows = row
+        self.q_stride = heads + kv_heads
+        self.q = (torch.randn((row + 1) * self.q_stride, dim, generator=g) * 0.3).bfloat16()
+
+    def run(self, spans=None, path: str = "auto") -> torch.Tensor:
+        out = torch.zeros(self.rows + 1, self.heads * self.dim)
+        index = cpu_kernels.attention_index(self.spans if spans is None else spans)
+        cpu_kernels.attend(self.q, self.k, self.v, *index, self.heads, self.q_stride, out, path)
+        return out
+
+    def reference(self) -> torch.Tensor:
+        """float64 softmax attention of every row over its lane's keys 0..p."""
+        out = torch.zeros(self.rows + 1, self.heads * self.dim, dtype=torch.float64)
+        group = self.heads // self.kv_heads
+        q = self.q.double().view(self.rows + 1, self.q_stride, self.dim)
+        for s in self.spans:
+            n = s.start + s.length
+            slots = [s.page_table[t // PAGE] * PAGE + t % PAGE for t in range(n)]
+            k = self.k.double().view(-1, self.kv_heads, self.dim)[slots]  # (n, kvh, D)
+            v = self.v.double().view(-1, self.kv_heads, self.dim)[slots]
+            for i in range(s.length):
+                r, p = s.row + i, s.start + i
+                for h in range(self.heads):
+                    w = torch.softmax(k[: p + 1, h // group] @ q[r, h], dim=0)
+                    out[r, h * self.dim:(h + 1) * self.dim] = w @ v[: p + 1, h // group]
+        return out
+
+
+LANES = [(0, 40), (37, 1), (300, 3), (15, 1), (0, 1)]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 16), (4, 4, 128), (6, 2, 48)])
+def test_paths_agree_bit_for_bit_and_compute_softmax_attention(heads, kv_heads, dim):
+    case = Case(LANES, heads=heads, kv_heads=kv_heads, dim=dim)
+    outs = [case.run(path=p) for p in paths()]
+    for other in outs[1:]:
+        assert torch.equal(outs[0].view(torch.int32), other.view(torch.int32))
+    got = outs[0][: case.rows]
+    assert torch.isfinite(got).all()  # the NaN / inf rows past each lane's end were never read
+    torch.testing.assert_close(got.double(), case.reference()[: case.rows], rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_bits_do_not_depend_on_the_other_rows_of_the_call():
+    """Each row alone (a one-row span at its position), then all lanes in one call, then the
+    lanes in another order and thread count: the same bits."""
+    case = Case(LANES)
+    together = case.run()
+    alone = torch.zeros_like(together)
+    for s in case.spans:
+        for i in range(s.length):
+            one = AttentionSpan(s.row + i, s.start + i, 1, s.page_table)
+            alone[s.row + i] = case.run([one])[s.row + i]
+    assert torch.equal(alone[: case.rows], together[: case.rows])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        reversed_one_thread = case.run(list(reversed(case.spans)))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(reversed_one_thread, together)
+
+
+def test_rows_the_spans_do_not_name_keep_what_they_hold():
+    case = Case([(0, 5)])
+    out = torch.full((case.rows + 1, case.heads * case.dim), 7.0)
+    cpu_kernels.attend(case.q, case.k, case.v, *cpu_kernels.attention_index(case.spans), case.heads,
+                       case.q_stride, out)
+    assert (out[case.rows] == 7.0).all()
+
+
+@pytest.mark.parametrize(("span", "message"), [
+    (AttentionSpan(0, 0, 5, (999,)), "names page 999"),
+    (AttentionSpan(0, 30, 5, (1,)), "cannot hold row 34"),
+    (AttentionSpan(4, 0, 5, (1,)), "out of range"),
+])
+def test_bad_index_is_refused_before_anything_is_read(span, message):
+    case = Case([(0, 5)])
+    out = torch.zeros(case.rows + 1, case.heads * case.dim)
+    with pytest.raises(RuntimeError, match=message):
+        cpu_kernels.attend(case.q, case.k, case.v, *cpu_kernels.attention_index([span]), case.heads,
+                           case.q_stride, out)
