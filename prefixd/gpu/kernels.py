@@ -8,7 +8,7 @@ BF16 instructions; docs/runtime.md has the probe). On one thread a call has no s
 the callers pad row counts where the BLAS still picks a kernel by M (linear.py). On a CPU
 with AMX, where oneDNN picks its bf16 kernel by M in ways no padding fixes, every bf16
 product runs as calls of exactly CPU_PRODUCT_ROWS rows instead (`mm_t`). torch's
-own CPU reductions and the int4 weight-packed kernel (linear.py) add a row's elements in an
+own CPU reductions and mode int4's kernels (cpu_kernels.py) add a row's elements in an
 order fixed by the row alone, on any thread count, and keep every thread.
 
 On CUDA the libraries choose a kernel per call shape: cuBLAS may split K across thread blocks
