@@ -133,6 +133,8 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         "device": cfg.device,
         "dtype": cfg.dtype,
         "mode": runner.model.mode,
+        # mode int4's CPU kernels: the path each takes on this CPU (the bits are the same on all)
+        "cpu_kernels": cpu_kernel_paths() if runner.model.mode == "int4" else None,
         "draft": sched.draft,
         "draft_chosen_by": "auto" if cfg.draft == "auto" else "flag",
         "lanes": cfg.num_lanes,
@@ -144,6 +146,12 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
     threads = CpuThreads.up_to_current() if cfg.device == "cpu" else None
     return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info, disk=disk,
                    before_round=None if threads is None else threads.tick, cpu_threads=threads)
+
+
+def cpu_kernel_paths() -> dict[str, str]:
+    from prefixd.gpu import cpu_kernels
+
+    return {"int4_product": cpu_kernels.isa(), "attention": cpu_kernels.attention_path()}
 
 
 def build_disk_tier(cfg: DaemonConfig, model_path: Any, runner: Any, device_kind: str, observer: Any) -> Any:

@@ -18,13 +18,16 @@ from pathlib import Path
 
 import pytest
 
+from prefixd.gpu import cpu_kernels
 from prefixd.ipc.sync_client import SyncClient
 from tests.helpers.tiny_models import make_tiny_hf_dir
 
 ROOT = Path(__file__).resolve().parents[2]
-# XDG_CACHE_HOME: the daemons' disk tier (on by default) goes to a directory of this run's own
+# XDG_CACHE_HOME: the daemons' disk tier (on by default) goes to a directory of this run's own;
+# PREFIXD_KERNEL_DIR: mode int4's compiled kernels stay where this process finds them (built once)
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
-       "XDG_CACHE_HOME": tempfile.mkdtemp(prefix="prefixd-test-cache-")}
+       "XDG_CACHE_HOME": tempfile.mkdtemp(prefix="prefixd-test-cache-"),
+       "PREFIXD_KERNEL_DIR": str(cpu_kernels.cache_dir())}
 PREFIXD = [sys.executable, "-m", "prefixd.daemon.cli"]
 LIVENESS_S = 180  # bounds on waiting for a process, never asserted
 
@@ -167,6 +170,7 @@ def test_socket_activation_passes_the_listening_socket(tiny_dir, tmp_path):
     sock = tmp_path / "act.sock"
     cmd = ["systemd-socket-activate", "-l", str(sock), "-E", f"PYTHONPATH={ROOT}",
            "-E", f"XDG_CACHE_HOME={ENV['XDG_CACHE_HOME']}",  # the tool passes only what -E names
+           "-E", f"PREFIXD_KERNEL_DIR={ENV['PREFIXD_KERNEL_DIR']}",
            *_serve_args(tiny_dir, tmp_path / "unused" / "x.sock")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -61,6 +61,8 @@ def test_loaded_runtime_reports_the_resolved_mode_and_runs_the_thread_policy(tmp
             cfg = DaemonConfig(model=str(model), dtype=dtype, lanes=1, max_context=64, cache=False)
             runtime = load_runtime(cfg, observer=None)
             assert (runtime.model_info["mode"], runtime.model_info["dtype"]) == (mode, dtype)
+            kernels = runtime.model_info["cpu_kernels"]
+            assert kernels is None if mode == "invariant" else set(kernels) == {"int4_product", "attention"}
             # --draft auto: prompt lookup for llama in both modes, shown in status
             assert (runtime.model_info["draft"], runtime.model_info["draft_chosen_by"]) == ("ngram", "auto")
             assert runtime.engine.status()["draft"]["mode"] == "ngram"
