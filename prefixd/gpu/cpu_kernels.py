@@ -142,9 +142,14 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> tuple[
     return packed, scales
 
 
-def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, path: str = "auto") -> torch.Tensor:
-    """fp32 (M, n) = x (M, Kx) bf16 @ W.T, W packed by `pack` (K a multiple of Kx)."""
-    return torch.ops.prefixd.int4_mm(x, codes, scales, n, path)
+def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, path: str = "auto",
+           norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """fp32 (M, n) = x (M, Kx) @ W.T, W packed by `pack` (K a multiple of Kx); x bf16 or fp32.
+
+    norm = (weight fp32 (Kx,), eps): x's rows RMS-normalized first, in the call (csrc/int4_mm.cpp)."""
+    if norm is None:
+        return torch.ops.prefixd.int4_mm(x, codes, scales, n, path)
+    return torch.ops.prefixd.int4_mm(x, codes, scales, n, path, norm[0], norm[1])
 
 
 def attention_path() -> str:

@@ -108,13 +108,16 @@ def quantize_int4_residual(weight: torch.Tensor) -> Int4Weight:
 Weight = torch.Tensor | Int4Weight
 
 
-def matmul(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: Weight, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """x (M, in) @ weight.T in the GEMM's own output dtype (the weight's; fp32 for int4).
 
     x must already hold `invariant_rows(M, dtype)` rows (any M for int4); it is cast to the
-    GEMM's input dtype (a no-op when it has it; int4 reads bf16 or fp32 as they are)."""
+    GEMM's input dtype (a no-op when it has it; int4 reads bf16 or fp32 as they are).
+    norm = (weight, eps), int4 only: x's rows RMS-normalized inside the kernel first."""
     if isinstance(weight, Int4Weight):
-        return cpu_kernels.matmul(x, weight.codes, weight.scales, weight.shape[0])
+        return cpu_kernels.matmul(x, weight.codes, weight.scales, weight.shape[0], norm=norm)
+    if norm is not None:
+        raise ValueError("a norm inside the product is mode int4's")
     return kernels.mm_t(x.to(weight.dtype), weight)
 
 

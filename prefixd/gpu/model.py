@@ -176,16 +176,22 @@ class LlamaModel:
         h = self.embed_rows(inputs)  # (rows, hidden) fp32, a fresh tensor: updated in place
         rnd = _Round(self, inputs, kv.dtype, h.shape[0])
         for i, layer in enumerate(self.layers):
-            h += self._attention(i, layer, rms_norm(h, layer.input_norm, c.rms_norm_eps), rnd, kv)
-            gate, up = linear(rms_norm(h, layer.post_norm, c.rms_norm_eps), layer.gate_up).chunk(2, dim=-1)
+            h += self._attention(i, layer, self._normed_product(h, layer.input_norm, layer.qkv), rnd, kv)
+            gate, up = self._normed_product(h, layer.post_norm, layer.gate_up).float().chunk(2, dim=-1)
             torch.nn.functional.silu(gate, inplace=True)
             h += matmul(torch.mul(gate, up, out=rnd.act), layer.down)  # fp32 += compute dtype: exact
         return rms_norm(h, self.final_norm, c.rms_norm_eps)
 
-    def _attention(self, i: int, layer: _Layer, x: torch.Tensor, rnd: "_Round", kv: KVPool) -> torch.Tensor:
-        """o_proj of the layer's attention, in the compute dtype."""
+    def _normed_product(self, h: torch.Tensor, norm: torch.Tensor, weight: Weight) -> torch.Tensor:
+        """rms_norm(h) @ weight.T in the product's dtype; int4 normalizes inside its kernel."""
+        if self.mode == "int4":
+            return matmul(h, weight, norm=(norm, self.config.rms_norm_eps))
+        return matmul(rms_norm(h, norm, self.config.rms_norm_eps), weight)
+
+    def _attention(self, i: int, layer: _Layer, qkv: torch.Tensor, rnd: "_Round", kv: KVPool) -> torch.Tensor:
+        """o_proj of the layer's attention, in the compute dtype, from the qkv projection's output
+        (the compute dtype: rope reads it as fp32 by promotion)."""
         c = self.config
-        qkv = matmul(x, layer.qkv)  # the compute dtype: rope reads it as fp32 by promotion
         if layer.qkv_bias is not None:
             qkv = qkv.float() + layer.qkv_bias
         heads = c.num_heads

@@ -86,6 +86,38 @@ def test_the_kernel_has_the_reference_arithmetics_bits_on_every_path(n, k, kx):
                 assert torch.equal(got.view(torch.int32), want[:m].view(torch.int32)), (dtype, path, m)
 
 
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The kernel's norm: squares summed in 16 lanes by index, in order, joined by halvings."""
+    m, k = x.shape
+    lanes = torch.zeros(m, 16)
+    for c in range(k // 16):
+        part = x[:, 16 * c:16 * (c + 1)].float()
+        lanes = lanes + part * part
+    while lanes.shape[1] > 1:
+        half = lanes.shape[1] // 2
+        lanes = lanes[:, :half] + lanes[:, half:]
+    # IEEE sqrt and 1 / root in fp32: torch's fp32 sqrt is not always correctly rounded, and
+    # 1 / t divides in double; a double sqrt rounded to fp32 is the correctly rounded one
+    root = torch.sqrt((lanes / k + eps).double()).float()
+    inv = torch.ones_like(root) / root
+    return (x.float() * inv) * weight
+
+
+def test_the_norm_inside_the_kernel_is_the_reference_norm_then_the_product():
+    g = torch.Generator().manual_seed(11)
+    codes, scale, base = int4_codes(torch.randn(96, 576, generator=g) * 0.05)
+    packed, scales = cpu_kernels.pack(codes, scale, base)
+    x = torch.randn(9, 576, generator=g) * 4
+    weight = torch.rand(576, generator=g) + 0.5
+    want = reference_int4_mm(reference_rms_norm(x, weight, 1e-5), codes, scale, base)
+    for path in kernel_paths():
+        got = cpu_kernels.matmul(x, packed, scales, 96, path, norm=(weight, 1e-5))
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), path
+    # the same as torch's own RMSNorm up to its summation order
+    torch.testing.assert_close(reference_rms_norm(x, weight, 1e-5),
+                               torch.nn.functional.rms_norm(x, (576,), weight, 1e-5), rtol=1e-6, atol=1e-6)
+
+
 def test_a_row_that_is_not_finite_spoils_its_own_outputs_only():
     g = torch.Generator().manual_seed(9)
     weight = quantize_int4(torch.randn(64, 128, generator=g) * 0.05)

@@ -36,6 +36,7 @@ namespace {
 constexpr int LANES = 16;
 constexpr int MAX_CHUNKS = 16;  // D up to 256
 constexpr int MAX_GROUP = 16;   // q heads per kv head
+constexpr int ROW_BLOCK = 4;    // consecutive rows of a lane in one task
 
 inline float bf16f(uint16_t h) {
   uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -90,7 +91,8 @@ struct Attn {
 };
 
 struct Task {
-  int64_t span, row, kv, head_from, head_to;  // q heads [head_from, head_to) of the kv head's group
+  int64_t span, row, rows, kv, head_from, head_to;  // rows [row, row + rows) of the span; q heads
+                                                    // [head_from, head_to) of the kv head's group
 };
 
 inline const uint16_t* key_row(const Attn& a, const int32_t* table, int64_t t, int64_t kv) {
@@ -103,9 +105,9 @@ inline const uint16_t* value_row(const Attn& a, const int32_t* table, int64_t t,
 
 // ---- portable path -----------------------------------------------------------------------------
 
-void row_portable(const Attn& a, const Task& task, std::vector<float>& scores) {
+void row_portable(const Attn& a, const Task& task, int64_t row, std::vector<float>& scores) {
   const int64_t* sp = a.spans + task.span * 3;
-  const int64_t r = sp[0] + task.row, pos = sp[1] + task.row, n = pos + 1;
+  const int64_t r = sp[0] + row, pos = sp[1] + row, n = pos + 1;
   const int32_t* table = a.tables + task.span * a.table_len;
   const int64_t group = a.heads / a.kv_heads, chunks = a.dim / LANES;
   scores.resize(group * n);
@@ -138,6 +140,10 @@ void row_portable(const Attn& a, const Task& task, std::vector<float>& scores) {
     float* out = a.out + r * a.heads * a.dim + h * a.dim;
     for (int64_t d = 0; d < a.dim; ++d) out[d] = o[d] / sum;
   }
+}
+
+void rows_portable(const Attn& a, const Task& task, std::vector<float>& scores) {
+  for (int64_t i = 0; i < task.rows; ++i) row_portable(a, task, task.row + i, scores);
 }
 
 // ---- AVX-512 path ------------------------------------------------------------------------------
@@ -174,62 +180,122 @@ PREFIXD_AVX512 inline __m512 exp_fixed(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~zero), _mm512_mul_ps(p, scale));
 }
 
+// The scores of 16 keys from their 16 lane partial vectors: for each key the halvings of
+// `halve16` (lanes j + j+8, then + 4, + 2, + 1), four keys' worth per shuffle.
+PREFIXD_AVX512 inline __m512 halve16_keys(const float* part /* (16 keys, 16 lanes) */) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = _mm512_load_ps(part + 32 * i), b = _mm512_load_ps(part + 32 * i + 16);
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // z holds key 4e + m at lane 4m + e
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, z);
+}
+
 template <int C>
-PREFIXD_AVX512 void row_avx512(const Attn& a, const Task& task, std::vector<float>& scores) {
+PREFIXD_AVX512 void rows_avx512(const Attn& a, const Task& task, std::vector<float>& scratch) {
+  constexpr int HB = C <= 2 ? 8 : (C <= 4 ? 4 : (C <= 8 ? 2 : 1));  // heads whose sums stay in registers
   const int64_t* sp = a.spans + task.span * 3;
-  const int64_t r = sp[0] + task.row, pos = sp[1] + task.row, n = pos + 1;
+  const int64_t r0 = sp[0] + task.row, pos0 = sp[1] + task.row, rows = task.rows;
   const int32_t* table = a.tables + task.span * a.table_len;
-  const int64_t group = a.heads / a.kv_heads;
-  const int64_t padded = (n + LANES - 1) / LANES * LANES;
-  scores.resize(group * padded);
-  alignas(64) float qf[MAX_GROUP][C * LANES];
-  const int64_t j0 = task.head_from, j1 = task.head_to;
-  for (int64_t j = j0; j < j1; ++j) {
-    const uint16_t* q = a.q + (r * a.q_stride + task.kv * group + j) * a.dim;
-    for (int c = 0; c < C; ++c) _mm512_store_ps(qf[j] + c * LANES, load_bf16(q + c * LANES));
-  }
-  // scores, every head of the group from one read of each key
-  for (int64_t t = 0; t < n; ++t) {
-    const uint16_t* k = key_row(a, table, t, task.kv);
-    __m512 kc[C];
-    for (int c = 0; c < C; ++c) kc[c] = load_bf16(k + c * LANES);
-    for (int64_t j = j0; j < j1; ++j) {
-      __m512 acc = _mm512_mul_ps(_mm512_load_ps(qf[j]), kc[0]);
-      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_load_ps(qf[j] + c * LANES), kc[c], acc);
-      scores[j * padded + t] = halve16(acc);
+  const int64_t group = a.heads / a.kv_heads, j0 = task.head_from, j1 = task.head_to, hn = j1 - j0;
+  const int64_t rh = rows * hn;  // (row, head) pairs, row-major
+  const int64_t keys = pos0 + rows;  // the last row's keys; earlier rows use a prefix
+  const int64_t padded = (keys + LANES - 1) / LANES * LANES;
+  const int64_t d = a.dim;
+  // scratch: q (rh, D) | partial sums (rh, 16 keys, 16 lanes) | scores (rh, padded)
+  scratch.resize(rh * d + rh * LANES * LANES + rh * padded + LANES);
+  float* qf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  float* part = qf + rh * d;
+  float* scores = part + rh * LANES * LANES;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < hn; ++j) {
+      const uint16_t* q = a.q + ((r0 + i) * a.q_stride + task.kv * group + j0 + j) * d;
+      for (int c = 0; c < C; ++c) _mm512_store_ps(qf + (i * hn + j) * d + c * LANES, load_bf16(q + c * LANES));
     }
+  // scores of every (row, head) pair from one read of each key; a row's scores past its own
+  // position are computed from its lane's own keys and never used
+  for (int64_t tb = 0; tb < padded; tb += LANES) {
+    const int64_t live = std::min<int64_t>(LANES, keys - tb);
+    for (int64_t k = 0; k < LANES; ++k) {
+      if (k >= live) {
+        for (int64_t p = 0; p < rh; ++p) _mm512_store_ps(part + (p * LANES + k) * LANES, _mm512_setzero_ps());
+        continue;
+      }
+      const uint16_t* kr = key_row(a, table, tb + k, task.kv);
+      __m512 kc[C];
+      for (int c = 0; c < C; ++c) kc[c] = load_bf16(kr + c * LANES);
+      for (int64_t p = 0; p < rh; ++p) {
+        const float* q = qf + p * d;
+        __m512 acc = _mm512_mul_ps(_mm512_load_ps(q), kc[0]);
+        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_load_ps(q + c * LANES), kc[c], acc);
+        _mm512_store_ps(part + (p * LANES + k) * LANES, acc);
+      }
+    }
+    for (int64_t p = 0; p < rh; ++p) _mm512_storeu_ps(scores + p * padded + tb, halve16_keys(part + p * LANES * LANES));
   }
-  for (int64_t j = j0; j < j1; ++j) {
-    const int64_t h = task.kv * group + j;
-    float* s = scores.data() + j * padded;
+  float* sums = part;  // reused: each pair's exponent sum
+  for (int64_t p = 0; p < rh; ++p) {
+    const int64_t n = pos0 + p / hn + 1;
+    float* s = scores + p * padded;
     __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     __mmask16 nan = 0;
-    for (int64_t t = 0; t < padded; t += LANES) {
+    for (int64_t t = 0; t < n; t += LANES) {
       const __mmask16 live = n - t >= LANES ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
       const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
       nan |= _mm512_mask_cmp_ps_mask(live, x, x, _CMP_UNORD_Q);
       mv = _mm512_mask_max_ps(mv, live, mv, x);
     }
     const float m = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mv);
-    // exponents in place, their lane sums beside
     __m512 l = _mm512_setzero_ps();
     const __m512 mm = _mm512_set1_ps(m);
-    for (int64_t t = 0; t < padded; t += LANES) {
+    for (int64_t t = 0; t < n; t += LANES) {
       const __mmask16 live = n - t >= LANES ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
       const __m512 e = _mm512_maskz_mov_ps(live, exp_fixed(_mm512_sub_ps(_mm512_loadu_ps(s + t), mm)));
       l = _mm512_add_ps(l, e);
       _mm512_storeu_ps(s + t, e);
     }
-    __m512 o[C];
-    for (int c = 0; c < C; ++c) o[c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; ++t) {
-      const uint16_t* v = value_row(a, table, t, task.kv);
-      const __m512 e = _mm512_set1_ps(s[t]);
-      for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(e, load_bf16(v + c * LANES), o[c]);
+    sums[p] = halve16(l);
+  }
+  // o = sum e_t v_t per (row, head), HB heads of a row at a time over one read of each value
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t n = pos0 + i + 1;
+    for (int64_t jb = 0; jb < hn; jb += HB) {
+      const int64_t nh = std::min<int64_t>(HB, hn - jb);
+      const float* e[HB];
+      __m512 o[HB][C];
+#pragma GCC unroll 8
+      for (int h = 0; h < HB; ++h) {
+        e[h] = scores + (i * hn + jb + std::min<int64_t>(h, nh - 1)) * padded;
+        for (int c = 0; c < C; ++c) o[h][c] = _mm512_setzero_ps();
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const uint16_t* v = value_row(a, table, t, task.kv);
+        for (int c = 0; c < C; ++c) {
+          const __m512 vc = load_bf16(v + c * LANES);
+#pragma GCC unroll 8
+          for (int h = 0; h < HB; ++h)
+            if (h < nh) o[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(e[h][t]), vc, o[h][c]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int h = 0; h < HB; ++h) {
+        if (h >= nh) break;
+        const int64_t p = i * hn + jb + h;
+        const __m512 sum = _mm512_set1_ps(sums[p]);
+        float* out = a.out + (r0 + i) * a.heads * d + (task.kv * group + j0 + jb + h) * d;
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + c * LANES, _mm512_div_ps(o[h][c], sum));
+      }
     }
-    const __m512 sum = _mm512_set1_ps(halve16(l));
-    float* out = a.out + r * a.heads * a.dim + h * a.dim;
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + c * LANES, _mm512_div_ps(o[c], sum));
   }
 }
 
@@ -237,15 +303,15 @@ using RowFn = void (*)(const Attn&, const Task&, std::vector<float>&);
 
 RowFn avx512_row(int64_t chunks) {
   switch (chunks) {
-    case 1: return &row_avx512<1>;
-    case 2: return &row_avx512<2>;
-    case 3: return &row_avx512<3>;
-    case 4: return &row_avx512<4>;
-    case 5: return &row_avx512<5>;
-    case 6: return &row_avx512<6>;
-    case 7: return &row_avx512<7>;
-    case 8: return &row_avx512<8>;
-    case 16: return &row_avx512<16>;
+    case 1: return &rows_avx512<1>;
+    case 2: return &rows_avx512<2>;
+    case 3: return &rows_avx512<3>;
+    case 4: return &rows_avx512<4>;
+    case 5: return &rows_avx512<5>;
+    case 6: return &rows_avx512<6>;
+    case 7: return &rows_avx512<7>;
+    case 8: return &rows_avx512<8>;
+    case 16: return &rows_avx512<16>;
     default: return nullptr;
   }
 }
@@ -287,15 +353,17 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
     TORCH_CHECK(start + length <= table_len * page, "attend: span ", s, "'s page table cannot hold row ", start + length - 1);
     for (int64_t i = 0; i < (start + length + page - 1) / page; ++i)
       TORCH_CHECK(tb[s * table_len + i] >= 0 && tb[s * table_len + i] < pages, "attend: span ", s, " names page ", tb[s * table_len + i]);
-    for (int64_t i = 0; i < length; ++i)
-      for (int64_t g = 0; g < kv_heads; ++g) tasks.push_back({s, i, g, 0, heads / kv_heads});
+    // consecutive rows of a lane share each read of a key: blocks of ROW_BLOCK rows
+    for (int64_t i = 0; i < length; i += ROW_BLOCK)
+      for (int64_t g = 0; g < kv_heads; ++g)
+        tasks.push_back({s, i, std::min<int64_t>(ROW_BLOCK, length - i), g, 0, heads / kv_heads});
   }
   // Few tasks (a lane or two decoding): one q head each, so that every thread has work. A
   // head's arithmetic is the same alone or beside its group; the group only shares key reads.
   if (static_cast<int64_t>(tasks.size()) < 4 * at::get_num_threads() && heads > kv_heads) {
     std::vector<Task> split;
     for (const Task& t : tasks)
-      for (int64_t j = 0; j < heads / kv_heads; ++j) split.push_back({t.span, t.row, t.kv, j, j + 1});
+      for (int64_t j = 0; j < heads / kv_heads; ++j) split.push_back({t.span, t.row, t.rows, t.kv, j, j + 1});
     tasks.swap(split);
   }
   // long rows and short ones alternate, so that the threads' equal shares of tasks are equal work
@@ -307,7 +375,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
          reinterpret_cast<const uint16_t*>(v_pool.const_data_ptr<at::BFloat16>()),
          sp, tb, out.mutable_data_ptr<float>(), q_stride, heads, kv_heads, dim, page, table_len};
   RowFn fn = vec ? avx512_row(dim / LANES) : nullptr;
-  if (fn == nullptr) fn = &row_portable;
+  if (fn == nullptr) fn = &rows_portable;
   at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t i = begin; i < end; ++i) fn(a, order[i], scores);

@@ -6,7 +6,8 @@
 // blocking, the thread count or the instruction set that runs it (the AVX-512 VNNI path and the
 // portable one give the same bits; tests/gpu/test_int4.py checks both against a torch reference).
 //
-// x may be bf16 or fp32: only its values count. Per row m and group j of x (32 inputs, Gx = Kx / 32):
+// x may be bf16 or fp32: only its values count. With `norm_weight`, x's rows are first
+// RMS-normalized (`quantize_rows`), the layer's norm and product in one call. Per row m and group j of x (32 inputs, Gx = Kx / 32):
 //   amax = max |x[m, 32j + i]|, d[m, j] = amax / 127 (fp32 division; NaN if any x is not finite),
 //   xq[m, 32j + i] = nearest-even(x / d) (0 when d is 0), s[m, j] = sum_i xq[m, 32j + i].
 // Per output n, for g = 0, 1, ..., K/32 - 1 in order, with j = g mod Gx:
@@ -33,7 +34,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -68,16 +71,40 @@ struct Call {
 inline float value(float v) { return v; }
 inline float value(at::BFloat16 v) { return static_cast<float>(v); }  // exact
 
+// With a norm weight, each row is first RMS-normalized in fp32, one operation at a time
+// whatever the CPU: ss = sum of x^2 in 16 lanes by index (i mod 16), in order, joined by the
+// halvings j + j+8, + 4, + 2, + 1; r = 1 / sqrt(ss / Kx + eps); y = (x * r) * w.
+inline float halve16(const float* v) {
+  float a[8], b[4], c[2];
+  for (int j = 0; j < 8; ++j) a[j] = v[j] + v[j + 8];
+  for (int j = 0; j < 4; ++j) b[j] = a[j] + a[j + 4];
+  for (int j = 0; j < 2; ++j) c[j] = b[j] + b[j + 2];
+  return c[0] + c[1];
+}
+
 template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t kx, int8_t* xq, float* d, int32_t* s) {
+void quantize_rows(const T* x, int64_t rows, int64_t kx, const float* norm, float eps, float* row, int8_t* xq,
+                   float* d, int32_t* s) {
   const int64_t gx = kx / GROUP;
   for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * kx;
+    if (norm != nullptr) {
+      float lanes[16] = {};
+      for (int64_t i = 0; i < kx; ++i) {
+        const float v = value(xr[i]);
+        lanes[i % 16] = lanes[i % 16] + v * v;
+      }
+      const float inv = 1.f / std::sqrt(halve16(lanes) / static_cast<float>(kx) + eps);
+      for (int64_t i = 0; i < kx; ++i) row[i] = (value(xr[i]) * inv) * norm[i];
+    } else {
+      for (int64_t i = 0; i < kx; ++i) row[i] = value(xr[i]);
+    }
     for (int64_t j = 0; j < gx; ++j) {
-      const T* v = x + r * kx + j * GROUP;
+      const float* v = row + j * GROUP;
       float amax = 0.f;
       bool finite = true;
       for (int i = 0; i < GROUP; ++i) {
-        const float a = std::fabs(value(v[i]));
+        const float a = std::fabs(v[i]);
         finite = finite && std::isfinite(a);
         amax = std::max(amax, a);
       }
@@ -85,7 +112,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t kx, int8_t* xq, float* d, i
       if (!finite) dj = std::numeric_limits<float>::quiet_NaN();  // the group's outputs become NaN
       int32_t sum = 0;
       for (int i = 0; i < GROUP; ++i) {
-        const int32_t q = !finite || dj == 0.f ? 0 : static_cast<int32_t>(std::nearbyint(value(v[i]) / dj));
+        const int32_t q = !finite || dj == 0.f ? 0 : static_cast<int32_t>(std::nearbyint(v[i] / dj));
         xq[r * kx + j * GROUP + i] = static_cast<int8_t>(q);
         sum += q;
       }
@@ -216,7 +243,8 @@ bool have_vnni() {
 }
 
 // "vnni", "portable" or "auto" (the best this CPU has); the tests run both paths
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n, c10::string_view path) {
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n, c10::string_view path,
+                   const std::optional<at::Tensor>& norm_weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.device().is_cpu(),
               "int4_mm: x must be a 2-D CPU bf16 or fp32 tensor");
   TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == 4 &&
@@ -230,6 +258,14 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   const int64_t m = x.size(0), kx = x.size(1);
   TORCH_CHECK(kx > 0 && kx % GROUP == 0 && k % kx == 0, "int4_mm: x's width ", kx, " does not divide the weight's ", k);
   TORCH_CHECK(path == "auto" || path == "vnni" || path == "portable", "int4_mm: path must be auto, vnni or portable");
+  const float* norm = nullptr;
+  at::Tensor norm_c;
+  if (norm_weight.has_value()) {
+    norm_c = norm_weight->contiguous();
+    TORCH_CHECK(norm_c.scalar_type() == at::kFloat && norm_c.dim() == 1 && norm_c.size(0) == kx && k == kx,
+                "int4_mm: norm_weight must be fp32 (Kx,) and the weight not residual");
+    norm = norm_c.const_data_ptr<float>();
+  }
   const bool vnni = path == "vnni" || (path == "auto" && have_vnni());
   TORCH_CHECK(!vnni || have_vnni(), "int4_mm: this CPU has no AVX-512 VNNI");
 
@@ -241,11 +277,15 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   at::Tensor d = at::empty({m, gx}, x.options().dtype(at::kFloat));
   at::Tensor s = at::empty({m, gx}, x.options().dtype(at::kInt));
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(kx);
     int8_t* q = xq.mutable_data_ptr<int8_t>() + begin * kx;
     float* dd = d.mutable_data_ptr<float>() + begin * gx;
     int32_t* ss = s.mutable_data_ptr<int32_t>() + begin * gx;
-    if (xc.scalar_type() == at::kFloat) quantize_rows(xc.const_data_ptr<float>() + begin * kx, end - begin, kx, q, dd, ss);
-    else quantize_rows(xc.const_data_ptr<at::BFloat16>() + begin * kx, end - begin, kx, q, dd, ss);
+    const float e = static_cast<float>(eps);
+    if (xc.scalar_type() == at::kFloat)
+      quantize_rows(xc.const_data_ptr<float>() + begin * kx, end - begin, kx, norm, e, row.data(), q, dd, ss);
+    else
+      quantize_rows(xc.const_data_ptr<at::BFloat16>() + begin * kx, end - begin, kx, norm, e, row.data(), q, dd, ss);
   });
 
   Call c{{xq.const_data_ptr<int8_t>(), d.const_data_ptr<float>(), s.const_data_ptr<int32_t>()},
@@ -270,7 +310,8 @@ std::string int4_isa() { return have_vnni() ? "avx512-vnni" : "portable"; }
 }  // namespace
 
 TORCH_LIBRARY(prefixd, m) {
-  m.def("int4_mm(Tensor x, Tensor codes, Tensor scales, int n, str path='auto') -> Tensor");
+  m.def("int4_mm(Tensor x, Tensor codes, Tensor scales, int n, str path='auto', Tensor? norm_weight=None, "
+        "float eps=0.0) -> Tensor");
   m.def("int4_isa() -> str", [] { return int4_isa(); });
 }
 
