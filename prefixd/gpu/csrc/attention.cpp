@@ -358,9 +358,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
       for (int64_t g = 0; g < kv_heads; ++g)
         tasks.push_back({s, i, std::min<int64_t>(ROW_BLOCK, length - i), g, 0, heads / kv_heads});
   }
-  // Few tasks (a lane or two decoding): one q head each, so that every thread has work. A
+  // Fewer tasks than threads: one q head each, so that every thread has work. A
   // head's arithmetic is the same alone or beside its group; the group only shares key reads.
-  if (static_cast<int64_t>(tasks.size()) < 4 * at::get_num_threads() && heads > kv_heads) {
+  if (static_cast<int64_t>(tasks.size()) < at::get_num_threads() && heads > kv_heads) {
     std::vector<Task> split;
     for (const Task& t : tasks)
       for (int64_t j = 0; j < heads / kv_heads; ++j) split.push_back({t.span, t.row, t.rows, t.kv, j, j + 1});
