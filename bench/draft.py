@@ -157,7 +157,10 @@ def llama_cpp_rates(path: str, tokenizer, workload, turns: int, max_tokens: int,
         return None, None
     rates = []
     for draft in (None, LlamaPromptLookupDecoding(num_pred_tokens=draft_max)):
-        llm = Llama(model_path=path, n_ctx=4096, n_threads=torch.get_num_threads(), verbose=False, draft_model=draft)
+        # with a draft model llama-cpp-python keeps logits for every row (its verify reads them),
+        # and its score buffer must then hold the whole context (logits_all)
+        llm = Llama(model_path=path, n_ctx=4096, n_threads=torch.get_num_threads(), verbose=False, draft_model=draft,
+                    logits_all=draft is not None)
         tokens_n, decode_s = 0, 0.0
         for i in range(turns):
             tokens = list(tokenizer.render_chat(workload(i)).ids)

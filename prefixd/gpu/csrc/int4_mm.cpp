@@ -42,7 +42,7 @@ namespace {
 
 constexpr int GROUP = 32;
 constexpr int BLOCK_N = 32;
-constexpr int ROW_TILE = 4;    // rows whose sums stay in registers
+constexpr int ROW_TILE = 6;    // rows whose sums stay in registers
 constexpr int ROW_CHUNK = 64;  // rows of one task (its activations stay in cache)
 
 inline float bf16_value(uint16_t h) {
@@ -55,7 +55,7 @@ inline float bf16_value(uint16_t h) {
 struct Quantized {  // x's rows, quantized
   const int8_t* xq;   // (M, Kx)
   const float* d;     // (M, Gx)
-  const int32_t* s;   // (M, Gx)
+  const float* sf;    // (M, Gx): the sums of xq, exact in fp32 (|sum| <= 32 * 127)
 };
 
 struct Call {
@@ -84,7 +84,7 @@ inline float halve16(const float* v) {
 
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t kx, const float* norm, float eps, float* row, int8_t* xq,
-                   float* d, int32_t* s) {
+                   float* d, float* s) {
   const int64_t gx = kx / GROUP;
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * kx;
@@ -117,7 +117,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t kx, const float* norm, floa
         sum += q;
       }
       d[r * gx + j] = dj;
-      s[r * gx + j] = sum;
+      s[r * gx + j] = static_cast<float>(sum);
     }
   }
 }
@@ -146,7 +146,7 @@ void tile_scalar(const Call& c, int64_t m0, int rows, int64_t nb) {
         }
         const uint16_t* sz = c.scales + (nb * groups + g) * 2 * BLOCK_N;
         const float t = static_cast<float>(dot) * bf16_value(sz[col]);
-        const float u = bf16_value(sz[BLOCK_N + col]) * static_cast<float>(c.x.s[m * gx + j]);
+        const float u = bf16_value(sz[BLOCK_N + col]) * c.x.sf[m * gx + j];
         const float sum = t + u;
         const float step = c.x.d[m * gx + j] * sum;
         acc = acc + step;
@@ -191,22 +191,18 @@ PREFIXD_VNNI inline void tile_vnni_rows(const Call& c, int64_t m0, int64_t nb, f
         dot[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][1], w10, b0), w11, b1);
       }
     }
-    __m512 scale[2], base[2];
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      scale[h] = _mm512_castsi512_ps(_mm512_slli_epi32(
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(
           _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 16 * h))), 16));
-      base[h] = _mm512_castsi512_ps(_mm512_slli_epi32(
+      const __m512 base = _mm512_castsi512_ps(_mm512_slli_epi32(
           _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + BLOCK_N + 16 * h))), 16));
-    }
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 s = _mm512_set1_ps(static_cast<float>(c.x.s[(m0 + r) * gx + j]));
-      const __m512 d = _mm512_set1_ps(c.x.d[(m0 + r) * gx + j]);
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][h]), scale[h]);
-        const __m512 u = _mm512_mul_ps(base[h], s);
+      for (int r = 0; r < R; ++r) {
+        const __m512 s = _mm512_set1_ps(c.x.sf[(m0 + r) * gx + j]);
+        const __m512 d = _mm512_set1_ps(c.x.d[(m0 + r) * gx + j]);
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][h]), scale);
+        const __m512 u = _mm512_mul_ps(base, s);
         acc[r][h] = _mm512_add_ps(acc[r][h], _mm512_mul_ps(d, _mm512_add_ps(t, u)));
       }
     }
@@ -225,6 +221,8 @@ PREFIXD_VNNI void tile_vnni(const Call& c, int64_t m0, int rows, int64_t nb) {
   for (int r = 0; r < rows; r += ROW_TILE) {
     const int n = std::min(ROW_TILE, rows - r);
     switch (n) {
+      case 6: tile_vnni_rows<6>(c, m0 + r, nb, tile); break;
+      case 5: tile_vnni_rows<5>(c, m0 + r, nb, tile); break;
       case 4: tile_vnni_rows<4>(c, m0 + r, nb, tile); break;
       case 3: tile_vnni_rows<3>(c, m0 + r, nb, tile); break;
       case 2: tile_vnni_rows<2>(c, m0 + r, nb, tile); break;
@@ -275,12 +273,12 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   const int64_t gx = kx / GROUP;
   at::Tensor xq = at::empty({m, kx}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({m, gx}, x.options().dtype(at::kFloat));
-  at::Tensor s = at::empty({m, gx}, x.options().dtype(at::kInt));
+  at::Tensor s = at::empty({m, gx}, x.options().dtype(at::kFloat));
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(kx);
     int8_t* q = xq.mutable_data_ptr<int8_t>() + begin * kx;
     float* dd = d.mutable_data_ptr<float>() + begin * gx;
-    int32_t* ss = s.mutable_data_ptr<int32_t>() + begin * gx;
+    float* ss = s.mutable_data_ptr<float>() + begin * gx;
     const float e = static_cast<float>(eps);
     if (xc.scalar_type() == at::kFloat)
       quantize_rows(xc.const_data_ptr<float>() + begin * kx, end - begin, kx, norm, e, row.data(), q, dd, ss);
@@ -288,7 +286,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
       quantize_rows(xc.const_data_ptr<at::BFloat16>() + begin * kx, end - begin, kx, norm, e, row.data(), q, dd, ss);
   });
 
-  Call c{{xq.const_data_ptr<int8_t>(), d.const_data_ptr<float>(), s.const_data_ptr<int32_t>()},
+  Call c{{xq.const_data_ptr<int8_t>(), d.const_data_ptr<float>(), s.const_data_ptr<float>()},
          codes.const_data_ptr<uint8_t>(),
          reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::BFloat16>()),
          out.mutable_data_ptr<float>(), m, n, k, kx};
