@@ -116,6 +116,12 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
+def fast() -> bool:
+    """Whether the kernels load and take their AVX-512 paths here: what `--mode auto` asks
+    before it picks int4 (the portable paths give the same bits, many times slower)."""
+    return available()[0] and isa() == "avx512-vnni" and attention_path() == "avx512"
+
+
 def isa() -> str:
     """The path the int4 product takes on this CPU: "avx512-vnni" or "portable" (the same bits)."""
     load()

@@ -205,8 +205,9 @@ def test_auto_mode_is_int4_for_the_llama_families_on_cpu_bf16_only():
     from prefixd.gpu.families import resolve_mode
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_mode("auto", "llama", cpu, torch.bfloat16) == "int4"
-    assert resolve_mode("auto", "qwen3", cpu, torch.bfloat16) == "int4"
+    fast = "int4" if cpu_kernels.fast() else "invariant"  # the portable paths are many times slower
+    assert resolve_mode("auto", "llama", cpu, torch.bfloat16) == fast
+    assert resolve_mode("auto", "qwen3", cpu, torch.bfloat16) == fast
     assert resolve_mode("auto", "llama", cpu, torch.float32) == "invariant"
     assert resolve_mode("auto", "llama", cuda, torch.bfloat16) == "invariant"
     assert resolve_mode("auto", "qwen3_5", cpu, torch.bfloat16) == "invariant"  # no int4 there

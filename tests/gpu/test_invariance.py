@@ -10,13 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prefixd.gpu import cpu_kernels
 from prefixd.scheduler.records import LaneWork, RoundPlan
 from tests.gpu.runner_helpers import DEVICE, kv_equal, lane_pages, make_runner, prompt, run_chunks, work
 
 DTYPES = [torch.bfloat16, torch.float32]
 FAMILIES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"]
 # (dtype, mode): the int4 mode runs on the CPU in bf16 only
-NUMERICS = [(d, "invariant") for d in DTYPES] + ([(torch.bfloat16, "int4")] if DEVICE.type == "cpu" else [])
+NUMERICS = [(d, "invariant") for d in DTYPES] + (
+    [(torch.bfloat16, "int4")] if DEVICE.type == "cpu" and cpu_kernels.available()[0] else [])
 
 
 def _numerics_id(p: tuple[torch.dtype, str]) -> str:

@@ -21,7 +21,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(PREFIXD_PORTABLE_ONLY)  // the latter: to check the other build
+#define PREFIXD_X86 1
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -90,6 +93,8 @@ struct Attn {
   int64_t q_stride, heads, kv_heads, dim, page, table_len;
 };
 
+using RowFn = void (*)(const Attn&, const struct Task&, std::vector<float>&);
+
 struct Task {
   int64_t span, row, rows, kv, head_from, head_to;  // rows [row, row + rows) of the span; q heads
                                                     // [head_from, head_to) of the kv head's group
@@ -146,6 +151,7 @@ void rows_portable(const Attn& a, const Task& task, std::vector<float>& scores) 
   for (int64_t i = 0; i < task.rows; ++i) row_portable(a, task, task.row + i, scores);
 }
 
+#ifdef PREFIXD_X86
 // ---- AVX-512 path ------------------------------------------------------------------------------
 
 #define PREFIXD_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
@@ -299,8 +305,6 @@ PREFIXD_AVX512 void rows_avx512(const Attn& a, const Task& task, std::vector<flo
   }
 }
 
-using RowFn = void (*)(const Attn&, const Task&, std::vector<float>&);
-
 RowFn avx512_row(int64_t chunks) {
   switch (chunks) {
     case 1: return &rows_avx512<1>;
@@ -316,10 +320,16 @@ RowFn avx512_row(int64_t chunks) {
   }
 }
 
+#endif  // PREFIXD_X86
+
 bool have_avx512() {
+#ifdef PREFIXD_X86
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
   return yes;
+#else
+  return false;  // the portable path only: the same bits
+#endif
 }
 
 void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& spans,
@@ -374,7 +384,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
          reinterpret_cast<const uint16_t*>(k_pool.const_data_ptr<at::BFloat16>()),
          reinterpret_cast<const uint16_t*>(v_pool.const_data_ptr<at::BFloat16>()),
          sp, tb, out.mutable_data_ptr<float>(), q_stride, heads, kv_heads, dim, page, table_len};
+#ifdef PREFIXD_X86
   RowFn fn = vec ? avx512_row(dim / LANES) : nullptr;
+#else
+  RowFn fn = nullptr;
+#endif
   if (fn == nullptr) fn = &rows_portable;
   at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;

@@ -27,7 +27,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(PREFIXD_PORTABLE_ONLY)  // the latter: to check the other build
+#define PREFIXD_X86 1
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -156,6 +159,7 @@ void tile_scalar(const Call& c, int64_t m0, int rows, int64_t nb) {
   }
 }
 
+#ifdef PREFIXD_X86
 // ---- AVX-512 VNNI path -------------------------------------------------------------------------
 
 #define PREFIXD_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
@@ -232,12 +236,18 @@ PREFIXD_VNNI void tile_vnni(const Call& c, int64_t m0, int rows, int64_t nb) {
   }
 }
 
+#endif  // PREFIXD_X86
+
 // ---- the call ----------------------------------------------------------------------------------
 
 bool have_vnni() {
+#ifdef PREFIXD_X86
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vnni");
   return yes;
+#else
+  return false;  // the portable path only: the same bits
+#endif
 }
 
 // "vnni", "portable" or "auto" (the best this CPU has); the tests run both paths
@@ -296,8 +306,12 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
       const int64_t chunk = t / nblocks, nb = t % nblocks;
       const int64_t m0 = chunk * ROW_CHUNK;
       const int rows = static_cast<int>(std::min<int64_t>(ROW_CHUNK, m - m0));
+#ifdef PREFIXD_X86
       if (vnni) tile_vnni(c, m0, rows, nb);
       else tile_scalar(c, m0, rows, nb);
+#else
+      tile_scalar(c, m0, rows, nb);
+#endif
     }
   });
   return out;

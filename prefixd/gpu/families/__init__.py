@@ -97,6 +97,8 @@ def resolve_mode(mode: str, family: str, device: torch.device, dtype: torch.dtyp
     if not (cpu_bf16 and CPU_DEFAULT_MODE in _MODES.get(family, ())):
         return "invariant"
     ok, why = cpu_kernels.available()
+    if ok and not cpu_kernels.fast():
+        ok, why = False, "mode int4's kernels have no fast path on this CPU (it needs AVX-512 VNNI)"
     if not ok:
         print(f"prefixd: --mode auto runs the invariant mode: {why}", file=sys.stderr, flush=True)
         return "invariant"
