@@ -28,6 +28,7 @@ import torch
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("int4_mm.cpp", "attention.cpp"))
 GROUP = 32  # inputs sharing a scale and base; also the activations' quantization group
 BLOCK_N = 32  # outputs a block of the packed layout holds
+BUILD_TIMEOUT_S = 600  # a compiler that takes longer is given up on: the kernels are then unavailable
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str, "path": Path
@@ -77,7 +78,7 @@ def _build(cxx: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run(_command(cxx, Path(tmp)), capture_output=True, text=True)
+        done = subprocess.run(_command(cxx, Path(tmp)), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{cxx} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
         os.replace(tmp, target)
@@ -87,7 +88,8 @@ def _build(cxx: str, target: Path) -> None:
 
 
 def load() -> None:
-    """Build (if needed) and load the kernel; RuntimeError saying why when it cannot."""
+    """Build (if needed) and load the kernels; RuntimeError saying why when they cannot be (the
+    reason is kept: a process tries once)."""
     with _lock:
         if _state.get("ok"):
             return
@@ -101,14 +103,14 @@ def load() -> None:
             if not path.exists():
                 _build(cxx, path)
             torch.ops.load_library(str(path))
-        except (OSError, RuntimeError) as exc:
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             _state["why"] = f"the CPU kernels could not be built or loaded: {exc}"
             raise RuntimeError(str(_state["why"])) from exc
         _state.update(ok=True, path=path)
 
 
 def available() -> tuple[bool, str]:
-    """(whether the kernel loads, why not)."""
+    """(whether the kernels load, why not)."""
     try:
         load()
     except RuntimeError as exc:
