@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("int4_mm.cpp", "attention.cpp"))
+HEADERS = (Path(__file__).parent / "csrc" / "common.h",)  # part of the cache key too
 GROUP = 32  # inputs sharing a scale and base; also the activations' quantization group
 BLOCK_N = 32  # outputs a block of the packed layout holds
 BUILD_TIMEOUT_S = 600  # a compiler that takes longer is given up on: the kernels are then unavailable
@@ -66,7 +67,8 @@ def _library_path(cxx: str) -> Path:
     except (OSError, subprocess.SubprocessError):
         version = cxx
     key = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in SOURCES), torch.__version__.encode(), version.encode(), sys.platform.encode()):
+    for part in (*(p.read_bytes() for p in SOURCES + HEADERS), torch.__version__.encode(), version.encode(),
+                 sys.platform.encode()):
         key.update(part)
     return cache_dir() / f"prefixd_cpu-{key.hexdigest()[:16]}.so"
 

@@ -84,12 +84,13 @@ def check_mode(mode: str, device: torch.device, dtype: torch.dtype) -> None:
     """ValueError unless `mode` runs on this device and dtype ("int4": CPU, bf16 only)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not available (have: {', '.join(MODES)})")
-    if mode == "int4" and (device.type != "cpu" or dtype != torch.bfloat16):
+    if mode != "int4":
+        return
+    if device.type != "cpu" or dtype != torch.bfloat16:
         raise ValueError(f"mode 'int4' runs on the CPU in bf16 only (got {device.type}, {dtype})")
-    if mode == "int4":
-        ok, why = cpu_kernels.available()
-        if not ok:
-            raise ValueError(f"mode 'int4' needs prefixd's CPU kernel: {why}")
+    ok, why = cpu_kernels.available()
+    if not ok:
+        raise ValueError(f"mode 'int4' needs prefixd's CPU kernel: {why}")
 
 
 class LlamaModel:

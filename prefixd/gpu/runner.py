@@ -292,7 +292,7 @@ class ModelRunner:
             num_rows=n, slots=as_long(slots), spans=tuple(spans),
             lanes=tuple(w.lane for w in plan.lanes), prefill=tuple(w.prefill for w in plan.lanes),
             tiles=tuple(plan_attention(spans, total_rows=padded, group=group, page_size=p, device=self.device,
-                                       dtype=self.dtype)) if getattr(self.model, "attention_tiles", True) else (),
+                                       dtype=self.dtype)) if self.model.attention_tiles else (),
             images=tuple(self._images(plan, spans)))
 
     def _check_work(self, w: LaneWork, seen: set[int]) -> None:

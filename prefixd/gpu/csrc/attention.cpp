@@ -21,10 +21,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if (defined(__x86_64__) || defined(__i386__)) && !defined(PREFIXD_PORTABLE_ONLY)  // the latter: to check the other build
-#define PREFIXD_X86 1
-#include <immintrin.h>
-#endif
+#include "common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -36,17 +33,14 @@
 
 namespace {
 
+using prefixd_cpu::halve16;
+
 constexpr int LANES = 16;
 constexpr int MAX_CHUNKS = 16;  // D up to 256
 constexpr int MAX_GROUP = 16;   // q heads per kv head
 constexpr int ROW_BLOCK = 4;    // consecutive rows of a lane in one task
 
-inline float bf16f(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+constexpr auto bf16f = prefixd_cpu::bf16_to_float;
 
 inline float pow2(int n) {  // 2^n for n in [-126, 127]: exact
   uint32_t bits = static_cast<uint32_t>(n + 127) << 23;
@@ -73,14 +67,6 @@ inline float exp_fixed(float x) {  // x <= 0
   p = std::fma(p, r, 1.f);
   p = std::fma(p, r, 1.f);
   return p * pow2(static_cast<int>(n));  // NaN stays NaN
-}
-
-inline float halve16(const float* v) {  // the fixed halvings: 16 -> 8 -> 4 -> 2 -> 1
-  float a[8], b[4], c[2];
-  for (int j = 0; j < 8; ++j) a[j] = v[j] + v[j + 8];
-  for (int j = 0; j < 4; ++j) b[j] = a[j] + a[j + 4];
-  for (int j = 0; j < 2; ++j) c[j] = b[j] + b[j + 2];
-  return c[0] + c[1];
 }
 
 struct Attn {

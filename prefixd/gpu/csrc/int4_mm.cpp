@@ -27,10 +27,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if (defined(__x86_64__) || defined(__i386__)) && !defined(PREFIXD_PORTABLE_ONLY)  // the latter: to check the other build
-#define PREFIXD_X86 1
-#include <immintrin.h>
-#endif
+#include "common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -43,17 +40,14 @@
 
 namespace {
 
+using prefixd_cpu::halve16;
+
 constexpr int GROUP = 32;
 constexpr int BLOCK_N = 32;
 constexpr int ROW_TILE = 6;    // rows whose sums stay in registers
 constexpr int ROW_CHUNK = 64;  // rows of one task (its activations stay in cache)
 
-inline float bf16_value(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+constexpr auto bf16_value = prefixd_cpu::bf16_to_float;
 
 struct Quantized {  // x's rows, quantized
   const int8_t* xq;   // (M, Kx)
@@ -77,13 +71,6 @@ inline float value(at::BFloat16 v) { return static_cast<float>(v); }  // exact
 // With a norm weight, each row is first RMS-normalized in fp32, one operation at a time
 // whatever the CPU: ss = sum of x^2 in 16 lanes by index (i mod 16), in order, joined by the
 // halvings j + j+8, + 4, + 2, + 1; r = 1 / sqrt(ss / Kx + eps); y = (x * r) * w.
-inline float halve16(const float* v) {
-  float a[8], b[4], c[2];
-  for (int j = 0; j < 8; ++j) a[j] = v[j] + v[j + 8];
-  for (int j = 0; j < 4; ++j) b[j] = a[j] + a[j + 4];
-  for (int j = 0; j < 2; ++j) c[j] = b[j] + b[j + 2];
-  return c[0] + c[1];
-}
 
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t kx, const float* norm, float eps, float* row, int8_t* xq,

@@ -31,6 +31,7 @@ class FamilyModel(Protocol):
     mode: str  # the numeric mode it runs ("invariant", "int4")
     num_kv_layers: int
     invariant_rows: bool  # True: every row's bits are invariant (decode == prefill)
+    attention_tiles: bool  # True: forward reads `RoundInputs.tiles` (the runner plans them)
     lane_state_bytes: int  # bytes of one lane's state (0: attention only)
     workspace_bytes_per_row: int
 
@@ -96,13 +97,11 @@ def resolve_mode(mode: str, family: str, device: torch.device, dtype: torch.dtyp
     cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
     if not (cpu_bf16 and CPU_DEFAULT_MODE in _MODES.get(family, ())):
         return "invariant"
-    ok, why = cpu_kernels.available()
-    if ok and not cpu_kernels.fast():
-        ok, why = False, "mode int4's kernels have no fast path on this CPU (it needs AVX-512 VNNI)"
-    if not ok:
-        print(f"prefixd: --mode auto runs the invariant mode: {why}", file=sys.stderr, flush=True)
-        return "invariant"
-    return CPU_DEFAULT_MODE
+    if cpu_kernels.fast():
+        return CPU_DEFAULT_MODE
+    why = cpu_kernels.available()[1] or "mode int4's kernels have no fast path on this CPU (it needs AVX-512 VNNI)"
+    print(f"prefixd: --mode auto runs the invariant mode: {why}", file=sys.stderr, flush=True)
+    return "invariant"
 
 
 def build_family(checkpoint: Any, device: torch.device, dtype: torch.dtype,

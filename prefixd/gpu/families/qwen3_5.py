@@ -60,6 +60,7 @@ class HybridModel:
     `qwen3_5`); K/V of its full-attention layers live in the runner's KVPool."""
 
     invariant_rows = False
+    attention_tiles = True
     mode = "invariant"
 
     def __init__(self, config: HybridConfig, tensors: Mapping[str, torch.Tensor], *,

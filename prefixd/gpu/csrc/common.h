@@ -1,0 +1,32 @@
+// What both of prefixd's CPU kernels (int4_mm.cpp, attention.cpp) share: the x86 switch, exact
+// bf16 reads and the fixed order in which 16 lane sums are joined.
+#pragma once
+
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(PREFIXD_PORTABLE_ONLY)  // the latter: to check the other build
+#define PREFIXD_X86 1
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+#include <cstring>
+
+namespace prefixd_cpu {
+
+inline float bf16_to_float(uint16_t h) {  // exact
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// The fixed halvings of 16 lane sums: lanes j + j+8, then j + j+4, j + j+2, j + j+1. The
+// kernels' vector paths join their lanes in this same order.
+inline float halve16(const float* v) {
+  float a[8], b[4], c[2];
+  for (int j = 0; j < 8; ++j) a[j] = v[j] + v[j + 8];
+  for (int j = 0; j < 4; ++j) b[j] = a[j] + a[j + 4];
+  for (int j = 0; j < 2; ++j) c[j] = b[j] + b[j + 2];
+  return c[0] + c[1];
+}
+
+}  // namespace prefixd_cpu
