@@ -15,6 +15,7 @@ import pytest
 from prefixd.daemon.config import DaemonConfig
 from prefixd.daemon.requests import RequestBuilder
 from prefixd.daemon.server import Server
+from prefixd.gpu import cpu_kernels
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.errors import ClientError
 from prefixd.ipc.parts import Image
@@ -57,8 +58,8 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @asynccontextmanager
-async def tiny_server(tmp_path: Path, model: Path) -> AsyncIterator[Server]:
-    cfg = DaemonConfig(model=str(model), dtype="fp32", lanes=8, max_context=512, cache_budget_bytes=32 << 20,
+async def tiny_server(tmp_path: Path, model: Path, *, dtype: str = "fp32", mode: str = "auto") -> AsyncIterator[Server]:
+    cfg = DaemonConfig(model=str(model), dtype=dtype, mode=mode, lanes=8, max_context=512, cache_budget_bytes=32 << 20,
                        socket_path=tmp_path / "run" / "prefixd.sock", metrics_addr="127.0.0.1:0")
     server = Server(cfg, env={}, out=io.StringIO())
     async with anyio.create_task_group() as tg:
@@ -115,9 +116,16 @@ async def twelve(server: Server) -> list[tuple]:
     return results
 
 
-async def test_a_nan_image_past_admission_ends_only_its_own_request(tmp_path, tiny_dir, monkeypatch):
+# int4: its own kernels read the pool in place, and the attack's NaN pages are reused
+NUMERICS = [("fp32", "invariant"), pytest.param("bf16", "int4", marks=pytest.mark.skipif(
+    not cpu_kernels.available()[0], reason="mode int4's CPU kernels cannot be built here"))]
+
+
+@pytest.mark.parametrize(("dtype", "mode"), NUMERICS)
+async def test_a_nan_image_past_admission_ends_only_its_own_request(tmp_path, tiny_dir, monkeypatch, dtype, mode):
     monkeypatch.setattr(RequestBuilder, "_image", unchecked_image)
-    async with tiny_server(tmp_path, tiny_dir) as server:
+    async with tiny_server(tmp_path, tiny_dir, dtype=dtype, mode=mode) as server:
+        assert server._runtime.model_info["mode"] == mode  # noqa: SLF001 - the numerics under test
         clean, _ = await run_together(server, attack=False)
         before = await twelve(server)
         got, attack = await run_together(server, attack=True)
