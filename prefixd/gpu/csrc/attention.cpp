@@ -195,7 +195,6 @@ PREFIXD_AVX512 inline __m512 halve16_keys(const float* part /* (16 keys, 16 lane
 
 template <int C>
 PREFIXD_AVX512 void rows_avx512(const Attn& a, const Task& task, std::vector<float>& scratch) {
-  constexpr int HB = C <= 2 ? 8 : (C <= 4 ? 4 : (C <= 8 ? 2 : 1));  // heads whose sums stay in registers
   const int64_t* sp = a.spans + task.span * 3;
   const int64_t r0 = sp[0] + task.row, pos0 = sp[1] + task.row, rows = task.rows;
   const int32_t* table = a.tables + task.span * a.table_len;
@@ -204,8 +203,9 @@ PREFIXD_AVX512 void rows_avx512(const Attn& a, const Task& task, std::vector<flo
   const int64_t keys = pos0 + rows;  // the last row's keys; earlier rows use a prefix
   const int64_t padded = (keys + LANES - 1) / LANES * LANES;
   const int64_t d = a.dim;
-  // scratch: q (rh, D) | partial sums (rh, 16 keys, 16 lanes) | scores (rh, padded)
-  scratch.resize(rh * d + rh * LANES * LANES + rh * padded + LANES);
+  // scratch: q (rh, D) | partial sums (rh, 16 keys, 16 lanes) | scores (rh, padded) | values of 16
+  // keys (16, D) | the pairs' value sums (rh, D)
+  scratch.resize(rh * d + rh * LANES * LANES + rh * padded + LANES * d + rh * d + LANES);
   float* qf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   float* part = qf + rh * d;
   float* scores = part + rh * LANES * LANES;
@@ -258,36 +258,56 @@ PREFIXD_AVX512 void rows_avx512(const Attn& a, const Task& task, std::vector<flo
     }
     sums[p] = halve16(l);
   }
-  // o = sum e_t v_t per (row, head), HB heads of a row at a time over one read of each value
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t n = pos0 + i + 1;
-    for (int64_t jb = 0; jb < hn; jb += HB) {
-      const int64_t nh = std::min<int64_t>(HB, hn - jb);
-      const float* e[HB];
-      __m512 o[HB][C];
-#pragma GCC unroll 8
-      for (int h = 0; h < HB; ++h) {
-        e[h] = scores + (i * hn + jb + std::min<int64_t>(h, nh - 1)) * padded;
-        for (int c = 0; c < C; ++c) o[h][c] = _mm512_setzero_ps();
+  // o = sum e_t v_t per (row, head). Values are read once per block of 16 keys for every pair of
+  // the task, two bf16 at a time: a 32-bit word's low half (shifted up) and its high half (masked)
+  // are both exact, so a pair of chunks holds dims 32c + 2i and 32c + 2i + 1 in lane i; each
+  // dim's sum is the same fma chain in key order, and the outputs are put back in dim order.
+  constexpr int CP = C / 2;  // chunk pairs read two bf16 at a time; an odd last chunk is read as before
+  float* vbuf = scores + rh * padded;  // (16 keys, D), aligned: rh * padded and D are multiples of 16
+  float* obuf = vbuf + LANES * d;       // (rh, D)
+  std::fill(obuf, obuf + rh * d, 0.f);
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  for (int64_t tb = 0; tb < keys; tb += LANES) {
+    const int64_t live = std::min<int64_t>(LANES, keys - tb);
+    for (int64_t k = 0; k < live; ++k) {
+      const uint16_t* v = value_row(a, table, tb + k, task.kv);
+      float* vk = vbuf + k * d;
+      for (int c = 0; c < CP; ++c) {
+        const __m512i w = _mm512_loadu_si512(v + 32 * c);
+        _mm512_store_ps(vk + 32 * c, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+        _mm512_store_ps(vk + 32 * c + 16, _mm512_castsi512_ps(_mm512_and_si512(w, high)));
       }
-      for (int64_t t = 0; t < n; ++t) {
-        const uint16_t* v = value_row(a, table, t, task.kv);
-        for (int c = 0; c < C; ++c) {
-          const __m512 vc = load_bf16(v + c * LANES);
-#pragma GCC unroll 8
-          for (int h = 0; h < HB; ++h)
-            if (h < nh) o[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(e[h][t]), vc, o[h][c]);
-        }
-      }
-#pragma GCC unroll 8
-      for (int h = 0; h < HB; ++h) {
-        if (h >= nh) break;
-        const int64_t p = i * hn + jb + h;
-        const __m512 sum = _mm512_set1_ps(sums[p]);
-        float* out = a.out + (r0 + i) * a.heads * d + (task.kv * group + j0 + jb + h) * d;
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + c * LANES, _mm512_div_ps(o[h][c], sum));
-      }
+      if (C % 2) _mm512_store_ps(vk + 32 * CP, load_bf16(v + 32 * CP));
     }
+    for (int64_t p = 0; p < rh; ++p) {
+      const int64_t end = std::min<int64_t>(live, pos0 + p / hn + 1 - tb);  // the row's keys in this block
+      if (end <= 0) continue;
+      float* op = obuf + p * d;
+      const float* e = scores + p * padded + tb;
+      __m512 o[C];
+      for (int c = 0; c < C; ++c) o[c] = _mm512_load_ps(op + 16 * c);
+      for (int64_t k = 0; k < end; ++k) {
+        const __m512 ek = _mm512_set1_ps(e[k]);
+        const float* vk = vbuf + k * d;
+        for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(ek, _mm512_load_ps(vk + 16 * c), o[c]);
+      }
+      for (int c = 0; c < C; ++c) _mm512_store_ps(op + 16 * c, o[c]);
+    }
+  }
+  const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int64_t p = 0; p < rh; ++p) {
+    const int64_t i = p / hn, j = p % hn;
+    const __m512 sum = _mm512_set1_ps(sums[p]);
+    const float* op = obuf + p * d;
+    float* out = a.out + (r0 + i) * a.heads * d + (task.kv * group + j0 + j) * d;
+    for (int c = 0; c < CP; ++c) {
+      const __m512 even = _mm512_div_ps(_mm512_load_ps(op + 32 * c), sum);
+      const __m512 odd = _mm512_div_ps(_mm512_load_ps(op + 32 * c + 16), sum);
+      _mm512_storeu_ps(out + 32 * c, _mm512_permutex2var_ps(even, lo_idx, odd));
+      _mm512_storeu_ps(out + 32 * c + 16, _mm512_permutex2var_ps(even, hi_idx, odd));
+    }
+    if (C % 2) _mm512_storeu_ps(out + 32 * CP, _mm512_div_ps(_mm512_load_ps(op + 32 * CP), sum));
   }
 }
 
