@@ -235,7 +235,7 @@ class ModelRunner:
             hidden = self.model.forward(inputs, self.kv)
             wanted, where = self._wanted_rows(runnable, inputs)
             logits = self.model.logits(hidden.index_select(0, wanted)) if where else None
-            finite = torch.isfinite(logits).all(dim=1).tolist() if logits is not None else []
+            finite = _finite_rows(logits) if logits is not None else []
             with held_masks():  # next masks are built once every lane has sampled (constrain.py)
                 results.update((w.lane, self._lane_result(w, logits, where, finite)) for w in runnable.lanes)
             if self.drafts is not None:
@@ -376,6 +376,16 @@ class ModelRunner:
         wants = sampler is not None and sampler.params.logprobs is not None
         return LaneResult(lane=w.lane, sampled=tuple(sampled), logits=rows, digests=digests,
                           logprobs=tuple(logprobs) if wants else None)
+
+
+def _finite_rows(logits: torch.Tensor) -> list[bool]:
+    """Whether each logits row is finite. A row's sum is finite only when all its values are (an
+    inf or NaN makes it inf or NaN), so one vectorized sum settles the usual round; only when
+    some sum is not finite (a bad row, or finite values whose sum overflows) are rows checked
+    one value at a time."""
+    if bool(torch.isfinite(logits.sum(dim=1)).all()):
+        return [True] * logits.shape[0]
+    return torch.isfinite(logits).all(dim=1).tolist()
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:

@@ -143,3 +143,19 @@ def test_image_rows_of_the_wrong_shape_keep_their_lane_out_of_the_round(llama_ru
     assert res[1].lane == 1 and res[1].sampled == () and res[1].logits is None
     assert res[1].error == f"image at row 1: rows of shape (4, 3), the model needs (4, {runner.config.hidden_size})"
     assert res[0].sampled == (want[0],) and torch.equal(res[0].logits[0], want[1])
+
+
+def test_finite_rows_names_exactly_the_rows_with_a_nan_or_inf():
+    """The one-sum shortcut never calls a bad row finite, nor a finite row bad when its values'
+    sum overflows (3e38 + 3e38 is inf in float32)."""
+    from prefixd.gpu.runner import _finite_rows
+
+    logits = torch.zeros(6, 49152)
+    logits[1, 7] = float("nan")
+    logits[2, 40000] = float("inf")
+    logits[3, 0] = float("-inf")
+    logits[4, :2] = 3e38  # finite values, an infinite sum
+    logits[5, 3], logits[5, 4] = float("inf"), float("-inf")  # their sum is NaN
+    assert _finite_rows(logits) == [True, False, False, False, True, False]
+    assert _finite_rows(logits[[0, 4]]) == [True, True]
+    assert _finite_rows(torch.randn(3, 10)) == [True, True, True]
