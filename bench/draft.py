@@ -8,7 +8,7 @@
 Two workloads built from this repository's own text, rendered with the model's chat template:
 - echo: agent-style turns: a tool listing whose paths the reply must quote back in tool calls,
   and a source function asked back with one line changed (the reply re-emits most of what
-  the prompt holds);
+  the prompt holds); each conversation holds one earlier exchange of the same kind, answered;
 - prose: a request for new prose about a topic (the reply repeats little).
 
 Each workload is `--turns` requests (default 8), run `lanes` at a time: at 1 lane one after
@@ -62,21 +62,41 @@ def source_paths() -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "prefixd").rglob("*.py"))
 
 
-def echo_messages(i: int) -> list[dict]:
-    """Odd turns: a tool call quoting paths from a listing; even turns: re-emit an edited function."""
-    if i % 2:
-        paths = source_paths()
-        picked = paths[i * 5 % len(paths): i * 5 % len(paths) + 6]
-        listing = json.dumps({"files": picked}, indent=1)
-        return [{"role": "user", "content": f"The list_files tool returned:\n{listing}\n\n"
-                 "Call the read_file tool once for every file listed, in order. Reply only with the calls, "
-                 'one JSON object a line: {"name": "read_file", "arguments": {"path": "..."}}'}]
+TOOL_INSTRUCTION = ("Call the read_file tool once for every file listed, in order. Reply only with the calls, one "
+                    'JSON object a line: {"name": "read_file", "arguments": {"path": "..."}}')
+
+
+def listing_exchange(i: int) -> tuple[dict, dict]:
+    """A user turn holding a `list_files` result, and the reply that calls `read_file` on each path."""
+    paths = source_paths()
+    picked = paths[i * 5 % len(paths): i * 5 % len(paths) + 6]
+    user = {"role": "user", "content": "The list_files tool returned:\n"
+            f"{json.dumps({'files': picked}, indent=1)}\n\n{TOOL_INSTRUCTION}"}
+    calls = "\n".join(json.dumps({"name": "read_file", "arguments": {"path": p}}) for p in picked)
+    return user, {"role": "assistant", "content": calls}
+
+
+def edit_exchange(i: int) -> tuple[dict, dict]:
+    """A user turn asking for a function back with a comment added, and that function changed."""
     fns = functions(64)
-    fn = fns[i * 7 % len(fns)]
-    first = fn.splitlines()[1].strip()
-    return [{"role": "user", "content": f"Here is a function from the file:\n\n{fn}\n\n"
-             f"Apply this change: add a comment above the line `{first}` saying why it is there. "
-             "Reply with the whole function, changed, and nothing else."}]
+    lines = fns[i * 7 % len(fns)].splitlines()
+    second = lines[1]
+    user = {"role": "user", "content": "Here is a function from the file:\n\n" + "\n".join(lines) + "\n\n"
+            f"Apply this change: add a comment above the line `{second.strip()}` saying why it is there. "
+            "Reply with the whole function, changed, and nothing else."}
+    indent = second[: len(second) - len(second.lstrip())]
+    changed = "\n".join([lines[0], f"{indent}# kept: the callers rely on it", *lines[1:]])
+    return user, {"role": "assistant", "content": changed}
+
+
+def echo_messages(i: int) -> list[dict]:
+    """An agent conversation whose reply must quote back what the prompt holds: odd turns call a
+    tool on the paths of a listing, even turns re-emit a function with one line added. Each
+    holds one earlier exchange of the same kind (another listing or function, answered), as
+    an agent's context does; without it the small default model answers such turns in prose."""
+    exchange = listing_exchange if i % 2 else edit_exchange
+    earlier_user, earlier_reply = exchange(i + 2)
+    return [earlier_user, earlier_reply, exchange(i)[0]]
 
 
 def prose_messages(i: int) -> list[dict]:
