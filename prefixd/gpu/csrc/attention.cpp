@@ -174,10 +174,10 @@ PREFIXD_AVX512 inline __m512 exp_fixed(__m512 x) {
 
 // The scores of 16 keys from their 16 lane partial vectors: for each key the halvings of
 // `halve16` (lanes j + j+8, then + 4, + 2, + 1), four keys' worth per shuffle.
-PREFIXD_AVX512 inline __m512 halve16_keys(const float* part /* (16 keys, 16 lanes) */) {
+PREFIXD_AVX512 inline __m512 halve16_keys(const __m512* part /* 16 keys' lane vectors */) {
   __m512 w[8], x[4], y[2];
   for (int i = 0; i < 8; ++i) {
-    const __m512 a = _mm512_load_ps(part + 32 * i), b = _mm512_load_ps(part + 32 * i + 16);
+    const __m512 a = part[2 * i], b = part[2 * i + 1];
     w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
   }
   for (int i = 0; i < 4; ++i)
@@ -203,39 +203,48 @@ PREFIXD_AVX512 void rows_avx512(const Attn& a, const Task& task, std::vector<flo
   const int64_t keys = pos0 + rows;  // the last row's keys; earlier rows use a prefix
   const int64_t padded = (keys + LANES - 1) / LANES * LANES;
   const int64_t d = a.dim;
-  // scratch: q (rh, D) | partial sums (rh, 16 keys, 16 lanes) | scores (rh, padded) | values of 16
-  // keys (16, D) | the pairs' value sums (rh, D)
-  scratch.resize(rh * d + rh * LANES * LANES + rh * padded + LANES * d + rh * d + LANES);
+  // scratch: q (rh, D) | exponent sums (rh, 16) | scores (rh, padded) | a block's keys, then its
+  // values (16, D) | the pairs' value sums (rh, D)
+  scratch.resize(rh * d + rh * LANES + rh * padded + LANES * d + rh * d + LANES);
   float* qf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
-  float* part = qf + rh * d;
-  float* scores = part + rh * LANES * LANES;
+  float* sums = qf + rh * d;
+  float* scores = sums + rh * LANES;
+  float* vbuf = scores + rh * padded;  // (16 keys, D), aligned: rh * padded and D are multiples of 16
+  float* obuf = vbuf + LANES * d;       // (rh, D)
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < hn; ++j) {
       const uint16_t* q = a.q + ((r0 + i) * a.q_stride + task.kv * group + j0 + j) * d;
       for (int c = 0; c < C; ++c) _mm512_store_ps(qf + (i * hn + j) * d + c * LANES, load_bf16(q + c * LANES));
     }
-  // scores of every (row, head) pair from one read of each key; a row's scores past its own
-  // position are computed from its lane's own keys and never used
+  // scores of every (row, head) pair from one read of each key: a block of 16 keys is widened
+  // to fp32 once, then each pair's 16 lane vectors stay in registers through their halvings.
+  // A row's scores past its own position (up to the block's end) are computed and never used.
+  float* kbuf = vbuf;  // (16 keys, D), free until the values are read
   for (int64_t tb = 0; tb < padded; tb += LANES) {
     const int64_t live = std::min<int64_t>(LANES, keys - tb);
     for (int64_t k = 0; k < LANES; ++k) {
+      float* kk = kbuf + k * d;
       if (k >= live) {
-        for (int64_t p = 0; p < rh; ++p) _mm512_store_ps(part + (p * LANES + k) * LANES, _mm512_setzero_ps());
+        for (int c = 0; c < C; ++c) _mm512_store_ps(kk + c * LANES, _mm512_setzero_ps());
         continue;
       }
       const uint16_t* kr = key_row(a, table, tb + k, task.kv);
-      __m512 kc[C];
-      for (int c = 0; c < C; ++c) kc[c] = load_bf16(kr + c * LANES);
-      for (int64_t p = 0; p < rh; ++p) {
-        const float* q = qf + p * d;
-        __m512 acc = _mm512_mul_ps(_mm512_load_ps(q), kc[0]);
-        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_load_ps(q + c * LANES), kc[c], acc);
-        _mm512_store_ps(part + (p * LANES + k) * LANES, acc);
-      }
+      for (int c = 0; c < C; ++c) _mm512_store_ps(kk + c * LANES, load_bf16(kr + c * LANES));
     }
-    for (int64_t p = 0; p < rh; ++p) _mm512_storeu_ps(scores + p * padded + tb, halve16_keys(part + p * LANES * LANES));
+    for (int64_t p = 0; p < rh; ++p) {
+      const float* q = qf + p * d;
+      __m512 qc[C];
+      for (int c = 0; c < C; ++c) qc[c] = _mm512_load_ps(q + c * LANES);
+      __m512 acc[LANES];
+#pragma GCC unroll 16
+      for (int k = 0; k < LANES; ++k) {
+        const float* kk = kbuf + k * d;
+        acc[k] = _mm512_mul_ps(qc[0], _mm512_load_ps(kk));
+        for (int c = 1; c < C; ++c) acc[k] = _mm512_fmadd_ps(qc[c], _mm512_load_ps(kk + c * LANES), acc[k]);
+      }
+      _mm512_storeu_ps(scores + p * padded + tb, halve16_keys(acc));
+    }
   }
-  float* sums = part;  // reused: each pair's exponent sum
   for (int64_t p = 0; p < rh; ++p) {
     const int64_t n = pos0 + p / hn + 1;
     float* s = scores + p * padded;
@@ -263,8 +272,6 @@ PREFIXD_AVX512 void rows_avx512(const Attn& a, const Task& task, std::vector<flo
   // are both exact, so a pair of chunks holds dims 32c + 2i and 32c + 2i + 1 in lane i; each
   // dim's sum is the same fma chain in key order, and the outputs are put back in dim order.
   constexpr int CP = C / 2;  // chunk pairs read two bf16 at a time; an odd last chunk is read as before
-  float* vbuf = scores + rh * padded;  // (16 keys, D), aligned: rh * padded and D are multiples of 16
-  float* obuf = vbuf + LANES * d;       // (rh, D)
   std::fill(obuf, obuf + rh * d, 0.f);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
   for (int64_t tb = 0; tb < keys; tb += LANES) {
