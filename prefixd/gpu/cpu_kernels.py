@@ -178,6 +178,17 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, spans: t
     torch.ops.prefixd.attend(q, k_pool, v_pool, spans, tables, heads, q_stride, out, path)
 
 
+def rope_kv(qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], qk: torch.Tensor, k_pool: torch.Tensor,
+            v_pool: torch.Tensor, slots: torch.Tensor, heads: int) -> None:
+    """A layer's rope into `qk` and its K/V rows into the pools, in one call, with the bits of
+    `model.rope_qk_into` (scaled tables) and `KVPool.write` (csrc/attention.cpp).
+
+    qkv (R, (heads + 2 kv_heads) * D) fp32; tables: q-scaled (cos, sin), (R, heads + kv_heads, D)
+    fp32; qk (>= R, heads + kv_heads, D) bf16; pools (pages, page_size, kv_heads, D) bf16; slots
+    (n <= R,) int64: rows 0..n-1 go to the pool."""
+    torch.ops.prefixd.rope_kv(qkv, tables[0], tables[1], qk, k_pool, v_pool, slots, heads)
+
+
 def attention_index(spans) -> tuple[torch.Tensor, torch.Tensor]:
     """(spans (S, 3) int64, tables (S, T) int32) for `attend` from attention.AttentionSpan records."""
     width = max((len(s.page_table) for s in spans), default=0)

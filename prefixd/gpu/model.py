@@ -196,6 +196,22 @@ class LlamaModel:
         if layer.qkv_bias is not None:
             qkv = qkv.float() + layer.qkv_bias
         heads = c.num_heads
+        if rnd.cpu_index is not None and layer.q_norm is None and rnd.scaled is not None:
+            # int4: rope and the K/V write in one call of the CPU kernels, the bits of _rope_and_write
+            cpu_kernels.rope_kv(qkv, rnd.scaled, rnd.qk, kv.k[i], kv.v[i], rnd.slots, heads)
+        else:
+            self._rope_and_write(i, layer, qkv, rnd, kv)
+        if rnd.cpu_index is not None:  # int4: prefixd's CPU attention, reading the pool in place
+            cpu_kernels.attend(rnd.qk.view(-1, c.head_dim), kv.k[i], kv.v[i], *rnd.cpu_index, heads,
+                               heads + c.num_kv_heads, rnd.attn)
+        else:
+            attend_into(rnd.qk.view(-1, c.head_dim), heads + c.num_kv_heads, kv.k[i], kv.v[i], rnd.tiles, rnd.attn)
+        return matmul(rnd.attn[:-1], layer.o)
+
+    def _rope_and_write(self, i: int, layer: _Layer, qkv: torch.Tensor, rnd: "_Round", kv: KVPool) -> None:
+        """Rotated (q-scaled) q and k heads into `rnd.qk`, the K/V rows into the pool."""
+        c = self.config
+        heads = c.num_heads
         qk_dim = (heads + c.num_kv_heads) * c.head_dim
         qk = qkv[:, :qk_dim].unflatten(-1, (heads + c.num_kv_heads, c.head_dim))  # (rows, H + KV, hd)
         v = qkv[:, qk_dim:].unflatten(-1, (c.num_kv_heads, c.head_dim))
@@ -209,12 +225,6 @@ class LlamaModel:
             rope_qk_into(qk, out, heads, self.scale, (rnd.cos, rnd.sin), rnd.scaled)
         n = rnd.num_rows
         kv.write(i, rnd.slots, out[:n, heads:], v[:n])
-        if rnd.cpu_index is not None:  # int4: prefixd's CPU attention, reading the pool in place
-            cpu_kernels.attend(rnd.qk.view(-1, c.head_dim), kv.k[i], kv.v[i], *rnd.cpu_index, heads,
-                               heads + c.num_kv_heads, rnd.attn)
-        else:
-            attend_into(rnd.qk.view(-1, c.head_dim), heads + c.num_kv_heads, kv.k[i], kv.v[i], rnd.tiles, rnd.attn)
-        return matmul(rnd.attn[:-1], layer.o)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, vocab) fp32 logits of final-normed hidden rows (n, hidden)."""

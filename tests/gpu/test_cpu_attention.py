@@ -122,3 +122,46 @@ def test_bad_index_is_refused_before_anything_is_read(span, message):
     with pytest.raises(RuntimeError, match=message):
         cpu_kernels.attend(case.q, case.k, case.v, *cpu_kernels.attention_index([span]), case.heads,
                            case.q_stride, out)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 37])
+def test_rope_kv_has_the_bits_of_the_torch_rope_and_pool_write(rows):
+    """The fused rope and K/V write gives the q/k heads and pool rows of rope_qk_into (scaled
+    tables) then KVPool.write, bit for bit, and writes no other pool row."""
+    from prefixd.gpu.kv_pool import KVPool
+    from prefixd.gpu.model import rope_qk_into, scale_q_tables
+    from prefixd.gpu.rope import rotation_tables
+
+    heads, kv_heads, dim, pages = 9, 3, 64, 12
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g) * 3
+    angles = torch.rand(rows, 1, dim // 2, generator=g) * 100
+    cos, sin = rotation_tables(angles.cos(), angles.sin())
+    scaled = tuple(scale_q_tables(t, heads, kv_heads, dim ** -0.5) for t in (cos, sin))
+    n = max(rows - 2, 1)  # the last rows' K/V are not written (padding rows)
+    slots = torch.randperm(pages * PAGE, generator=g)[:n]
+    results = []
+    for fused in (True, False):
+        pool = KVPool(num_layers=1, num_pages=pages, page_size=PAGE, num_kv_heads=kv_heads, head_dim=dim,
+                      device=torch.device("cpu"), dtype=torch.bfloat16)
+        pool.storage.fill_(7.0)
+        qk = torch.zeros(rows + 1, heads + kv_heads, dim, dtype=torch.bfloat16)
+        if fused:
+            cpu_kernels.rope_kv(qkv, scaled, qk, pool.k[0], pool.v[0], slots, heads)
+        else:
+            q_and_k = qkv[:, :(heads + kv_heads) * dim].unflatten(-1, (heads + kv_heads, dim))
+            rope_qk_into(q_and_k, qk[:-1], heads, dim ** -0.5, (cos, sin), scaled)
+            v = qkv[:, (heads + kv_heads) * dim:].unflatten(-1, (kv_heads, dim))
+            pool.write(0, slots, qk[:n, heads:], v[:n])
+        results.append((qk.view(torch.int16), pool.storage.view(torch.int16)))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_rope_kv_refuses_a_slot_outside_the_pool():
+    pool = torch.zeros(2, PAGE, 1, 16, dtype=torch.bfloat16)
+    qkv = torch.zeros(1, 4 * 16)
+    tables = (torch.zeros(1, 3, 16), torch.zeros(1, 3, 16))
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_kernels.rope_kv(qkv, tables, torch.zeros(2, 3, 16, dtype=torch.bfloat16), pool, pool.clone(),
+                            torch.tensor([2 * PAGE]), 2)

@@ -409,12 +409,73 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   });
 }
 
+// One layer's rope and K/V write for mode int4, with the bits of the torch ops it replaces
+// (model.rope_qk_into with scaled tables, then KVPool.write): for every row r and q or k head j,
+//   qk[r, j, i] = bf16(fp32(x[i] * cos[r, j, i]) + fp32(x[i'] * sin[r, j, i]))   (each op rounded)
+// where x is the head's slice of qkv and i' = i + D/2 for i < D/2, else i - D/2; then for rows
+// r < n the k heads go to the pool at slots[r] as they are and the v heads as bf16(v).
+void rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& qk, at::Tensor& k_pool,
+             at::Tensor& v_pool, const at::Tensor& slots, int64_t heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "rope_kv: qkv must be contiguous fp32 (R, N)");
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == at::kBFloat16 &&
+                  v_pool.scalar_type() == at::kBFloat16 && k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "rope_kv: k and v pools must be contiguous bf16 (pages, page_size, kv_heads, D) of one shape");
+  const int64_t rows = qkv.size(0), kv_heads = k_pool.size(2), dim = k_pool.size(3), qk_heads = heads + kv_heads;
+  const int64_t slots_n = k_pool.size(0) * k_pool.size(1);
+  TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (qk_heads + kv_heads) * dim, "rope_kv: qkv's width is not (", qk_heads,
+              " + ", kv_heads, ") * ", dim);
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 3 && cos.size(0) == rows &&
+                  cos.size(1) == qk_heads && cos.size(2) == dim,
+              "rope_kv: cos and sin must be contiguous fp32 (R, heads + kv_heads, D)");
+  TORCH_CHECK(qk.scalar_type() == at::kBFloat16 && qk.is_contiguous() && qk.dim() == 3 && qk.size(0) >= rows &&
+                  qk.size(1) == qk_heads && qk.size(2) == dim,
+              "rope_kv: qk must be contiguous bf16 (>= R, heads + kv_heads, D)");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1 && slots.size(0) <= rows,
+              "rope_kv: slots must be contiguous int64 (n <= R)");
+  const int64_t n = slots.size(0), width = qkv.size(1), half = dim / 2;
+  const int64_t* sl = slots.const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(sl[r] >= 0 && sl[r] < slots_n, "rope_kv: slot ", sl[r], " outside the pool");
+  const float* x = qkv.const_data_ptr<float>();
+  const float* cs = cos.const_data_ptr<float>();
+  const float* sn = sin.const_data_ptr<float>();
+  at::BFloat16* out = qk.mutable_data_ptr<at::BFloat16>();
+  at::BFloat16* kp = k_pool.mutable_data_ptr<at::BFloat16>();
+  at::BFloat16* vp = v_pool.mutable_data_ptr<at::BFloat16>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t j = 0; j < qk_heads; ++j) {
+        const float* xh = x + r * width + j * dim;
+        const float* c = cs + (r * qk_heads + j) * dim;
+        const float* s = sn + (r * qk_heads + j) * dim;
+        at::BFloat16* o = out + (r * qk_heads + j) * dim;
+        for (int64_t i = 0; i < dim; ++i) {
+          const float a = xh[i] * c[i];
+          const float b = xh[i < half ? i + half : i - half] * s[i];
+          o[i] = at::BFloat16(a + b);
+        }
+      }
+      if (r < n) {
+        std::memcpy(kp + sl[r] * kv_heads * dim, out + (r * qk_heads + heads) * dim, kv_heads * dim * sizeof(at::BFloat16));
+        const float* v = x + r * width + qk_heads * dim;
+        at::BFloat16* vo = vp + sl[r] * kv_heads * dim;
+        for (int64_t i = 0; i < kv_heads * dim; ++i) vo[i] = at::BFloat16(v[i]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(prefixd, m) {
   m.def("attend(Tensor q, Tensor k_pool, Tensor v_pool, Tensor spans, Tensor tables, int heads, int q_stride, "
         "Tensor(a!) out, str path='auto') -> ()");
+  m.def("rope_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) qk, Tensor(b!) k_pool, Tensor(c!) v_pool, "
+        "Tensor slots, int heads) -> ()");
   m.def("attention_isa() -> str", [] { return std::string(have_avx512() ? "avx512" : "portable"); });
 }
 
-TORCH_LIBRARY_IMPL(prefixd, CPU, m) { m.impl("attend", &attend); }
+TORCH_LIBRARY_IMPL(prefixd, CPU, m) {
+  m.impl("attend", &attend);
+  m.impl("rope_kv", &rope_kv);
+}
