@@ -345,11 +345,16 @@ bool have_avx512() {
 #endif
 }
 
-void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& spans,
-            const at::Tensor& tables, int64_t heads, int64_t q_stride, at::Tensor& out, c10::string_view path) {
+// The K and V pools both ops read or write: (pages, page_size, kv_heads, D) bf16, contiguous, one shape.
+void check_pools(const at::Tensor& k_pool, const at::Tensor& v_pool, const char* op) {
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == at::kBFloat16 &&
                   v_pool.scalar_type() == at::kBFloat16 && k_pool.is_contiguous() && v_pool.is_contiguous(),
-              "attend: k and v pools must be contiguous bf16 (pages, page_size, kv_heads, D) of one shape");
+              op, ": k and v pools must be contiguous bf16 (pages, page_size, kv_heads, D) of one shape");
+}
+
+void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& spans,
+            const at::Tensor& tables, int64_t heads, int64_t q_stride, at::Tensor& out, c10::string_view path) {
+  check_pools(k_pool, v_pool, "attend");
   const int64_t page = k_pool.size(1), kv_heads = k_pool.size(2), dim = k_pool.size(3);
   TORCH_CHECK(dim % LANES == 0 && dim <= MAX_CHUNKS * LANES, "attend: head_dim must be a multiple of 16 up to 256, got ", dim);
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= MAX_GROUP, "attend: ", heads, " heads over ", kv_heads, " kv heads");
@@ -417,9 +422,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
 void rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& qk, at::Tensor& k_pool,
              at::Tensor& v_pool, const at::Tensor& slots, int64_t heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "rope_kv: qkv must be contiguous fp32 (R, N)");
-  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == at::kBFloat16 &&
-                  v_pool.scalar_type() == at::kBFloat16 && k_pool.is_contiguous() && v_pool.is_contiguous(),
-              "rope_kv: k and v pools must be contiguous bf16 (pages, page_size, kv_heads, D) of one shape");
+  check_pools(k_pool, v_pool, "rope_kv");
   const int64_t rows = qkv.size(0), kv_heads = k_pool.size(2), dim = k_pool.size(3), qk_heads = heads + kv_heads;
   const int64_t slots_n = k_pool.size(0) * k_pool.size(1);
   TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (qk_heads + kv_heads) * dim, "rope_kv: qkv's width is not (", qk_heads,
