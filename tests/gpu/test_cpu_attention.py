@@ -83,23 +83,31 @@ def test_paths_agree_bit_for_bit_and_compute_softmax_attention(heads, kv_heads, 
     torch.testing.assert_close(got.double(), case.reference()[: case.rows], rtol=1e-5, atol=1e-5)
 
 
-def test_a_rows_bits_do_not_depend_on_the_other_rows_of_the_call():
-    """Each row alone (a one-row span at its position), then all lanes in one call, then the
-    lanes in another order and thread count: the same bits."""
-    case = Case(LANES)
-    together = case.run()
-    alone = torch.zeros_like(together)
-    for s in case.spans:
-        for i in range(s.length):
-            one = AttentionSpan(s.row + i, s.start + i, 1, s.page_table)
-            alone[s.row + i] = case.run([one])[s.row + i]
-    assert torch.equal(alone[: case.rows], together[: case.rows])
+def with_threads(n: int, fn):
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        reversed_one_thread = case.run(list(reversed(case.spans)))
+        torch.set_num_threads(n)
+        return fn()
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("path", paths())
+def test_a_rows_bits_do_not_depend_on_the_other_rows_of_the_call(path):
+    """Each row alone (a one-row span at its position), then all lanes in one call, then the
+    lanes in another order and thread count: the same bits. The calls cut their work into
+    tasks of every shape the kernel has (with 2 threads: all of a lane's heads in one task,
+    together; a task per kv head, alone; with 8 threads alone: a task per q head)."""
+    case = Case(LANES)
+    together = with_threads(2, lambda: case.run(path=path))
+    for threads in (2, 8):
+        alone = torch.zeros_like(together)
+        for s in case.spans:
+            for i in range(s.length):
+                one = AttentionSpan(s.row + i, s.start + i, 1, s.page_table)
+                alone[s.row + i] = with_threads(threads, lambda: case.run([one], path=path))[s.row + i]
+        assert torch.equal(alone[: case.rows], together[: case.rows]), threads
+    reversed_one_thread = with_threads(1, lambda: case.run(list(reversed(case.spans)), path=path))
     assert torch.equal(reversed_one_thread, together)
 
 

@@ -82,8 +82,8 @@ struct Attn {
 using RowFn = void (*)(const Attn&, const struct Task&, std::vector<float>&);
 
 struct Task {
-  int64_t span, row, rows, kv, head_from, head_to;  // rows [row, row + rows) of the span; q heads
-                                                    // [head_from, head_to) of the kv head's group
+  int64_t span, row, rows, head_from, head_to;  // rows [row, row + rows) of the span; q heads
+                                                // [head_from, head_to), kv heads h / group
 };
 
 inline const uint16_t* key_row(const Attn& a, const int32_t* table, int64_t t, int64_t kv) {
@@ -101,14 +101,14 @@ void row_portable(const Attn& a, const Task& task, int64_t row, std::vector<floa
   const int64_t r = sp[0] + row, pos = sp[1] + row, n = pos + 1;
   const int32_t* table = a.tables + task.span * a.table_len;
   const int64_t group = a.heads / a.kv_heads, chunks = a.dim / LANES;
-  scores.resize(group * n);
-  for (int64_t j = task.head_from; j < task.head_to; ++j) {
-    const int64_t h = task.kv * group + j;
+  scores.resize(n);
+  for (int64_t h = task.head_from; h < task.head_to; ++h) {
+    const int64_t kv = h / group;
     const uint16_t* q = a.q + (r * a.q_stride + h) * a.dim;
-    float* s = scores.data() + j * n;
+    float* s = scores.data();
     bool nan = false;
     for (int64_t t = 0; t < n; ++t) {
-      const uint16_t* k = key_row(a, table, t, task.kv);
+      const uint16_t* k = key_row(a, table, t, kv);
       float lane[LANES];
       for (int i = 0; i < LANES; ++i) lane[i] = bf16f(q[i]) * bf16f(k[i]);
       for (int64_t c = 1; c < chunks; ++c)
@@ -124,7 +124,7 @@ void row_portable(const Attn& a, const Task& task, int64_t row, std::vector<floa
     for (int64_t t = 0; t < n; ++t) {
       const float e = exp_fixed(s[t] - m);
       l[t % LANES] = l[t % LANES] + e;
-      const uint16_t* v = value_row(a, table, t, task.kv);
+      const uint16_t* v = value_row(a, table, t, kv);
       for (int64_t d = 0; d < a.dim; ++d) o[d] = std::fma(e, bf16f(v[d]), o[d]);
     }
     const float sum = halve16(l);
@@ -198,47 +198,52 @@ PREFIXD_AVX512 void rows_avx512(const Attn& a, const Task& task, std::vector<flo
   const int64_t* sp = a.spans + task.span * 3;
   const int64_t r0 = sp[0] + task.row, pos0 = sp[1] + task.row, rows = task.rows;
   const int32_t* table = a.tables + task.span * a.table_len;
-  const int64_t group = a.heads / a.kv_heads, j0 = task.head_from, j1 = task.head_to, hn = j1 - j0;
+  const int64_t group = a.heads / a.kv_heads, h0 = task.head_from, hn = task.head_to - h0;
+  const int64_t kv0 = h0 / group, kvn = (task.head_to - 1) / group - kv0 + 1;  // the kv heads read
   const int64_t rh = rows * hn;  // (row, head) pairs, row-major
   const int64_t keys = pos0 + rows;  // the last row's keys; earlier rows use a prefix
   const int64_t padded = (keys + LANES - 1) / LANES * LANES;
   const int64_t d = a.dim;
   // scratch: q (rh, D) | exponent sums (rh, 16) | scores (rh, padded) | a block's keys, then its
-  // values (16, D) | the pairs' value sums (rh, D)
-  scratch.resize(rh * d + rh * LANES + rh * padded + LANES * d + rh * d + LANES);
+  // values (kvn, 16, D) | the pairs' value sums (rh, D)
+  const int64_t block = LANES * d;  // one kv head's keys or values of a block, widened
+  scratch.resize(rh * d + rh * LANES + rh * padded + kvn * block + rh * d + LANES);
   float* qf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   float* sums = qf + rh * d;
   float* scores = sums + rh * LANES;
-  float* vbuf = scores + rh * padded;  // (16 keys, D), aligned: rh * padded and D are multiples of 16
-  float* obuf = vbuf + LANES * d;       // (rh, D)
+  float* vbuf = scores + rh * padded;  // (kvn, 16 keys, D), aligned: rh * padded and D are multiples of 16
+  float* obuf = vbuf + kvn * block;     // (rh, D)
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < hn; ++j) {
-      const uint16_t* q = a.q + ((r0 + i) * a.q_stride + task.kv * group + j0 + j) * d;
+      const uint16_t* q = a.q + ((r0 + i) * a.q_stride + h0 + j) * d;
       for (int c = 0; c < C; ++c) _mm512_store_ps(qf + (i * hn + j) * d + c * LANES, load_bf16(q + c * LANES));
     }
   // scores of every (row, head) pair from one read of each key: a block of 16 keys is widened
-  // to fp32 once, then each pair's 16 lane vectors stay in registers through their halvings.
-  // A row's scores past its own position (up to the block's end) are computed and never used.
-  float* kbuf = vbuf;  // (16 keys, D), free until the values are read
+  // to fp32 once (the task's kv heads of a pool row lie side by side: one contiguous read), then
+  // each pair's 16 lane vectors stay in registers through their halvings. A row's scores past
+  // its own position (up to the block's end) are computed and never used.
+  float* kbuf = vbuf;  // (kvn, 16 keys, D), free until the values are read
   for (int64_t tb = 0; tb < padded; tb += LANES) {
     const int64_t live = std::min<int64_t>(LANES, keys - tb);
     for (int64_t k = 0; k < LANES; ++k) {
-      float* kk = kbuf + k * d;
       if (k >= live) {
-        for (int c = 0; c < C; ++c) _mm512_store_ps(kk + c * LANES, _mm512_setzero_ps());
+        for (int64_t g = 0; g < kvn; ++g)
+          for (int c = 0; c < C; ++c) _mm512_store_ps(kbuf + g * block + k * d + c * LANES, _mm512_setzero_ps());
         continue;
       }
-      const uint16_t* kr = key_row(a, table, tb + k, task.kv);
-      for (int c = 0; c < C; ++c) _mm512_store_ps(kk + c * LANES, load_bf16(kr + c * LANES));
+      const uint16_t* kr = key_row(a, table, tb + k, kv0);
+      for (int64_t g = 0; g < kvn; ++g)
+        for (int c = 0; c < C; ++c) _mm512_store_ps(kbuf + g * block + k * d + c * LANES, load_bf16(kr + g * d + c * LANES));
     }
     for (int64_t p = 0; p < rh; ++p) {
       const float* q = qf + p * d;
+      const float* kb = kbuf + ((h0 + p % hn) / group - kv0) * block;
       __m512 qc[C];
       for (int c = 0; c < C; ++c) qc[c] = _mm512_load_ps(q + c * LANES);
       __m512 acc[LANES];
 #pragma GCC unroll 16
       for (int k = 0; k < LANES; ++k) {
-        const float* kk = kbuf + k * d;
+        const float* kk = kb + k * d;
         acc[k] = _mm512_mul_ps(qc[0], _mm512_load_ps(kk));
         for (int c = 1; c < C; ++c) acc[k] = _mm512_fmadd_ps(qc[c], _mm512_load_ps(kk + c * LANES), acc[k]);
       }
@@ -277,25 +282,29 @@ PREFIXD_AVX512 void rows_avx512(const Attn& a, const Task& task, std::vector<flo
   for (int64_t tb = 0; tb < keys; tb += LANES) {
     const int64_t live = std::min<int64_t>(LANES, keys - tb);
     for (int64_t k = 0; k < live; ++k) {
-      const uint16_t* v = value_row(a, table, tb + k, task.kv);
-      float* vk = vbuf + k * d;
-      for (int c = 0; c < CP; ++c) {
-        const __m512i w = _mm512_loadu_si512(v + 32 * c);
-        _mm512_store_ps(vk + 32 * c, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-        _mm512_store_ps(vk + 32 * c + 16, _mm512_castsi512_ps(_mm512_and_si512(w, high)));
+      const uint16_t* vr = value_row(a, table, tb + k, kv0);
+      for (int64_t g = 0; g < kvn; ++g) {
+        const uint16_t* v = vr + g * d;
+        float* vk = vbuf + g * block + k * d;
+        for (int c = 0; c < CP; ++c) {
+          const __m512i w = _mm512_loadu_si512(v + 32 * c);
+          _mm512_store_ps(vk + 32 * c, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+          _mm512_store_ps(vk + 32 * c + 16, _mm512_castsi512_ps(_mm512_and_si512(w, high)));
+        }
+        if (C % 2) _mm512_store_ps(vk + 32 * CP, load_bf16(v + 32 * CP));
       }
-      if (C % 2) _mm512_store_ps(vk + 32 * CP, load_bf16(v + 32 * CP));
     }
     for (int64_t p = 0; p < rh; ++p) {
       const int64_t end = std::min<int64_t>(live, pos0 + p / hn + 1 - tb);  // the row's keys in this block
       if (end <= 0) continue;
       float* op = obuf + p * d;
       const float* e = scores + p * padded + tb;
+      const float* vb = vbuf + ((h0 + p % hn) / group - kv0) * block;
       __m512 o[C];
       for (int c = 0; c < C; ++c) o[c] = _mm512_load_ps(op + 16 * c);
       for (int64_t k = 0; k < end; ++k) {
         const __m512 ek = _mm512_set1_ps(e[k]);
-        const float* vk = vbuf + k * d;
+        const float* vk = vb + k * d;
         for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(ek, _mm512_load_ps(vk + 16 * c), o[c]);
       }
       for (int c = 0; c < C; ++c) _mm512_store_ps(op + 16 * c, o[c]);
@@ -307,7 +316,7 @@ PREFIXD_AVX512 void rows_avx512(const Attn& a, const Task& task, std::vector<flo
     const int64_t i = p / hn, j = p % hn;
     const __m512 sum = _mm512_set1_ps(sums[p]);
     const float* op = obuf + p * d;
-    float* out = a.out + (r0 + i) * a.heads * d + (task.kv * group + j0 + j) * d;
+    float* out = a.out + (r0 + i) * a.heads * d + (h0 + j) * d;
     for (int c = 0; c < CP; ++c) {
       const __m512 even = _mm512_div_ps(_mm512_load_ps(op + 32 * c), sum);
       const __m512 odd = _mm512_div_ps(_mm512_load_ps(op + 32 * c + 16), sum);
@@ -374,26 +383,33 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   const int64_t* sp = spans.const_data_ptr<int64_t>();
   const int32_t* tb = tables.const_data_ptr<int32_t>();
   const int64_t pages = k_pool.size(0);
-  std::vector<Task> tasks;
+  int64_t blocks = 0;
   for (int64_t s = 0; s < s_count; ++s) {
     const int64_t row = sp[s * 3], start = sp[s * 3 + 1], length = sp[s * 3 + 2];
     TORCH_CHECK(row >= 0 && start >= 0 && length >= 0 && row + length <= std::min(q_rows, out.size(0)), "attend: span ", s, " out of range");
     TORCH_CHECK(start + length <= table_len * page, "attend: span ", s, "'s page table cannot hold row ", start + length - 1);
     for (int64_t i = 0; i < (start + length + page - 1) / page; ++i)
       TORCH_CHECK(tb[s * table_len + i] >= 0 && tb[s * table_len + i] < pages, "attend: span ", s, " names page ", tb[s * table_len + i]);
-    // consecutive rows of a lane share each read of a key: blocks of ROW_BLOCK rows
-    for (int64_t i = 0; i < length; i += ROW_BLOCK)
-      for (int64_t g = 0; g < kv_heads; ++g)
-        tasks.push_back({s, i, std::min<int64_t>(ROW_BLOCK, length - i), g, 0, heads / kv_heads});
+    blocks += (length + ROW_BLOCK - 1) / ROW_BLOCK;
   }
-  // Fewer tasks than threads: one q head each, so that every thread has work. A
-  // head's arithmetic is the same alone or beside its group; the group only shares key reads.
-  if (static_cast<int64_t>(tasks.size()) < at::get_num_threads() && heads > kv_heads) {
-    std::vector<Task> split;
-    for (const Task& t : tasks)
-      for (int64_t j = 0; j < heads / kv_heads; ++j) split.push_back({t.span, t.row, t.rows, t.kv, j, j + 1});
-    tasks.swap(split);
-  }
+  // A task is a block of up to ROW_BLOCK consecutive rows of a lane (they share each read of a
+  // key) and a range of q heads: all of them while that leaves at least two tasks a thread (a
+  // pool row's kv heads lie side by side, so the task reads whole rows, which the caches fetch
+  // well; a kv head's slice of each row is a strided read), else one kv head's group, else one
+  // q head. A head's arithmetic is the same in any task; a task only shares the reads.
+  const int64_t group = heads / kv_heads, want = 2 * static_cast<int64_t>(at::get_num_threads());
+  int64_t span_heads = 1;
+  for (const int64_t h : {heads, group})
+    if (blocks * (heads / h) >= want) {
+      span_heads = h;
+      break;
+    }
+  if (span_heads == 1 && blocks * kv_heads >= at::get_num_threads()) span_heads = group;
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < s_count; ++s)
+    for (int64_t i = 0; i < sp[s * 3 + 2]; i += ROW_BLOCK)
+      for (int64_t h = 0; h < heads; h += span_heads)
+        tasks.push_back({s, i, std::min<int64_t>(ROW_BLOCK, sp[s * 3 + 2] - i), h, h + span_heads});
   // long rows and short ones alternate, so that the threads' equal shares of tasks are equal work
   std::vector<Task> order(tasks.size());
   for (size_t i = 0, lo = 0, hi = tasks.size(); i < tasks.size(); ++i) order[i] = (i % 2 == 0) ? tasks[lo++] : tasks[--hi];
