@@ -97,7 +97,8 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_of_the_call(path):
     """Each row alone (a one-row span at its position), then all lanes in one call, then the
     lanes in another order and thread count: the same bits. The calls cut their work into
     tasks of every shape the kernel has (with 2 threads: all of a lane's heads in one task,
-    together; a task per kv head, alone; with 8 threads alone: a task per q head)."""
+    together; ranges of 2 or 3 heads that cross kv heads, alone; with 8 threads alone: a task
+    per q head)."""
     case = Case(LANES)
     together = with_threads(2, lambda: case.run(path=path))
     for threads in (2, 8):

@@ -393,23 +393,18 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
     blocks += (length + ROW_BLOCK - 1) / ROW_BLOCK;
   }
   // A task is a block of up to ROW_BLOCK consecutive rows of a lane (they share each read of a
-  // key) and a range of q heads: all of them while that leaves at least two tasks a thread (a
-  // pool row's kv heads lie side by side, so the task reads whole rows, which the caches fetch
-  // well; a kv head's slice of each row is a strided read), else one kv head's group, else one
-  // q head. A head's arithmetic is the same in any task; a task only shares the reads.
-  const int64_t group = heads / kv_heads, want = 2 * static_cast<int64_t>(at::get_num_threads());
-  int64_t span_heads = 1;
-  for (const int64_t h : {heads, group})
-    if (blocks * (heads / h) >= want) {
-      span_heads = h;
-      break;
-    }
-  if (span_heads == 1 && blocks * kv_heads >= at::get_num_threads()) span_heads = group;
+  // key) and a range of its q heads: all of them while that leaves at least two tasks a thread
+  // (a pool row's kv heads lie side by side, so such a task reads whole rows, which the caches
+  // fetch well), else each block's heads cut into as many near-equal ranges as give two tasks
+  // a thread (a lone lane's 9 heads on 2 threads: 5 and 4 per thread, not 6 and 3 as a task
+  // per kv head would). A head's arithmetic is the same in any task; a task only shares reads.
+  const int64_t want = 2 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t parts = blocks >= want ? 1 : std::min<int64_t>(heads, (want + blocks - 1) / blocks);
   std::vector<Task> tasks;
   for (int64_t s = 0; s < s_count; ++s)
     for (int64_t i = 0; i < sp[s * 3 + 2]; i += ROW_BLOCK)
-      for (int64_t h = 0; h < heads; h += span_heads)
-        tasks.push_back({s, i, std::min<int64_t>(ROW_BLOCK, sp[s * 3 + 2] - i), h, h + span_heads});
+      for (int64_t j = 0; j < parts; ++j)
+        tasks.push_back({s, i, std::min<int64_t>(ROW_BLOCK, sp[s * 3 + 2] - i), j * heads / parts, (j + 1) * heads / parts});
   // long rows and short ones alternate, so that the threads' equal shares of tasks are equal work
   std::vector<Task> order(tasks.size());
   for (size_t i = 0, lo = 0, hi = tasks.size(); i < tasks.size(); ++i) order[i] = (i % 2 == 0) ? tasks[lo++] : tasks[--hi];
