@@ -205,6 +205,60 @@ PREFIXD_VNNI inline void tile_vnni_rows(const Call& c, int64_t m0, int64_t nb, f
   }
 }
 
+// The activations' quantization (`quantize_rows`) 16 inputs at a time: the same operations on
+// each input, the squares summed in the same 16 lanes in the same order, so the same bits
+// (the portable path keeps the scalar loop, and the tests compare the two paths).
+PREFIXD_VNNI inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+PREFIXD_VNNI inline __m512 load16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+template <typename T>
+PREFIXD_VNNI void quantize_rows_vnni(const T* x, int64_t rows, int64_t kx, const float* norm, float eps, float* row,
+                                     int8_t* xq, float* d, float* s) {
+  const int64_t gx = kx / GROUP;
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * kx;
+    if (norm != nullptr) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < kx; i += 16) {
+        const __m512 v = load16(xr + i);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+      }
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, acc);
+      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(halve16(lanes) / static_cast<float>(kx) + eps));
+      for (int64_t i = 0; i < kx; i += 16)
+        _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), inv), _mm512_loadu_ps(norm + i)));
+    } else {
+      for (int64_t i = 0; i < kx; i += 16) _mm512_storeu_ps(row + i, load16(xr + i));
+    }
+    for (int64_t j = 0; j < gx; ++j) {
+      const __m512 v0 = _mm512_loadu_ps(row + j * GROUP), v1 = _mm512_loadu_ps(row + j * GROUP + 16);
+      const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
+      const bool finite = (_mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ)) == 0xffff;
+      float dj = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1)) / 127.f;
+      if (!finite) dj = std::numeric_limits<float>::quiet_NaN();  // the group's outputs become NaN
+      int8_t* q = xq + r * kx + j * GROUP;
+      int32_t sum = 0;
+      if (!finite || dj == 0.f) {
+        std::memset(q, 0, GROUP);
+      } else {
+        const __m512 dv = _mm512_set1_ps(dj);
+        constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v0, dv), nearest));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v1, dv), nearest));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      }
+      d[r * gx + j] = dj;
+      s[r * gx + j] = static_cast<float>(sum);
+    }
+  }
+}
+
 PREFIXD_VNNI void tile_vnni(const Call& c, int64_t m0, int rows, int64_t nb) {
   alignas(64) float tile[ROW_TILE * BLOCK_N];
   const int64_t n0 = nb * BLOCK_N;
@@ -277,10 +331,20 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
     float* dd = d.mutable_data_ptr<float>() + begin * gx;
     float* ss = s.mutable_data_ptr<float>() + begin * gx;
     const float e = static_cast<float>(eps);
+    const int64_t n = end - begin;
+#ifdef PREFIXD_X86
+    if (vnni) {
+      if (xc.scalar_type() == at::kFloat)
+        quantize_rows_vnni(xc.const_data_ptr<float>() + begin * kx, n, kx, norm, e, row.data(), q, dd, ss);
+      else
+        quantize_rows_vnni(xc.const_data_ptr<at::BFloat16>() + begin * kx, n, kx, norm, e, row.data(), q, dd, ss);
+      return;
+    }
+#endif
     if (xc.scalar_type() == at::kFloat)
-      quantize_rows(xc.const_data_ptr<float>() + begin * kx, end - begin, kx, norm, e, row.data(), q, dd, ss);
+      quantize_rows(xc.const_data_ptr<float>() + begin * kx, n, kx, norm, e, row.data(), q, dd, ss);
     else
-      quantize_rows(xc.const_data_ptr<at::BFloat16>() + begin * kx, end - begin, kx, norm, e, row.data(), q, dd, ss);
+      quantize_rows(xc.const_data_ptr<at::BFloat16>() + begin * kx, n, kx, norm, e, row.data(), q, dd, ss);
   });
 
   Call c{{xq.const_data_ptr<int8_t>(), d.const_data_ptr<float>(), s.const_data_ptr<float>()},
