@@ -4,6 +4,7 @@
     python bench/draft.py --quick             # 1 lane and 2 lanes, 48 tokens per reply
     python bench/draft.py --modes int4 --draft-max 8 --threads 2
     python bench/draft.py --modes int4 --lanes 8 --workloads echo --repeat 3   # medians of 3 alternating runs
+    python bench/draft.py --modes int4 --verify-cost    # only: what a verify row costs, and the rate it bounds
 
 Two workloads built from this repository's own text, rendered with the model's chat template:
 - echo: agent-style turns: a tool listing whose paths the reply must quote back in tool calls,
@@ -18,12 +19,20 @@ then, summed over batches), acceptance (accepted / drafted
 tokens), mean accepted drafts per verify, and whether the token ids of both runs are equal
 (they must be). Beside them, llama.cpp (llama-cpp-python) on the same GGUF with and without its
 prompt-lookup drafting (`LlamaPromptLookupDecoding`), one sequence, greedy.
+
+With --verify-cost, instead: per runner mode and lane count, the median time of a round in
+which every lane, at --verify-context tokens of context, brings its last token and k drafts
+(k = 0..--draft-max; every row sampled, so each row costs what a verify row costs), and what
+that bounds: with each draft kept with chance --verify-accept once the ones before it were
+(a lane's tokens a round 1 + p + ... + p^k), the rate against k = 0. No policy can beat the
+best of those rates while every lane drafts.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import os
 import statistics
@@ -214,6 +223,11 @@ def main() -> None:
     parser.add_argument("--workloads", default="echo,prose", help="workloads, comma-separated")
     parser.add_argument("--turns", type=int, default=0,
                         help="requests per workload, run lanes at a time (default: 8; --quick: 2)")
+    parser.add_argument("--verify-cost", action="store_true",
+                        help="only the verify-round cost table (see above), no workloads")
+    parser.add_argument("--verify-context", type=int, default=1000, help="context of each lane for --verify-cost")
+    parser.add_argument("--verify-accept", type=float, default=0.85,
+                        help="chance a draft is kept, given the ones before it were, for --verify-cost")
     args = parser.parse_args()
     from prefixd.gpu.default_model import default_model_path
     from prefixd.gpu.families import resolve_mode
@@ -233,6 +247,14 @@ def main() -> None:
     print_machine({"model": str(ckpt.path), "dtype": args.dtype, "reply tokens": str(max_tokens),
                    "draft max": str(args.draft_max), "torch threads": str(torch.get_num_threads()),
                    "drafter": args.drafter, "repeat": str(args.repeat)})
+    if args.verify_cost:
+        for mode in [m for m in args.modes.split(",") if m]:
+            mode = resolve_mode(mode, ckpt.config.family, torch.device("cpu"), dtype)
+            print(f"\nverify rounds, mode {mode}, {args.verify_context} tokens of context a lane, "
+                  f"drafts kept with chance {args.verify_accept}:\n")
+            print(verify_cost_table(ckpt, mode, dtype, lane_counts, args.verify_context, args.draft_max,
+                                    args.verify_accept, repeat=max(args.repeat, 5)))
+        return
     rows = []
     workloads = [(name, WORKLOADS[name]) for name in args.workloads.split(",")]
     if args.model == "default" and not args.no_llama_cpp:
@@ -277,6 +299,44 @@ def measure(plain, drafting, drafter: str, tok, workload, lanes: int, turns: int
             f"{accepted_n / drafted_n:.2f}" if drafted_n else "-",
             f"{accepted_n / verifies:.2f}" if verifies else "-",
             "yes" if off_ids == on_ids else "NO"]
+
+
+def verify_cost_table(ckpt, mode: str, dtype, lane_counts, context: int, draft_max: int, accept: float,
+                      repeat: int) -> str:
+    """Median round time with every lane verifying k drafts (copies of its last token: the
+    rows cost the same whatever their tokens), k = 0..draft_max, and the rate bound it gives."""
+    from bench.runtime import RunnerMeasure, Sizes, prompt_tokens
+    from prefixd.scheduler.records import LaneWork, RoundPlan
+
+    table = []
+    for lanes in lane_counts:
+        sizes = Sizes(prefill=(context,), decode_context=context, lanes=lanes, lane_context=context,
+                      decode_steps=draft_max + 1, repeats=1)
+        own = dataclasses.replace(ckpt, tensors=dict(ckpt.tensors))  # the model takes the tensors it uses
+        m = RunnerMeasure(own, device=torch.device("cpu"), dtype=dtype, mode=mode, sizes=sizes, grid=256)
+        m.start_decode({lane: prompt_tokens(context, ckpt.tokenizer.vocab_size, seed=100 + lane)
+                        for lane in range(lanes)})
+
+        def verify_round(k: int) -> float:
+            work = tuple(LaneWork(lane, context, (m.first[lane],) * (1 + k), m._pages(lane, context + 1 + k), False,
+                                  sample_rows=tuple(range(1 + k))) for lane in range(lanes))
+            t0 = time.perf_counter()
+            m.runner.run_round(RoundPlan(work))
+            return time.perf_counter() - t0
+
+        times: dict[int, list[float]] = {k: [] for k in range(draft_max + 1)}
+        for _ in range(repeat):  # the draft lengths interleaved, so a slow spell spreads over all
+            for k in times:
+                times[k] += [verify_round(k) for _ in range(4)]
+        base = statistics.median(times[0])
+        for k, ts in times.items():
+            t = statistics.median(ts)
+            tokens = sum(accept ** j for j in range(k + 1))
+            table.append([lanes, k, lanes * (1 + k), f"{t * 1e3:.1f}", fmt_ratio(t, base), f"{lanes * tokens:.1f}",
+                          fmt_ratio(lanes * tokens / t, lanes / base)])
+        del m
+    return markdown_table(["lanes", "drafts a lane", "rows", "round ms", "vs no drafts", "tokens a round",
+                           "rate vs undrafted"], table)
 
 
 def tiny_mtp_dir() -> Path:
