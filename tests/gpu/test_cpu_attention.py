@@ -112,6 +112,18 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_of_the_call(path):
     assert torch.equal(reversed_one_thread, together)
 
 
+@pytest.mark.parametrize("path", paths())
+def test_a_call_without_rows_writes_nothing(path):
+    """Spans of no rows (or none at all) make no tasks: the call returns, `out` untouched."""
+    case = Case([(0, 5)])
+    for spans in ([AttentionSpan(0, 3, 0, case.spans[0].page_table)], []):
+        out = torch.full((case.rows + 1, case.heads * case.dim), 7.0)
+        index = cpu_kernels.attention_index(spans) if spans else (torch.zeros(0, 3, dtype=torch.long),
+                                                                  torch.zeros(0, 1, dtype=torch.int32))
+        cpu_kernels.attend(case.q, case.k, case.v, *index, case.heads, case.q_stride, out, path)
+        assert (out == 7.0).all()
+
+
 def test_rows_the_spans_do_not_name_keep_what_they_hold():
     case = Case([(0, 5)])
     out = torch.full((case.rows + 1, case.heads * case.dim), 7.0)

@@ -399,7 +399,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   // a thread (a lone lane's 9 heads on 2 threads: 5 and 4 per thread, not 6 and 3 as a task
   // per kv head would). A head's arithmetic is the same in any task; a task only shares reads.
   const int64_t want = 2 * static_cast<int64_t>(at::get_num_threads());
-  const int64_t parts = blocks >= want ? 1 : std::min<int64_t>(heads, (want + blocks - 1) / blocks);
+  const int64_t parts = blocks == 0 || blocks >= want ? 1 : std::min<int64_t>(heads, (want + blocks - 1) / blocks);
   std::vector<Task> tasks;
   for (int64_t s = 0; s < s_count; ++s)
     for (int64_t i = 0; i < sp[s * 3 + 2]; i += ROW_BLOCK)
