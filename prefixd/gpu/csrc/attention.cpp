@@ -34,6 +34,9 @@
 namespace {
 
 using prefixd_cpu::halve16;
+#ifdef PREFIXD_X86
+using prefixd_cpu::load_bf16;
+#endif
 
 constexpr int LANES = 16;
 constexpr int MAX_CHUNKS = 16;  // D up to 256
@@ -141,10 +144,6 @@ void rows_portable(const Attn& a, const Task& task, std::vector<float>& scores) 
 // ---- AVX-512 path ------------------------------------------------------------------------------
 
 #define PREFIXD_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
-
-PREFIXD_AVX512 inline __m512 load_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 
 PREFIXD_AVX512 inline float halve16(__m512 v) {
   const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));

@@ -19,6 +19,13 @@ inline float bf16_to_float(uint16_t h) {  // exact
   return f;
 }
 
+#ifdef PREFIXD_X86
+// 16 bf16 widened to fp32, exactly (each value's bits shifted into the high half of its lane).
+__attribute__((target("avx512f"))) inline __m512 load_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
 // The fixed halvings of 16 lane sums: lanes j + j+8, then j + j+4, j + j+2, j + j+1. The
 // kernels' vector paths join their lanes in this same order.
 inline float halve16(const float* v) {

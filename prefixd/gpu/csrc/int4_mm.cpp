@@ -41,6 +41,9 @@
 namespace {
 
 using prefixd_cpu::halve16;
+#ifdef PREFIXD_X86
+using prefixd_cpu::load_bf16;
+#endif
 
 constexpr int GROUP = 32;
 constexpr int BLOCK_N = 32;
@@ -184,10 +187,8 @@ PREFIXD_VNNI inline void tile_vnni_rows(const Call& c, int64_t m0, int64_t nb, f
     }
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 16 * h))), 16));
-      const __m512 base = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + BLOCK_N + 16 * h))), 16));
+      const __m512 scale = load_bf16(sz + 16 * h);
+      const __m512 base = load_bf16(sz + BLOCK_N + 16 * h);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512 s = _mm512_set1_ps(c.x.sf[(m0 + r) * gx + j]);
@@ -209,9 +210,7 @@ PREFIXD_VNNI inline void tile_vnni_rows(const Call& c, int64_t m0, int64_t nb, f
 // each input, the squares summed in the same 16 lanes in the same order, so the same bits
 // (the portable path keeps the scalar loop, and the tests compare the two paths).
 PREFIXD_VNNI inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-PREFIXD_VNNI inline __m512 load16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+PREFIXD_VNNI inline __m512 load16(const at::BFloat16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
 
 template <typename T>
 PREFIXD_VNNI void quantize_rows_vnni(const T* x, int64_t rows, int64_t kx, const float* norm, float eps, float* row,
@@ -331,20 +330,17 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
     float* dd = d.mutable_data_ptr<float>() + begin * gx;
     float* ss = s.mutable_data_ptr<float>() + begin * gx;
     const float e = static_cast<float>(eps);
-    const int64_t n = end - begin;
+    const auto quantize = [&](const auto* x) {  // x's rows [begin, end), on the call's path
+      x += begin * kx;
 #ifdef PREFIXD_X86
-    if (vnni) {
-      if (xc.scalar_type() == at::kFloat)
-        quantize_rows_vnni(xc.const_data_ptr<float>() + begin * kx, n, kx, norm, e, row.data(), q, dd, ss);
-      else
-        quantize_rows_vnni(xc.const_data_ptr<at::BFloat16>() + begin * kx, n, kx, norm, e, row.data(), q, dd, ss);
-      return;
-    }
+      if (vnni) return quantize_rows_vnni(x, end - begin, kx, norm, e, row.data(), q, dd, ss);
 #endif
+      quantize_rows(x, end - begin, kx, norm, e, row.data(), q, dd, ss);
+    };
     if (xc.scalar_type() == at::kFloat)
-      quantize_rows(xc.const_data_ptr<float>() + begin * kx, n, kx, norm, e, row.data(), q, dd, ss);
+      quantize(xc.const_data_ptr<float>());
     else
-      quantize_rows(xc.const_data_ptr<at::BFloat16>() + begin * kx, n, kx, norm, e, row.data(), q, dd, ss);
+      quantize(xc.const_data_ptr<at::BFloat16>());
   });
 
   Call c{{xq.const_data_ptr<int8_t>(), d.const_data_ptr<float>(), s.const_data_ptr<float>()},
