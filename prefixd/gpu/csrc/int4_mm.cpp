@@ -154,8 +154,13 @@ void tile_scalar(const Call& c, int64_t m0, int rows, int64_t nb) {
 
 #define PREFIXD_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
+// With `fetch_next`, the codes and scales of block nb + 1 are prefetched group by group: the
+// tasks of a thread run blocks in order, and once the weights outgrow the caches (a model's
+// layers do) the next block's lines would otherwise arrive only when it starts. A prefetch is
+// a hint (it cannot fault past the end) and changes no arithmetic.
 template <int R>
-PREFIXD_VNNI inline void tile_vnni_rows(const Call& c, int64_t m0, int64_t nb, float* out_tile /* (R, 32) */) {
+PREFIXD_VNNI inline void tile_vnni_rows(const Call& c, int64_t m0, int64_t nb, float* out_tile /* (R, 32) */,
+                                        bool fetch_next) {
   const int64_t groups = c.K / GROUP, gx = c.Kx / GROUP;
   const __m512i low4 = _mm512_set1_epi8(15);
   __m512 acc[R][2];
@@ -165,6 +170,14 @@ PREFIXD_VNNI inline void tile_vnni_rows(const Call& c, int64_t m0, int64_t nb, f
   const uint16_t* sz = c.scales + nb * groups * 2 * BLOCK_N;
   for (int64_t g = 0; g < groups; ++g, q += 512, sz += 2 * BLOCK_N) {
     const int64_t j = g % gx;
+    if (fetch_next) {  // block nb + 1's group g: 8 lines of codes, 2 of scales
+      const char* next_q = reinterpret_cast<const char*>(q + groups * 512);
+      const char* next_s = reinterpret_cast<const char*>(sz + groups * 2 * BLOCK_N);
+#pragma GCC unroll 8
+      for (int l = 0; l < 8; ++l) _mm_prefetch(next_q + 64 * l, _MM_HINT_T0);
+      _mm_prefetch(next_s, _MM_HINT_T0);
+      _mm_prefetch(next_s + 64, _MM_HINT_T0);
+    }
     __m512i dot[R][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
@@ -265,12 +278,12 @@ PREFIXD_VNNI void tile_vnni(const Call& c, int64_t m0, int rows, int64_t nb) {
   for (int r = 0; r < rows; r += ROW_TILE) {
     const int n = std::min(ROW_TILE, rows - r);
     switch (n) {
-      case 6: tile_vnni_rows<6>(c, m0 + r, nb, tile); break;
-      case 5: tile_vnni_rows<5>(c, m0 + r, nb, tile); break;
-      case 4: tile_vnni_rows<4>(c, m0 + r, nb, tile); break;
-      case 3: tile_vnni_rows<3>(c, m0 + r, nb, tile); break;
-      case 2: tile_vnni_rows<2>(c, m0 + r, nb, tile); break;
-      default: tile_vnni_rows<1>(c, m0 + r, nb, tile); break;
+      case 6: tile_vnni_rows<6>(c, m0 + r, nb, tile, r == 0); break;
+      case 5: tile_vnni_rows<5>(c, m0 + r, nb, tile, r == 0); break;
+      case 4: tile_vnni_rows<4>(c, m0 + r, nb, tile, r == 0); break;
+      case 3: tile_vnni_rows<3>(c, m0 + r, nb, tile, r == 0); break;
+      case 2: tile_vnni_rows<2>(c, m0 + r, nb, tile, r == 0); break;
+      default: tile_vnni_rows<1>(c, m0 + r, nb, tile, r == 0); break;
     }
     for (int i = 0; i < n; ++i) std::memcpy(c.out + (m0 + r + i) * c.N + n0, tile + i * BLOCK_N, cols * sizeof(float));
   }
