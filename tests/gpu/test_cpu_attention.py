@@ -70,11 +70,16 @@ class Case:
 
 
 LANES = [(0, 40), (37, 1), (300, 3), (15, 1), (0, 1)]
+# rows past 512 keys: reduced in chunks of 512 keys, joined after (one row at 1,536 keys ends
+# a chunk exactly; a block of rows at 510..515 crosses from one chunk to two; alone, the rows
+# at 1,536 and 2,100 have their chunks cut between threads)
+LONG = [(1100, 1), (510, 6), (1535, 2), (40, 3), (2100, 1)]
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 16), (4, 4, 128), (6, 2, 48)])
-def test_paths_agree_bit_for_bit_and_compute_softmax_attention(heads, kv_heads, dim):
-    case = Case(LANES, heads=heads, kv_heads=kv_heads, dim=dim)
+@pytest.mark.parametrize("lanes", [LANES, LONG], ids=["short", "long"])
+def test_paths_agree_bit_for_bit_and_compute_softmax_attention(heads, kv_heads, dim, lanes):
+    case = Case(lanes, heads=heads, kv_heads=kv_heads, dim=dim, pages=400)
     outs = [case.run(path=p) for p in paths()]
     for other in outs[1:]:
         assert torch.equal(outs[0].view(torch.int32), other.view(torch.int32))
@@ -92,14 +97,15 @@ def with_threads(n: int, fn):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("lanes", [LANES, LONG], ids=["short", "long"])
 @pytest.mark.parametrize("path", paths())
-def test_a_rows_bits_do_not_depend_on_the_other_rows_of_the_call(path):
+def test_a_rows_bits_do_not_depend_on_the_other_rows_of_the_call(path, lanes):
     """Each row alone (a one-row span at its position), then all lanes in one call, then the
     lanes in another order and thread count: the same bits. The calls cut their work into
-    tasks of every shape the kernel has (with 2 threads: all of a lane's heads in one task,
-    together; ranges of 2 or 3 heads that cross kv heads, alone; with 8 threads alone: a task
-    per q head)."""
-    case = Case(LANES)
+    tasks of every shape the kernel has (with 2 threads: all of a lane's heads and key chunks
+    in one task, together; alone, a task per key chunk, or ranges of 2 or 3 heads that cross
+    kv heads; with 8 threads alone: a task per q head, per chunk)."""
+    case = Case(lanes, pages=400)
     together = with_threads(2, lambda: case.run(path=path))
     for threads in (2, 8):
         alone = torch.zeros_like(together)

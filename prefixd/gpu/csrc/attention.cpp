@@ -5,13 +5,19 @@
 // and the portable one run the same operations; tests/gpu/test_cpu_attention.py compares them).
 //
 // For a row at position p, q head h (pre-scaled) and its kv head g = h / (heads / kv_heads),
-// with D = 16 * C (q, k, v read from bf16 exactly):
-//   score s_t, t = 0..p:  lane i < 16: P_i = q[i] * k_t[i], then P_i = fma(q[16c + i], k_t[16c + i], P_i)
-//                         for c = 1..C-1; s_t = ((P_j + P_j+8) over j < 8, then + 4, + 2, + 1 halvings)
-//   m = max_t s_t (NaN when some s_t is NaN)
-//   e_t = exp(s_t - m), the fixed polynomial `exp_fixed` (0 below -87)
-//   l: lane i < 16 sums e_t for t = i (mod 16) in order, then the same halvings
-//   o[d] = fma(e_t, v_t[d], o[d]) for t = 0..p in order, from 0;  out[d] = o[d] / l.
+// with D = 16 * C (q, k, v read from bf16 exactly), its keys t = 0..p are reduced in chunks of
+// 512 (chunk j: keys 512j .. min(512j + 511, p)), each chunk on its own:
+//   score s_t:  lane i < 16: P_i = q[i] * k_t[i], then P_i = fma(q[16c + i], k_t[16c + i], P_i)
+//               for c = 1..C-1; s_t = ((P_i + P_i+8) over i < 8, then + 4, + 2, + 1 halvings)
+//   m_j = max s_t over the chunk (NaN when some s_t is NaN)
+//   e_t = exp(s_t - m_j), the fixed polynomial `exp_fixed` (0 below -87)
+//   l_j: lane i < 16 sums e_t for t = i (mod 16) in order, then the same halvings
+//   o_j[d] = fma(e_t, v_t[d], o_j[d]) for the chunk's t in order, from 0.
+// One chunk (p < 512): out[d] = o_0[d] / l_0. More: m = max_j m_j (NaN when some m_j is NaN),
+// w_j = exp_fixed(m_j - m), l = l + w_j * l_j and o[d] = fma(w_j, o_j[d], o[d]) for j in order
+// from 0, out[d] = o[d] / l (for one chunk this gives o_0 / l_0 too: w_0 = 1). The chunks are
+// fixed by position, so a lone lane's long row can be read by several threads, a chunk each,
+// with the bits it has in any other call.
 //
 // Inputs: q ((R + 1) * q_stride, D) bf16, round row r's head h at r * q_stride + h; k, v pools
 // (pages, P, kv_heads, D) bf16; spans (S, 3) int64: (first row, first position, rows) per lane;
@@ -42,6 +48,7 @@ constexpr int LANES = 16;
 constexpr int MAX_CHUNKS = 16;  // D up to 256
 constexpr int MAX_GROUP = 16;   // q heads per kv head
 constexpr int ROW_BLOCK = 4;    // consecutive rows of a lane in one task
+constexpr int64_t KEY_CHUNK = 512;  // keys a row reduces at a time (a multiple of 16)
 
 constexpr auto bf16f = prefixd_cpu::bf16_to_float;
 
@@ -82,12 +89,21 @@ struct Attn {
   int64_t q_stride, heads, kv_heads, dim, page, table_len;
 };
 
-using RowFn = void (*)(const Attn&, const struct Task&, std::vector<float>&);
-
 struct Task {
   int64_t span, row, rows, head_from, head_to;  // rows [row, row + rows) of the span; q heads
                                                 // [head_from, head_to), kv heads h / group
+  int64_t chunk_from, chunk_to;                 // its rows' key chunks [chunk_from, chunk_to)
+  float* split;          // null: the task holds every chunk of its rows and writes out; else its
+  int64_t split_chunks;  // block's partials, (rows, heads, split_chunks, D + 2), combined later
 };
+
+// A chunk's partial for one (row, head), D + 2 floats: m, l, then o (the path's own dim order).
+using ChunkFn = void (*)(const Attn&, const Task&, int64_t chunk, float* part, int64_t pair_stride,
+                         std::vector<float>& scratch);
+// A (row, head)'s chunks joined into its output: `chunks` partials `stride` floats apart.
+using CombineFn = void (*)(const float* part, int64_t stride, int64_t chunks, int64_t dim, float* out);
+
+inline int64_t chunks_of(int64_t keys) { return (keys + KEY_CHUNK - 1) / KEY_CHUNK; }
 
 inline const uint16_t* key_row(const Attn& a, const int32_t* table, int64_t t, int64_t kv) {
   return a.k + ((static_cast<int64_t>(table[t / a.page]) * a.page + t % a.page) * a.kv_heads + kv) * a.dim;
@@ -97,47 +113,76 @@ inline const uint16_t* value_row(const Attn& a, const int32_t* table, int64_t t,
   return a.v + ((static_cast<int64_t>(table[t / a.page]) * a.page + t % a.page) * a.kv_heads + kv) * a.dim;
 }
 
+// m of the joined chunks: the largest chunk m, NaN when some chunk's is
+inline float joined_max(const float* part, int64_t stride, int64_t chunks) {
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  for (int64_t c = 0; c < chunks; ++c) {
+    nan = nan || std::isnan(part[c * stride]);
+    m = std::max(m, part[c * stride]);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : m;
+}
+
 // ---- portable path -----------------------------------------------------------------------------
 
-void row_portable(const Attn& a, const Task& task, int64_t row, std::vector<float>& scores) {
+void chunk_portable(const Attn& a, const Task& task, int64_t chunk, float* part, int64_t pair_stride,
+                    std::vector<float>& scores) {
   const int64_t* sp = a.spans + task.span * 3;
-  const int64_t r = sp[0] + row, pos = sp[1] + row, n = pos + 1;
   const int32_t* table = a.tables + task.span * a.table_len;
-  const int64_t group = a.heads / a.kv_heads, chunks = a.dim / LANES;
-  scores.resize(n);
-  for (int64_t h = task.head_from; h < task.head_to; ++h) {
-    const int64_t kv = h / group;
-    const uint16_t* q = a.q + (r * a.q_stride + h) * a.dim;
-    float* s = scores.data();
-    bool nan = false;
-    for (int64_t t = 0; t < n; ++t) {
-      const uint16_t* k = key_row(a, table, t, kv);
-      float lane[LANES];
-      for (int i = 0; i < LANES; ++i) lane[i] = bf16f(q[i]) * bf16f(k[i]);
-      for (int64_t c = 1; c < chunks; ++c)
-        for (int i = 0; i < LANES; ++i) lane[i] = std::fma(bf16f(q[c * LANES + i]), bf16f(k[c * LANES + i]), lane[i]);
-      s[t] = halve16(lane);
-      nan = nan || std::isnan(s[t]);
+  const int64_t group = a.heads / a.kv_heads, chunks = a.dim / LANES, hn = task.head_to - task.head_from;
+  const int64_t k0 = chunk * KEY_CHUNK;
+  scores.resize(KEY_CHUNK);
+  for (int64_t i = 0; i < task.rows; ++i) {
+    const int64_t r = sp[0] + task.row + i, end = std::min(sp[1] + task.row + i + 1, k0 + KEY_CHUNK);
+    for (int64_t h = task.head_from; h < task.head_to; ++h) {
+      float* rec = part + (i * hn + h - task.head_from) * pair_stride;
+      const int64_t kv = h / group;
+      const uint16_t* q = a.q + (r * a.q_stride + h) * a.dim;
+      float* s = scores.data();  // s[t - k0], t in [k0, end)
+      bool nan = false;
+      for (int64_t t = k0; t < end; ++t) {
+        const uint16_t* k = key_row(a, table, t, kv);
+        float lane[LANES];
+        for (int x = 0; x < LANES; ++x) lane[x] = bf16f(q[x]) * bf16f(k[x]);
+        for (int64_t c = 1; c < chunks; ++c)
+          for (int x = 0; x < LANES; ++x) lane[x] = std::fma(bf16f(q[c * LANES + x]), bf16f(k[c * LANES + x]), lane[x]);
+        s[t - k0] = halve16(lane);
+        nan = nan || std::isnan(s[t - k0]);
+      }
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t t = k0; t < end; ++t) m = std::max(m, s[t - k0]);
+      if (nan) m = std::numeric_limits<float>::quiet_NaN();
+      float l[LANES] = {};
+      float* o = rec + 2;
+      std::fill(o, o + a.dim, 0.f);
+      for (int64_t t = k0; t < end; ++t) {
+        const float e = exp_fixed(s[t - k0] - m);
+        l[t % LANES] = l[t % LANES] + e;
+        const uint16_t* v = value_row(a, table, t, kv);
+        for (int64_t d = 0; d < a.dim; ++d) o[d] = std::fma(e, bf16f(v[d]), o[d]);
+      }
+      rec[0] = m;
+      rec[1] = halve16(l);
     }
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-    if (nan) m = std::numeric_limits<float>::quiet_NaN();
-    float l[LANES] = {};
-    float o[MAX_CHUNKS * LANES] = {};
-    for (int64_t t = 0; t < n; ++t) {
-      const float e = exp_fixed(s[t] - m);
-      l[t % LANES] = l[t % LANES] + e;
-      const uint16_t* v = value_row(a, table, t, kv);
-      for (int64_t d = 0; d < a.dim; ++d) o[d] = std::fma(e, bf16f(v[d]), o[d]);
-    }
-    const float sum = halve16(l);
-    float* out = a.out + r * a.heads * a.dim + h * a.dim;
-    for (int64_t d = 0; d < a.dim; ++d) out[d] = o[d] / sum;
   }
 }
 
-void rows_portable(const Attn& a, const Task& task, std::vector<float>& scores) {
-  for (int64_t i = 0; i < task.rows; ++i) row_portable(a, task, task.row + i, scores);
+void combine_portable(const float* part, int64_t stride, int64_t chunks, int64_t dim, float* out) {
+  if (chunks == 1) {  // what the general case gives for one chunk (w = 1): o / l
+    for (int64_t d = 0; d < dim; ++d) out[d] = part[2 + d] / part[1];
+    return;
+  }
+  const float m = joined_max(part, stride, chunks);
+  float o[MAX_CHUNKS * LANES] = {};
+  float l = 0.f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* rec = part + c * stride;
+    const float w = exp_fixed(rec[0] - m);
+    l = l + w * rec[1];
+    for (int64_t d = 0; d < dim; ++d) o[d] = std::fma(w, rec[2 + d], o[d]);
+  }
+  for (int64_t d = 0; d < dim; ++d) out[d] = o[d] / l;
 }
 
 #ifdef PREFIXD_X86
@@ -192,24 +237,28 @@ PREFIXD_AVX512 inline __m512 halve16_keys(const __m512* part /* 16 keys' lane ve
   return _mm512_permutexvar_ps(order, z);
 }
 
+// One chunk of keys for the task's (row, head) pairs. o is kept with dims in pairs of chunks:
+// lane i of chunk pair c holds dims 32c + 2i (first chunk) and 32c + 2i + 1 (second), an odd
+// last chunk in order; `combine_avx512` puts them back.
 template <int C>
-PREFIXD_AVX512 void rows_avx512(const Attn& a, const Task& task, std::vector<float>& scratch) {
+PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk, float* part, int64_t pair_stride,
+                                 std::vector<float>& scratch) {
   const int64_t* sp = a.spans + task.span * 3;
   const int64_t r0 = sp[0] + task.row, pos0 = sp[1] + task.row, rows = task.rows;
   const int32_t* table = a.tables + task.span * a.table_len;
   const int64_t group = a.heads / a.kv_heads, h0 = task.head_from, hn = task.head_to - h0;
   const int64_t kv0 = h0 / group, kvn = (task.head_to - 1) / group - kv0 + 1;  // the kv heads read
   const int64_t rh = rows * hn;  // (row, head) pairs, row-major
-  const int64_t keys = pos0 + rows;  // the last row's keys; earlier rows use a prefix
-  const int64_t padded = (keys + LANES - 1) / LANES * LANES;
+  const int64_t k0 = chunk * KEY_CHUNK;
+  const int64_t keys = std::min(pos0 + rows, k0 + KEY_CHUNK);  // the chunk's end for the last row; earlier rows' may be sooner
+  const int64_t padded = (keys - k0 + LANES - 1) / LANES * LANES;
   const int64_t d = a.dim;
-  // scratch: q (rh, D) | exponent sums (rh, 16) | scores (rh, padded) | a block's keys, then its
-  // values (kvn, 16, D) | the pairs' value sums (rh, D)
+  // scratch: q (rh, D) | scores (rh, padded) | a block's keys, then its values (kvn, 16, D) |
+  // the pairs' value sums (rh, D)
   const int64_t block = LANES * d;  // one kv head's keys or values of a block, widened
-  scratch.resize(rh * d + rh * LANES + rh * padded + kvn * block + rh * d + LANES);
+  scratch.resize(rh * d + rh * padded + kvn * block + rh * d + LANES);
   float* qf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
-  float* sums = qf + rh * d;
-  float* scores = sums + rh * LANES;
+  float* scores = qf + rh * d;
   float* vbuf = scores + rh * padded;  // (kvn, 16 keys, D), aligned: rh * padded and D are multiples of 16
   float* obuf = vbuf + kvn * block;     // (rh, D)
   for (int64_t i = 0; i < rows; ++i)
@@ -222,7 +271,7 @@ PREFIXD_AVX512 void rows_avx512(const Attn& a, const Task& task, std::vector<flo
   // each pair's 16 lane vectors stay in registers through their halvings. A row's scores past
   // its own position (up to the block's end) are computed and never used.
   float* kbuf = vbuf;  // (kvn, 16 keys, D), free until the values are read
-  for (int64_t tb = 0; tb < padded; tb += LANES) {
+  for (int64_t tb = k0; tb < k0 + padded; tb += LANES) {
     const int64_t live = std::min<int64_t>(LANES, keys - tb);
     for (int64_t k = 0; k < LANES; ++k) {
       if (k >= live) {
@@ -246,11 +295,11 @@ PREFIXD_AVX512 void rows_avx512(const Attn& a, const Task& task, std::vector<flo
         acc[k] = _mm512_mul_ps(qc[0], _mm512_load_ps(kk));
         for (int c = 1; c < C; ++c) acc[k] = _mm512_fmadd_ps(qc[c], _mm512_load_ps(kk + c * LANES), acc[k]);
       }
-      _mm512_storeu_ps(scores + p * padded + tb, halve16_keys(acc));
+      _mm512_storeu_ps(scores + p * padded + tb - k0, halve16_keys(acc));
     }
   }
   for (int64_t p = 0; p < rh; ++p) {
-    const int64_t n = pos0 + p / hn + 1;
+    const int64_t n = std::min(pos0 + p / hn + 1, keys) - k0;  // the row's keys in this chunk
     float* s = scores + p * padded;
     __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     __mmask16 nan = 0;
@@ -269,16 +318,17 @@ PREFIXD_AVX512 void rows_avx512(const Attn& a, const Task& task, std::vector<flo
       l = _mm512_add_ps(l, e);
       _mm512_storeu_ps(s + t, e);
     }
-    sums[p] = halve16(l);
+    part[p * pair_stride] = m;
+    part[p * pair_stride + 1] = halve16(l);
   }
   // o = sum e_t v_t per (row, head). Values are read once per block of 16 keys for every pair of
   // the task, two bf16 at a time: a 32-bit word's low half (shifted up) and its high half (masked)
   // are both exact, so a pair of chunks holds dims 32c + 2i and 32c + 2i + 1 in lane i; each
-  // dim's sum is the same fma chain in key order, and the outputs are put back in dim order.
+  // dim's sum is the same fma chain in key order.
   constexpr int CP = C / 2;  // chunk pairs read two bf16 at a time; an odd last chunk is read as before
   std::fill(obuf, obuf + rh * d, 0.f);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
-  for (int64_t tb = 0; tb < keys; tb += LANES) {
+  for (int64_t tb = k0; tb < keys; tb += LANES) {
     const int64_t live = std::min<int64_t>(LANES, keys - tb);
     for (int64_t k = 0; k < live; ++k) {
       const uint16_t* vr = value_row(a, table, tb + k, kv0);
@@ -297,7 +347,7 @@ PREFIXD_AVX512 void rows_avx512(const Attn& a, const Task& task, std::vector<flo
       const int64_t end = std::min<int64_t>(live, pos0 + p / hn + 1 - tb);  // the row's keys in this block
       if (end <= 0) continue;
       float* op = obuf + p * d;
-      const float* e = scores + p * padded + tb;
+      const float* e = scores + p * padded + tb - k0;
       const float* vb = vbuf + ((h0 + p % hn) / group - kv0) * block;
       __m512 o[C];
       for (int c = 0; c < C; ++c) o[c] = _mm512_load_ps(op + 16 * c);
@@ -309,38 +359,62 @@ PREFIXD_AVX512 void rows_avx512(const Attn& a, const Task& task, std::vector<flo
       for (int c = 0; c < C; ++c) _mm512_store_ps(op + 16 * c, o[c]);
     }
   }
+  for (int64_t p = 0; p < rh; ++p) std::memcpy(part + p * pair_stride + 2, obuf + p * d, d * sizeof(float));
+}
+
+template <int C>
+PREFIXD_AVX512 void combine_avx512(const float* part, int64_t stride, int64_t chunks, int64_t, float* out) {
+  constexpr int CP = C / 2;
+  __m512 o[C];
+  float l;
+  if (chunks == 1) {  // what the general case gives for one chunk (w = 1): o / l
+    for (int c = 0; c < C; ++c) o[c] = _mm512_loadu_ps(part + 2 + 16 * c);
+    l = part[1];
+  } else {
+    const float m = joined_max(part, stride, chunks);
+    for (int c = 0; c < C; ++c) o[c] = _mm512_setzero_ps();
+    l = 0.f;
+    for (int64_t k = 0; k < chunks; ++k) {
+      const float* rec = part + k * stride;
+      const float w = exp_fixed(rec[0] - m);
+      l = l + w * rec[1];
+      const __m512 wv = _mm512_set1_ps(w);
+      for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(rec + 2 + 16 * c), o[c]);
+    }
+  }
   const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i hi_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-  for (int64_t p = 0; p < rh; ++p) {
-    const int64_t i = p / hn, j = p % hn;
-    const __m512 sum = _mm512_set1_ps(sums[p]);
-    const float* op = obuf + p * d;
-    float* out = a.out + (r0 + i) * a.heads * d + (h0 + j) * d;
-    for (int c = 0; c < CP; ++c) {
-      const __m512 even = _mm512_div_ps(_mm512_load_ps(op + 32 * c), sum);
-      const __m512 odd = _mm512_div_ps(_mm512_load_ps(op + 32 * c + 16), sum);
-      _mm512_storeu_ps(out + 32 * c, _mm512_permutex2var_ps(even, lo_idx, odd));
-      _mm512_storeu_ps(out + 32 * c + 16, _mm512_permutex2var_ps(even, hi_idx, odd));
-    }
-    if (C % 2) _mm512_storeu_ps(out + 32 * CP, _mm512_div_ps(_mm512_load_ps(op + 32 * CP), sum));
+  const __m512 sum = _mm512_set1_ps(l);
+  for (int c = 0; c < CP; ++c) {
+    const __m512 even = _mm512_div_ps(o[2 * c], sum);
+    const __m512 odd = _mm512_div_ps(o[2 * c + 1], sum);
+    _mm512_storeu_ps(out + 32 * c, _mm512_permutex2var_ps(even, lo_idx, odd));
+    _mm512_storeu_ps(out + 32 * c + 16, _mm512_permutex2var_ps(even, hi_idx, odd));
   }
+  if (C % 2) _mm512_storeu_ps(out + 32 * CP, _mm512_div_ps(o[C - 1], sum));
 }
 
-RowFn avx512_row(int64_t chunks) {
+struct Path {
+  ChunkFn chunk;
+  CombineFn combine;
+};
+
+Path avx512_path(int64_t chunks) {
   switch (chunks) {
-    case 1: return &rows_avx512<1>;
-    case 2: return &rows_avx512<2>;
-    case 3: return &rows_avx512<3>;
-    case 4: return &rows_avx512<4>;
-    case 5: return &rows_avx512<5>;
-    case 6: return &rows_avx512<6>;
-    case 7: return &rows_avx512<7>;
-    case 8: return &rows_avx512<8>;
-    case 16: return &rows_avx512<16>;
-    default: return nullptr;
+#define PREFIXD_CASE(C) \
+  case C: return {&chunk_avx512<C>, &combine_avx512<C>};
+    PREFIXD_CASE(1) PREFIXD_CASE(2) PREFIXD_CASE(3) PREFIXD_CASE(4) PREFIXD_CASE(5) PREFIXD_CASE(6)
+    PREFIXD_CASE(7) PREFIXD_CASE(8) PREFIXD_CASE(16)
+#undef PREFIXD_CASE
+    default: return {nullptr, nullptr};
   }
 }
 
+#else
+struct Path {
+  ChunkFn chunk;
+  CombineFn combine;
+};
 #endif  // PREFIXD_X86
 
 bool have_avx512() {
@@ -351,6 +425,29 @@ bool have_avx512() {
 #else
   return false;  // the portable path only: the same bits
 #endif
+}
+
+// One task: its chunks' partials, then each (row, head)'s output (a task holding every chunk of
+// its rows) or the partials into its block's share of the split buffer (combined after all tasks).
+void run_task(const Attn& a, const Task& task, const Path& path, std::vector<float>& scratch, std::vector<float>& local) {
+  const int64_t* sp = a.spans + task.span * 3;
+  const int64_t hn = task.head_to - task.head_from, rh = task.rows * hn, rec = a.dim + 2;
+  const int64_t nc = task.chunk_to - task.chunk_from;
+  local.resize(rh * nc * rec);
+  for (int64_t c = task.chunk_from; c < task.chunk_to; ++c)
+    path.chunk(a, task, c, local.data() + (c - task.chunk_from) * rec, nc * rec, scratch);
+  for (int64_t p = 0; p < rh; ++p) {
+    const int64_t i = p / hn, h = task.head_from + p % hn;
+    const int64_t chunks = chunks_of(sp[1] + task.row + i + 1);  // the row's own
+    const float* mine = local.data() + p * nc * rec;
+    if (task.split == nullptr) {
+      path.combine(mine, rec, chunks, a.dim, a.out + ((sp[0] + task.row + i) * a.heads + h) * a.dim);
+    } else {
+      float* to = task.split + (i * a.heads + h) * task.split_chunks * rec;
+      for (int64_t c = task.chunk_from; c < std::min(task.chunk_to, chunks); ++c)
+        std::memcpy(to + c * rec, mine + (c - task.chunk_from) * rec, rec * sizeof(float));
+    }
+  }
 }
 
 // The K and V pools both ops read or write: (pages, page_size, kv_heads, D) bf16, contiguous, one shape.
@@ -382,46 +479,121 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   const int64_t* sp = spans.const_data_ptr<int64_t>();
   const int32_t* tb = tables.const_data_ptr<int32_t>();
   const int64_t pages = k_pool.size(0);
-  int64_t blocks = 0;
+  struct Block {
+    int64_t span, row, rows, keys;  // rows [row, row + rows) of the span; keys: its last row's
+  };
+  std::vector<Block> blocks;
   for (int64_t s = 0; s < s_count; ++s) {
     const int64_t row = sp[s * 3], start = sp[s * 3 + 1], length = sp[s * 3 + 2];
     TORCH_CHECK(row >= 0 && start >= 0 && length >= 0 && row + length <= std::min(q_rows, out.size(0)), "attend: span ", s, " out of range");
     TORCH_CHECK(start + length <= table_len * page, "attend: span ", s, "'s page table cannot hold row ", start + length - 1);
     for (int64_t i = 0; i < (start + length + page - 1) / page; ++i)
       TORCH_CHECK(tb[s * table_len + i] >= 0 && tb[s * table_len + i] < pages, "attend: span ", s, " names page ", tb[s * table_len + i]);
-    blocks += (length + ROW_BLOCK - 1) / ROW_BLOCK;
+    for (int64_t i = 0; i < length; i += ROW_BLOCK) {
+      const int64_t rows = std::min<int64_t>(ROW_BLOCK, length - i);
+      blocks.push_back({s, i, rows, start + i + rows});
+    }
   }
   // A task is a block of up to ROW_BLOCK consecutive rows of a lane (they share each read of a
-  // key) and a range of its q heads: all of them while that leaves at least two tasks a thread
-  // (a pool row's kv heads lie side by side, so such a task reads whole rows, which the caches
-  // fetch well), else each block's heads cut into as many near-equal ranges as give two tasks
-  // a thread (a lone lane's 9 heads on 2 threads: 5 and 4 per thread, not 6 and 3 as a task
-  // per kv head would). A head's arithmetic is the same in any task; a task only shares reads.
-  const int64_t want = 2 * static_cast<int64_t>(at::get_num_threads());
-  const int64_t parts = blocks == 0 || blocks >= want ? 1 : std::min<int64_t>(heads, (want + blocks - 1) / blocks);
+  // key), a range of its q heads and a range of its key chunks. With at least two blocks a
+  // thread, a task is a whole block: all heads (a pool row's kv heads lie side by side, so the
+  // task reads whole rows, which the caches fetch well) and all chunks. With fewer blocks but
+  // at least two chunks a thread (a lone lane's long context), each block's chunks are cut into
+  // ranges of about a task's share of the call's work, all heads: each thread reads its share
+  // of the rows, whole. Else each block's heads are cut into near-equal ranges, all chunks, so
+  // that there are two tasks a thread (a lone lane's 9 heads on 2 threads: 5 and 4 per thread).
+  // The arithmetic of a (row, head) is the same in any task: a task only shares reads, and the
+  // chunks of a block whose chunks were cut are joined after all tasks.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads()), want = 2 * threads, rec = dim + 2;
+  int64_t total_chunks = 0, work = 0;
+  for (const Block& b : blocks) {
+    total_chunks += chunks_of(b.keys);
+    work += b.keys * b.rows;
+  }
   std::vector<Task> tasks;
-  for (int64_t s = 0; s < s_count; ++s)
-    for (int64_t i = 0; i < sp[s * 3 + 2]; i += ROW_BLOCK)
+  std::vector<float> split;                        // the cut blocks' partials
+  std::vector<std::pair<size_t, int64_t>> splits;  // (block, its offset in split)
+  if (static_cast<int64_t>(blocks.size()) >= want) {
+    for (const Block& b : blocks) tasks.push_back({b.span, b.row, b.rows, 0, heads, 0, chunks_of(b.keys), nullptr, 0});
+  } else if (total_chunks >= want) {
+    const int64_t share = (work + want - 1) / want;
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const Block& b = blocks[i];
+      const int64_t chunks = chunks_of(b.keys);
+      ranges.clear();
+      for (int64_t c = 0, from = 0, acc = 0; c < chunks; ++c) {
+        acc += std::min(KEY_CHUNK, b.keys - c * KEY_CHUNK) * b.rows;
+        if (acc >= share || c == chunks - 1) {
+          ranges.emplace_back(from, c + 1);
+          from = c + 1;
+          acc = 0;
+        }
+      }
+      if (ranges.size() > 1) {
+        splits.emplace_back(i, static_cast<int64_t>(split.size()));
+        split.resize(split.size() + b.rows * heads * chunks * rec);
+      }
+      for (const auto& [from, to_chunk] : ranges)
+        tasks.push_back({b.span, b.row, b.rows, 0, heads, from, to_chunk, nullptr, ranges.size() > 1 ? chunks : 0});
+    }
+    // the split buffer has its final size: point the cut blocks' tasks at their shares
+    for (Task& t : tasks)
+      if (t.split_chunks > 0)
+        for (const auto& [i, offset] : splits)
+          if (blocks[i].span == t.span && blocks[i].row == t.row) t.split = split.data() + offset;
+  } else {
+    const int64_t parts = blocks.empty() ? 1 : std::min<int64_t>(heads, (want + blocks.size() - 1) / blocks.size());
+    for (const Block& b : blocks)
       for (int64_t j = 0; j < parts; ++j)
-        tasks.push_back({s, i, std::min<int64_t>(ROW_BLOCK, sp[s * 3 + 2] - i), j * heads / parts, (j + 1) * heads / parts});
-  // long rows and short ones alternate, so that the threads' equal shares of tasks are equal work
-  std::vector<Task> order(tasks.size());
-  for (size_t i = 0, lo = 0, hi = tasks.size(); i < tasks.size(); ++i) order[i] = (i % 2 == 0) ? tasks[lo++] : tasks[--hi];
+        tasks.push_back({b.span, b.row, b.rows, j * heads / parts, (j + 1) * heads / parts, 0, chunks_of(b.keys), nullptr, 0});
+  }
+  // Each thread a list of tasks, the largest first to the least loaded (a task's work: its keys
+  // times its heads), so that the threads' lists are near-equal work.
+  std::vector<std::pair<int64_t, size_t>> by_work;  // (-work, task)
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const Task& t = tasks[i];
+    const int64_t last = sp[t.span * 3 + 1] + t.row + t.rows;  // the task's last row's keys
+    const int64_t keys = std::min(last, t.chunk_to * KEY_CHUNK) - t.chunk_from * KEY_CHUNK;
+    by_work.emplace_back(-keys * t.rows * (t.head_to - t.head_from), i);
+  }
+  std::sort(by_work.begin(), by_work.end());
+  std::vector<std::vector<Task>> lists(static_cast<size_t>(std::min<int64_t>(threads, std::max<size_t>(tasks.size(), 1))));
+  std::vector<int64_t> load(lists.size(), 0);
+  for (const auto& [neg, i] : by_work) {
+    const size_t least = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    lists[least].push_back(tasks[i]);
+    load[least] -= neg;
+  }
 
   Attn a{reinterpret_cast<const uint16_t*>(q.const_data_ptr<at::BFloat16>()),
          reinterpret_cast<const uint16_t*>(k_pool.const_data_ptr<at::BFloat16>()),
          reinterpret_cast<const uint16_t*>(v_pool.const_data_ptr<at::BFloat16>()),
          sp, tb, out.mutable_data_ptr<float>(), q_stride, heads, kv_heads, dim, page, table_len};
+  Path fns{&chunk_portable, &combine_portable};
 #ifdef PREFIXD_X86
-  RowFn fn = vec ? avx512_row(dim / LANES) : nullptr;
-#else
-  RowFn fn = nullptr;
+  if (vec) {
+    const Path p = avx512_path(dim / LANES);
+    if (p.chunk != nullptr) fns = p;
+  }
 #endif
-  if (fn == nullptr) fn = &rows_portable;
-  at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t i = begin; i < end; ++i) fn(a, order[i], scores);
+  if (tasks.empty()) return;
+  at::parallel_for(0, static_cast<int64_t>(lists.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch, local;
+    for (int64_t i = begin; i < end; ++i)
+      for (const Task& t : lists[i]) run_task(a, t, fns, scratch, local);
   });
+  // the split blocks' (row, head) pairs: their chunks joined in order
+  for (const auto& [i, offset] : splits) {
+    const Block& b = blocks[i];
+    const int64_t chunks = chunks_of(b.keys);
+    for (int64_t r = 0; r < b.rows; ++r) {
+      const int64_t own = chunks_of(sp[b.span * 3 + 1] + b.row + r + 1);
+      for (int64_t h = 0; h < heads; ++h)
+        fns.combine(split.data() + offset + (r * heads + h) * chunks * rec, rec, own, dim,
+                    a.out + ((sp[b.span * 3] + b.row + r) * heads + h) * dim);
+    }
+  }
 }
 
 // One layer's rope and K/V write for mode int4, with the bits of the torch ops it replaces
