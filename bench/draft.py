@@ -15,9 +15,11 @@ Two workloads built from this repository's own text, rendered with the model's c
 Each workload is `--turns` requests (default 8), run `lanes` at a time: at 1 lane one after
 another, at 8 lanes all together. For each runner mode, workload and lane count: decode tok/s
 undrafted and drafted (tokens after every lane's first token of a batch, over the time since
-then, summed over batches), acceptance (accepted / drafted
-tokens), mean accepted drafts per verify, and whether the token ids of both runs are equal
-(they must be). Beside them, llama.cpp (llama-cpp-python) on the same GGUF with and without its
+then until its last lane ended, summed over batches), the same over each batch's busy span
+(until its first lane ended: every lane decoding; a batch's makespan is its slowest reply's, and
+a reply that drafts little finishes last, on a few lanes, so the busy span is what "at 8
+lanes" measures), acceptance (accepted / drafted tokens), mean accepted drafts per verify,
+and whether the token ids of both runs are equal (they must be). Beside them, llama.cpp (llama-cpp-python) on the same GGUF with and without its
 prompt-lookup drafting (`LlamaPromptLookupDecoding`), one sequence, greedy.
 
 With --verify-cost, instead: per runner mode and lane count, the median time of a round in
@@ -131,21 +133,42 @@ class DraftCounts:
 def run_turns(runner, tokenizer, workload, lanes: int, turns: int, max_tokens: int, draft: str, draft_max: int):
     """`turns` requests (workload(0..turns-1); at least `lanes`), `lanes` at a time, each batch run to its end:
     token ids and usage per request, decode tok/s over all batches, verifies."""
-    ids, usage, tokens, seconds, verifies = {}, {}, 0, 0.0, 0
+    ids, usage, verifies = {}, {}, 0
+    whole, busy = Rate(), Rate()
     turns = max(turns, lanes)  # every lane busy
     for first in range(0, turns, lanes):
         batch = [i for i in range(first, min(first + lanes, turns))]
-        b_ids, b_usage, b_tokens, b_seconds, b_verifies = run_engine(
+        b_ids, b_usage, b_whole, b_busy, b_verifies = run_engine(
             runner, tokenizer, workload, batch, max_tokens, draft, draft_max)
         ids.update(b_ids)
         usage.update(b_usage)
-        tokens, seconds, verifies = tokens + b_tokens, seconds + b_seconds, verifies + b_verifies
-    return ids, usage, tokens / seconds if seconds > 0 else float("nan"), verifies
+        whole.add(b_whole)
+        busy.add(b_busy)
+        verifies += b_verifies
+    return ids, usage, whole.rate, busy.rate, verifies
+
+
+@dataclasses.dataclass
+class Rate:
+    """Tokens over seconds, summed over batches."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: "Rate") -> None:
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
 def run_engine(runner, tokenizer, workload, turns: list[int], max_tokens: int, draft: str, draft_max: int):
-    """One engine with a lane per turn: token ids and usage per turn, tokens emitted after
-    every lane's first token, the seconds since then, and the number of verifies."""
+    """One engine with a lane per turn: token ids and usage per turn, the decode `Rate` of the
+    batch (tokens emitted after every lane's first token, over the seconds since then until the
+    last lane ended), that of its busy span (the same until the first lane ended: every lane
+    decoding), and the number of verifies."""
     lanes = len(turns)
     from prefixd.scheduler.config import SchedulerConfig
     from prefixd.scheduler.engine import Engine
@@ -160,19 +183,23 @@ def run_engine(runner, tokenizer, workload, turns: list[int], max_tokens: int, d
     ids: dict[int, list[int]] = {i: [] for i in turns}
     usage = {}
     t_all_started = None
-    tokens_after = 0
+    whole, busy = Rate(), None
     while not engine.idle:
         for ev in engine.step():
             if isinstance(ev, TokenEvent):
                 ids[ev.stream_id] += ev.ids
                 if t_all_started is not None:
-                    tokens_after += len(ev.ids)
+                    whole.tokens += len(ev.ids)
             elif isinstance(ev, DoneEvent):
                 usage[ev.stream_id] = ev.usage
+        now = time.perf_counter()
+        if busy is None and usage:  # the first lane ended this step (none busy span: before all started)
+            busy = Rate(whole.tokens, now - t_all_started) if t_all_started is not None else Rate()
         if t_all_started is None and all(ids.values()):
-            t_all_started = time.perf_counter()
-    elapsed = time.perf_counter() - t_all_started if t_all_started else 0.0
-    return ids, usage, tokens_after, elapsed, counts.verifies
+            t_all_started = now
+    if t_all_started is not None:
+        whole.seconds = time.perf_counter() - t_all_started
+    return ids, usage, whole, busy or Rate(), counts.verifies
 
 
 def llama_cpp_rates(path: str, tokenizer, workload, turns: int, max_tokens: int,
@@ -261,7 +288,7 @@ def main() -> None:
         for name, workload in workloads:
             plain, lookup = llama_cpp_rates(str(default_model_path()), tok, workload, turns, max_tokens, args.draft_max)
             rows.append([f"{name} llama.cpp", 1, fmt_rate(plain), fmt_rate(lookup), fmt_ratio(lookup, plain),
-                         "-", "-", "-"])
+                         "-", "-", "-", "-", "-", "-"])
             print("measured:", rows[-1], flush=True)
     for mode in [m for m in args.modes.split(",") if m]:
         mode = resolve_mode(mode, ckpt.config.family, torch.device("cpu"), dtype)
@@ -274,28 +301,31 @@ def main() -> None:
                                     args.draft_max, f"{name} {mode}", args.repeat))
                 print("measured:", rows[-1], flush=True)
         del runners
-    print(markdown_table(["workload", "lanes", "undrafted tok/s", "drafted tok/s", "ratio", "acceptance",
-                          "accepted per verify", "ids equal"], rows))
+    print(markdown_table(["workload", "lanes", "undrafted tok/s", "drafted tok/s", "ratio", "busy: undrafted",
+                          "busy: drafted", "busy: ratio", "acceptance", "accepted per verify", "ids equal"], rows))
 
 
 def measure(plain, drafting, drafter: str, tok, workload, lanes: int, turns: int, max_tokens: int, draft_max: int,
             label: str, repeat: int = 1) -> list:
     """One table row: the workload's turns undrafted on `plain`, then drafted with `drafter` on
-    `drafting` (the same runner for ngram), `repeat` times alternating; the median rate of each
-    (a busy machine slows runs unevenly)."""
-    bases, rates = [], []
+    `drafting` (the same runner for ngram), `repeat` times alternating; the median rates of each
+    (a busy machine slows runs unevenly), over the batches and over their busy spans."""
+    runs = {"off": [], "on": []}  # (batch rate, busy rate) per run
     for _ in range(repeat):
-        off_ids, _, base, _ = run_turns(plain, tok, workload, lanes, turns, max_tokens, "off", draft_max)
-        on_ids, usage, drafted, verifies = run_turns(drafting, tok, workload, lanes, turns, max_tokens, drafter,
-                                                     draft_max)
-        bases.append(base)
-        rates.append(drafted)
+        off_ids, _, base, base_busy, _ = run_turns(plain, tok, workload, lanes, turns, max_tokens, "off", draft_max)
+        on_ids, usage, drafted, drafted_busy, verifies = run_turns(drafting, tok, workload, lanes, turns, max_tokens,
+                                                                   drafter, draft_max)
+        runs["off"].append((base, base_busy))
+        runs["on"].append((drafted, drafted_busy))
         if repeat > 1:
-            print(f"  {label} {lanes} lanes: undrafted {base:.1f}, drafted {drafted:.1f} tok/s", flush=True)
-    base, drafted = statistics.median(bases), statistics.median(rates)
+            print(f"  {label} {lanes} lanes: undrafted {base:.1f} (busy {base_busy:.1f}), "
+                  f"drafted {drafted:.1f} (busy {drafted_busy:.1f}) tok/s", flush=True)
+    (base, base_busy), (drafted, drafted_busy) = (
+        tuple(statistics.median(r[i] for r in runs[key]) for i in (0, 1)) for key in ("off", "on"))
     drafted_n = sum(u.draft_tokens for u in usage.values())
     accepted_n = sum(u.accepted_tokens for u in usage.values())
     return [label, lanes, fmt_rate(base), fmt_rate(drafted), fmt_ratio(drafted, base),
+            fmt_rate(base_busy), fmt_rate(drafted_busy), fmt_ratio(drafted_busy, base_busy),
             f"{accepted_n / drafted_n:.2f}" if drafted_n else "-",
             f"{accepted_n / verifies:.2f}" if verifies else "-",
             "yes" if off_ids == on_ids else "NO"]
