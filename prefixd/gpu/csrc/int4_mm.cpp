@@ -49,6 +49,7 @@ constexpr int GROUP = 32;
 constexpr int BLOCK_N = 32;
 constexpr int ROW_TILE = 6;    // rows whose sums stay in registers
 constexpr int ROW_CHUNK = 64;  // rows of one task (its activations stay in cache)
+constexpr int FETCH_ROWS = 4;  // from this many rows a task prefetches the next block (`tile_vnni_rows`)
 
 constexpr auto bf16_value = prefixd_cpu::bf16_to_float;
 
@@ -156,8 +157,10 @@ void tile_scalar(const Call& c, int64_t m0, int rows, int64_t nb) {
 
 // With `fetch_next`, the codes and scales of block nb + 1 are prefetched group by group: the
 // tasks of a thread run blocks in order, and once the weights outgrow the caches (a model's
-// layers do) the next block's lines would otherwise arrive only when it starts. A prefetch is
-// a hint (it cannot fault past the end) and changes no arithmetic.
+// layers do) the next block's lines would otherwise arrive only when it starts. Below
+// FETCH_ROWS rows a block's arithmetic is too short to hide the lines behind, the read is a
+// plain stream the hardware prefetches, and the hints would only add instructions. A prefetch
+// is a hint (it cannot fault past the end) and changes no arithmetic.
 template <int R>
 PREFIXD_VNNI inline void tile_vnni_rows(const Call& c, int64_t m0, int64_t nb, float* out_tile /* (R, 32) */,
                                         bool fetch_next) {
@@ -277,13 +280,14 @@ PREFIXD_VNNI void tile_vnni(const Call& c, int64_t m0, int rows, int64_t nb) {
   const int64_t cols = std::min<int64_t>(BLOCK_N, c.N - n0);
   for (int r = 0; r < rows; r += ROW_TILE) {
     const int n = std::min(ROW_TILE, rows - r);
+    const bool fetch = r == 0 && rows >= FETCH_ROWS;
     switch (n) {
-      case 6: tile_vnni_rows<6>(c, m0 + r, nb, tile, r == 0); break;
-      case 5: tile_vnni_rows<5>(c, m0 + r, nb, tile, r == 0); break;
-      case 4: tile_vnni_rows<4>(c, m0 + r, nb, tile, r == 0); break;
-      case 3: tile_vnni_rows<3>(c, m0 + r, nb, tile, r == 0); break;
-      case 2: tile_vnni_rows<2>(c, m0 + r, nb, tile, r == 0); break;
-      default: tile_vnni_rows<1>(c, m0 + r, nb, tile, r == 0); break;
+      case 6: tile_vnni_rows<6>(c, m0 + r, nb, tile, fetch); break;
+      case 5: tile_vnni_rows<5>(c, m0 + r, nb, tile, fetch); break;
+      case 4: tile_vnni_rows<4>(c, m0 + r, nb, tile, fetch); break;
+      case 3: tile_vnni_rows<3>(c, m0 + r, nb, tile, fetch); break;
+      case 2: tile_vnni_rows<2>(c, m0 + r, nb, tile, fetch); break;
+      default: tile_vnni_rows<1>(c, m0 + r, nb, tile, fetch); break;
     }
     for (int i = 0; i < n; ++i) std::memcpy(c.out + (m0 + r + i) * c.N + n0, tile + i * BLOCK_N, cols * sizeof(float));
   }
