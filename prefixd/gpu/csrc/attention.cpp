@@ -548,8 +548,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
       for (int64_t j = 0; j < parts; ++j)
         tasks.push_back({b.span, b.row, b.rows, j * heads / parts, (j + 1) * heads / parts, 0, chunks_of(b.keys), nullptr, 0});
   }
-  // Each thread a list of tasks, the largest first to the least loaded (a task's work: its keys
-  // times its heads), so that the threads' lists are near-equal work.
+  // Each thread a list of tasks, the largest first to the least loaded (a task's work: its last
+  // row's keys in its chunks, times its rows and heads), so that the lists are near-equal work.
   std::vector<std::pair<int64_t, size_t>> by_work;  // (-work, task)
   for (size_t i = 0; i < tasks.size(); ++i) {
     const Task& t = tasks[i];
