@@ -93,8 +93,9 @@ struct Task {
   int64_t span, row, rows, head_from, head_to;  // rows [row, row + rows) of the span; q heads
                                                 // [head_from, head_to), kv heads h / group
   int64_t chunk_from, chunk_to;                 // its rows' key chunks [chunk_from, chunk_to)
-  float* split;          // null: the task holds every chunk of its rows and writes out; else its
-  int64_t split_chunks;  // block's partials, (rows, heads, split_chunks, D + 2), combined later
+  int64_t split_at;  // -1: the task holds every chunk of its rows and writes out; else where its
+                     // block's partials go in the split buffer, (rows, heads, the block's chunks,
+                     // D + 2), joined after all tasks
 };
 
 // A chunk's partial for one (row, head), D + 2 floats: m, l, then o (the path's own dim order).
@@ -102,6 +103,12 @@ using ChunkFn = void (*)(const Attn&, const Task&, int64_t chunk, float* part, i
                          std::vector<float>& scratch);
 // A (row, head)'s chunks joined into its output: `chunks` partials `stride` floats apart.
 using CombineFn = void (*)(const float* part, int64_t stride, int64_t chunks, int64_t dim, float* out);
+
+// A path's two halves: a chunk's partials, and their join.
+struct Path {
+  ChunkFn chunk;
+  CombineFn combine;
+};
 
 inline int64_t chunks_of(int64_t keys) { return (keys + KEY_CHUNK - 1) / KEY_CHUNK; }
 
@@ -394,11 +401,6 @@ PREFIXD_AVX512 void combine_avx512(const float* part, int64_t stride, int64_t ch
   if (C % 2) _mm512_storeu_ps(out + 32 * CP, _mm512_div_ps(o[C - 1], sum));
 }
 
-struct Path {
-  ChunkFn chunk;
-  CombineFn combine;
-};
-
 Path avx512_path(int64_t chunks) {
   switch (chunks) {
 #define PREFIXD_CASE(C) \
@@ -410,11 +412,6 @@ Path avx512_path(int64_t chunks) {
   }
 }
 
-#else
-struct Path {
-  ChunkFn chunk;
-  CombineFn combine;
-};
 #endif  // PREFIXD_X86
 
 bool have_avx512() {
@@ -429,7 +426,8 @@ bool have_avx512() {
 
 // One task: its chunks' partials, then each (row, head)'s output (a task holding every chunk of
 // its rows) or the partials into its block's share of the split buffer (combined after all tasks).
-void run_task(const Attn& a, const Task& task, const Path& path, std::vector<float>& scratch, std::vector<float>& local) {
+void run_task(const Attn& a, const Task& task, const Path& path, float* split, std::vector<float>& scratch,
+              std::vector<float>& local) {
   const int64_t* sp = a.spans + task.span * 3;
   const int64_t hn = task.head_to - task.head_from, rh = task.rows * hn, rec = a.dim + 2;
   const int64_t nc = task.chunk_to - task.chunk_from;
@@ -440,10 +438,10 @@ void run_task(const Attn& a, const Task& task, const Path& path, std::vector<flo
     const int64_t i = p / hn, h = task.head_from + p % hn;
     const int64_t chunks = chunks_of(sp[1] + task.row + i + 1);  // the row's own
     const float* mine = local.data() + p * nc * rec;
-    if (task.split == nullptr) {
+    if (task.split_at < 0) {
       path.combine(mine, rec, chunks, a.dim, a.out + ((sp[0] + task.row + i) * a.heads + h) * a.dim);
     } else {
-      float* to = task.split + (i * a.heads + h) * task.split_chunks * rec;
+      float* to = split + task.split_at + (i * a.heads + h) * chunks_of(sp[1] + task.row + task.rows) * rec;
       for (int64_t c = task.chunk_from; c < std::min(task.chunk_to, chunks); ++c)
         std::memcpy(to + c * rec, mine + (c - task.chunk_from) * rec, rec * sizeof(float));
     }
@@ -514,7 +512,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   std::vector<float> split;                        // the cut blocks' partials
   std::vector<std::pair<size_t, int64_t>> splits;  // (block, its offset in split)
   if (static_cast<int64_t>(blocks.size()) >= want) {
-    for (const Block& b : blocks) tasks.push_back({b.span, b.row, b.rows, 0, heads, 0, chunks_of(b.keys), nullptr, 0});
+    for (const Block& b : blocks) tasks.push_back({b.span, b.row, b.rows, 0, heads, 0, chunks_of(b.keys), -1});
   } else if (total_chunks >= want) {
     const int64_t share = (work + want - 1) / want;
     std::vector<std::pair<int64_t, int64_t>> ranges;
@@ -530,23 +528,19 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
           acc = 0;
         }
       }
+      int64_t at = -1;
       if (ranges.size() > 1) {
-        splits.emplace_back(i, static_cast<int64_t>(split.size()));
+        at = static_cast<int64_t>(split.size());
+        splits.emplace_back(i, at);
         split.resize(split.size() + b.rows * heads * chunks * rec);
       }
-      for (const auto& [from, to_chunk] : ranges)
-        tasks.push_back({b.span, b.row, b.rows, 0, heads, from, to_chunk, nullptr, ranges.size() > 1 ? chunks : 0});
+      for (const auto& [from, to_chunk] : ranges) tasks.push_back({b.span, b.row, b.rows, 0, heads, from, to_chunk, at});
     }
-    // the split buffer has its final size: point the cut blocks' tasks at their shares
-    for (Task& t : tasks)
-      if (t.split_chunks > 0)
-        for (const auto& [i, offset] : splits)
-          if (blocks[i].span == t.span && blocks[i].row == t.row) t.split = split.data() + offset;
   } else {
     const int64_t parts = blocks.empty() ? 1 : std::min<int64_t>(heads, (want + blocks.size() - 1) / blocks.size());
     for (const Block& b : blocks)
       for (int64_t j = 0; j < parts; ++j)
-        tasks.push_back({b.span, b.row, b.rows, j * heads / parts, (j + 1) * heads / parts, 0, chunks_of(b.keys), nullptr, 0});
+        tasks.push_back({b.span, b.row, b.rows, j * heads / parts, (j + 1) * heads / parts, 0, chunks_of(b.keys), -1});
   }
   // Each thread a list of tasks, the largest first to the least loaded (a task's work: its last
   // row's keys in its chunks, times its rows and heads), so that the lists are near-equal work.
@@ -581,7 +575,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   at::parallel_for(0, static_cast<int64_t>(lists.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch, local;
     for (int64_t i = begin; i < end; ++i)
-      for (const Task& t : lists[i]) run_task(a, t, fns, scratch, local);
+      for (const Task& t : lists[i]) run_task(a, t, fns, split.data(), scratch, local);
   });
   // the split blocks' (row, head) pairs: their chunks joined in order
   for (const auto& [i, offset] : splits) {
