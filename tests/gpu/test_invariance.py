@@ -12,7 +12,7 @@ import torch
 
 from prefixd.gpu import cpu_kernels
 from prefixd.scheduler.records import LaneWork, RoundPlan
-from tests.gpu.runner_helpers import DEVICE, kv_equal, lane_pages, make_runner, prompt, run_chunks, work
+from tests.gpu.runner_helpers import DEVICE, kv_equal, lane_pages, make_runner, pages, prompt, run_chunks, work
 
 DTYPES = [torch.bfloat16, torch.float32]
 FAMILIES = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"]
@@ -121,3 +121,38 @@ def test_default_lane_alone_equals_beside_seven_lanes(default_runner):
 @pytest.mark.slow
 def test_default_verify_pass_equals_stepwise_decode(default_runner):
     check_verify_equals_decode(default_runner, 254)
+
+
+@pytest.mark.skipif(not any(mode == "int4" for _, mode in NUMERICS), reason="mode int4 needs its CPU kernels")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int4_rows_past_four_key_chunks_have_one_set_of_bits_alone_and_beside_others(tiny_llama_dir, threads):
+    """int4's attention reduces a row's keys in chunks of 512. A lone lane's row of 1,600 keys
+    is cut by chunks between the threads and joined after; beside other lanes it is one task.
+    Lane 0 decodes 5 rows alone, lane 1 the same rows beside five lanes prefilling, lane 7
+    verifies them in one pass: the same logits and KV bits all three ways."""
+    n, per_lane = 1600, 110  # 1,760 rows a lane
+    runner = make_runner(tiny_llama_dir, torch.bfloat16, mode="int4", num_pages=8 * per_lane)
+
+    def table(lane: int) -> tuple[int, ...]:
+        return pages(per_lane * lane, per_lane)
+
+    tokens = prompt(n + 5, seed=4)
+    others = {lane: prompt(300, seed=20 + lane) for lane in range(2, 7)}
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for lane in (0, 1, 7):
+            run_chunks(runner, lane, tokens[:n], table(lane), [512, 512, 576])
+        alone = run_chunks(runner, 0, tokens[n:], table(0), [1] * 5, start=n)
+        beside = []
+        for i in range(5):
+            lanes = [work(1, n + i, tokens[n + i : n + i + 1], table(1), prefill=False)]
+            lanes += [work(lane, 60 * i, toks[60 * i : 60 * (i + 1)], table(lane)) for lane, toks in others.items()]
+            beside.append(runner.run_round(RoundPlan(tuple(lanes))).by_lane()[1].logits)
+        verified = runner.run_round(RoundPlan((work(7, n, tokens[n:], table(7), prefill=False),))).lanes[0].logits
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(torch.cat(beside), alone), "beside other lanes: logits differ"
+    assert torch.equal(verified, alone), "one verify pass: logits differ"
+    for lane in (1, 7):
+        assert kv_equal(runner, table(0), runner, table(lane), n + 5), f"lane {lane}: KV differs"
