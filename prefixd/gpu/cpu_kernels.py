@@ -123,7 +123,7 @@ def available() -> tuple[bool, str]:
 def fast() -> bool:
     """Whether the kernels load and take their AVX-512 paths here: what `--mode auto` asks
     before it picks int4 (the portable paths give the same bits, many times slower)."""
-    return available()[0] and isa() == "avx512-vnni" and attention_path() == "avx512"
+    return available()[0] and isa() == "avx512-vnni" and attention_path() in ("avx512-bf16", "avx512")
 
 
 def isa() -> str:
@@ -163,7 +163,7 @@ def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, p
 
 
 def attention_path() -> str:
-    """The path attention takes on this CPU: "avx512" or "portable" (the same bits)."""
+    """The path attention takes on this CPU: "avx512-bf16", "avx512" or "portable" (the same bits)."""
     load()
     return torch.ops.prefixd.attention_isa()
 
@@ -173,15 +173,22 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, spans: t
     """Paged attention of every row of `spans` into `out` (csrc/attention.cpp has the arithmetic).
 
     q ((R + 1) * q_stride, D) bf16, pre-scaled, q heads first in each row's q_stride vectors;
-    k_pool, v_pool (pages, page_size, kv_heads, D) bf16; spans (S, 3) int64 (first row, first
-    position, rows); tables (S, T) int32 pages; out (R + 1, heads * D) fp32."""
+    k_pool, v_pool (pages, page_size, kv_heads, D) bf16, K pages in `kv_pool.to_key_pages` order; spans
+    (S, 3) int64 (first row, first position, rows); tables (S, T) int32 pages; out (R + 1,
+    heads * D) fp32. q and k hold no magnitude below 2^-30 but zero (`flush_tiny`)."""
     torch.ops.prefixd.attend(q, k_pool, v_pool, spans, tables, heads, q_stride, out, path)
+
+
+def flush_tiny(x: torch.Tensor) -> torch.Tensor:
+    """x with every magnitude below 2^-30 (zeros too) made +0: what rope_kv writes for q and k."""
+    return torch.where(x.abs() < 2.0 ** -30, torch.zeros((), dtype=x.dtype), x)
 
 
 def rope_kv(qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], qk: torch.Tensor, k_pool: torch.Tensor,
             v_pool: torch.Tensor, slots: torch.Tensor, heads: int) -> None:
     """A layer's rope into `qk` and its K/V rows into the pools, in one call, with the bits of
-    `model.rope_qk_into` (scaled tables) and `KVPool.write` (csrc/attention.cpp).
+    `model.rope_qk_into` (scaled tables) then `flush_tiny`, and of `KVPool.write` with K pages in
+    `kv_pool.to_key_pages` order (csrc/attention.cpp).
 
     qkv (R, (heads + 2 kv_heads) * D) fp32; tables: q-scaled (cos, sin), (R, heads + kv_heads, D)
     fp32; qk (>= R, heads + kv_heads, D) bf16; pools (pages, page_size, kv_heads, D) bf16; slots

@@ -6,6 +6,10 @@ Layout (one tensor per layer and kind, compute dtype)::
               page p, offset o  <->  the row of a lane whose page_table[pos // P] == p,
                                      pos % P == o
 
+A pool made with `key_pages=True` (mode int4, whose CPU attention reads K in place) holds each
+K page in the order of `to_key_pages` instead: the same shape and bytes per page, so page copies,
+captures and the disk tier move it as they move any page.
+
 Page ids come from the scheduler's PageAllocator; the pool never decides who owns a page.
 All storage lives in one tensor so a copy engine can move a page of every layer in one go.
 """
@@ -29,9 +33,22 @@ def _zeroed_storage(shape: tuple[int, ...], device: torch.device,
     return mapping, torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
+def to_key_pages(k: torch.Tensor) -> torch.Tensor:
+    """K rows (pages, P, kv_heads, D) in the order mode int4's attention reads K pages (the same
+    shape; csrc/attention.cpp): in a page, each kv head's dims 2i, 2i + 1 of its P keys side by side."""
+    pages, p, kv, d = k.shape
+    return k.view(pages, p, kv, d // 2, 2).permute(0, 2, 3, 1, 4).contiguous().view(pages, p, kv, d)
+
+
+def from_key_pages(k: torch.Tensor) -> torch.Tensor:
+    """The inverse of `to_key_pages`: K pages back to rows (pages, P, kv_heads, D)."""
+    pages, p, kv, d = k.shape
+    return k.view(pages, kv, d // 2, p, 2).permute(0, 3, 1, 2, 4).contiguous().view(pages, p, kv, d)
+
+
 class KVPool:
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
+                 head_dim: int, device: torch.device, dtype: torch.dtype, key_pages: bool = False) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages {num_pages} and page_size {page_size} must be positive")
         self.num_layers = num_layers
@@ -40,6 +57,7 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.key_pages = key_pages  # K pages in `to_key_pages` order (written by mode int4's kernels)
         # Zeros, not empty: masked-out rows are multiplied by exactly 0 and must be finite.
         shape = (2, num_layers, num_pages, page_size, num_kv_heads, head_dim)
         self._mapping, self.storage = _zeroed_storage(shape, torch.device(device), dtype)
@@ -63,7 +81,11 @@ class KVPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store rows k, v (n, num_kv_heads, head_dim) at flat slots page * P + offset."""
         flat = (self.num_pages * self.page_size, self.num_kv_heads, self.head_dim)
-        self.k[layer].view(flat).index_copy_(0, slots, k.to(self.dtype))
+        if self.key_pages:  # row o of page p: [p, :, :, o, :] of the pages' (kv_heads, D/2, P, 2) view
+            pairs = self.k[layer].view(self.num_pages, self.num_kv_heads, self.head_dim // 2, self.page_size, 2)
+            pairs[slots // self.page_size, :, :, slots % self.page_size] = k.to(self.dtype).unflatten(-1, (-1, 2))
+        else:
+            self.k[layer].view(flat).index_copy_(0, slots, k.to(self.dtype))
         self.v[layer].view(flat).index_copy_(0, slots, v.to(self.dtype))
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> int:
@@ -84,6 +106,7 @@ class KVPool:
         if pages > len(page_table):
             raise ValueError(f"page table of {len(page_table)} pages cannot hold {n} rows")
         idx = torch.tensor(list(page_table[:pages]), dtype=torch.long, device=self.storage.device)
-        k = self.k[layer].index_select(0, idx).reshape(-1, self.num_kv_heads, self.head_dim)[:n]
+        k = self.k[layer].index_select(0, idx)
+        k = (from_key_pages(k) if self.key_pages else k).reshape(-1, self.num_kv_heads, self.head_dim)[:n]
         v = self.v[layer].index_select(0, idx).reshape(-1, self.num_kv_heads, self.head_dim)[:n]
         return k, v

@@ -223,6 +223,8 @@ class LlamaModel:
             out[:, heads:] = rotate(rms_norm(qk[:, heads:], layer.k_norm, c.rms_norm_eps), rnd.cos, rnd.sin)
         else:
             rope_qk_into(qk, out, heads, self.scale, (rnd.cos, rnd.sin), rnd.scaled)
+        if rnd.cpu_index is not None:  # int4's attention takes q and k as rope_kv leaves them
+            out.copy_(cpu_kernels.flush_tiny(out))
         n = rnd.num_rows
         kv.write(i, rnd.slots, out[:n, heads:], v[:n])
 

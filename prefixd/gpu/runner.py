@@ -65,7 +65,7 @@ class ModelRunner:
         scratch = num_lanes if draft_head else 0  # a page per lane for chained MTP passes
         self.kv = KVPool(num_layers=self.model.num_kv_layers, num_pages=num_pages + scratch, page_size=page_size,
                          num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                         device=self.device, dtype=dtype)
+                         device=self.device, dtype=dtype, key_pages=self.model.mode == "int4")
         self.info = DeviceInfo(
             num_lanes=num_lanes, num_pages=num_pages, page_size=page_size,
             max_context=config.max_context, vocab_size=config.vocab_size,

@@ -9,6 +9,7 @@ import torch
 
 from prefixd.gpu import cpu_kernels
 from prefixd.gpu.attention import AttentionSpan
+from prefixd.gpu.kv_pool import from_key_pages, to_key_pages
 
 KERNEL_OK, KERNEL_WHY = cpu_kernels.available()
 pytestmark = pytest.mark.skipif(not KERNEL_OK, reason=KERNEL_WHY)
@@ -17,33 +18,37 @@ PAGE = 16
 
 
 def paths() -> list[str]:
-    return ["avx512", "portable"] if cpu_kernels.attention_path() == "avx512" else ["portable"]
+    """Every path this CPU can take, the fastest first."""
+    order = ["avx512-bf16", "avx512", "portable"]
+    return order[order.index(cpu_kernels.attention_path()):]
 
 
 class Case:
-    """A pool of `pages` pages, random K/V, and lanes given as (start, rows) with their own pages."""
+    """A pool of `pages` pages of `page` rows, random K/V (K pages in the kernel's order), and
+    lanes given as (start, rows) with their own pages."""
 
     def __init__(self, lanes: list[tuple[int, int]], *, heads: int = 9, kv_heads: int = 3, dim: int = 64,
-                 pages: int = 64, seed: int = 0) -> None:
+                 pages: int = 64, page: int = PAGE, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
-        self.k = (torch.randn(pages, PAGE, kv_heads, dim, generator=g)).bfloat16()
-        self.v = (torch.randn(pages, PAGE, kv_heads, dim, generator=g)).bfloat16()
+        self.heads, self.kv_heads, self.dim, self.page = heads, kv_heads, dim, page
+        k_rows = cpu_kernels.flush_tiny(torch.randn(pages, page, kv_heads, dim, generator=g).bfloat16())
+        self.v = (torch.randn(pages, page, kv_heads, dim, generator=g)).bfloat16()
         perm = torch.randperm(pages, generator=g).tolist()
         self.spans, row = [], 0
         for start, rows in lanes:
-            need = -(-(start + rows) // PAGE)
+            need = -(-(start + rows) // page)
             table, perm = tuple(perm[:need]), perm[need:]
             self.spans.append(AttentionSpan(row, start, rows, table))
             # what a reused page holds past the lane's last row: anything, NaN included
             last = start + rows
-            for t in range(last, need * PAGE):
-                self.k[table[t // PAGE], t % PAGE] = float("nan")
-                self.v[table[t // PAGE], t % PAGE] = float("inf")
+            for t in range(last, need * page):
+                k_rows[table[t // page], t % page] = float("nan")
+                self.v[table[t // page], t % page] = float("inf")
             row += rows
+        self.k_rows, self.k = k_rows, to_key_pages(k_rows)
         self.rows = row
         self.q_stride = heads + kv_heads
-        self.q = (torch.randn((row + 1) * self.q_stride, dim, generator=g) * 0.3).bfloat16()
+        self.q = cpu_kernels.flush_tiny((torch.randn((row + 1) * self.q_stride, dim, generator=g) * 0.3).bfloat16())
 
     def run(self, spans=None, path: str = "auto") -> torch.Tensor:
         out = torch.zeros(self.rows + 1, self.heads * self.dim)
@@ -58,8 +63,8 @@ class Case:
         q = self.q.double().view(self.rows + 1, self.q_stride, self.dim)
         for s in self.spans:
             n = s.start + s.length
-            slots = [s.page_table[t // PAGE] * PAGE + t % PAGE for t in range(n)]
-            k = self.k.double().view(-1, self.kv_heads, self.dim)[slots]  # (n, kvh, D)
+            slots = [s.page_table[t // self.page] * self.page + t % self.page for t in range(n)]
+            k = self.k_rows.double().view(-1, self.kv_heads, self.dim)[slots]  # (n, kvh, D)
             v = self.v.double().view(-1, self.kv_heads, self.dim)[slots]
             for i in range(s.length):
                 r, p = s.row + i, s.start + i
@@ -86,6 +91,24 @@ def test_paths_agree_bit_for_bit_and_compute_softmax_attention(heads, kv_heads, 
     got = outs[0][: case.rows]
     assert torch.isfinite(got).all()  # the NaN / inf rows past each lane's end were never read
     torch.testing.assert_close(got.double(), case.reference()[: case.rows], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page", [8, 24, 32])
+def test_pages_of_other_sizes_read_the_same_keys(page):
+    """Pages that are not 16 rows (a block of 16 keys spans two pages, or starts inside one)
+    give every path the bits that 16-row pages give for the same keys and values."""
+    base = Case(LONG, pages=400)
+    other = Case(LONG, pages=400 * PAGE // page + 8, page=page)
+    # the same K/V rows and q in the other pages: row t of a lane at its own table's slot
+    for s, o in zip(base.spans, other.spans):
+        for t in range(s.start + s.length):
+            other.k_rows[o.page_table[t // page], t % page] = base.k_rows[s.page_table[t // PAGE], t % PAGE]
+            other.v[o.page_table[t // page], t % page] = base.v[s.page_table[t // PAGE], t % PAGE]
+    other.k, other.q = to_key_pages(other.k_rows), base.q
+    assert torch.equal(from_key_pages(other.k).view(torch.int16), other.k_rows.view(torch.int16))
+    want = base.run(path=paths()[-1])
+    for p in paths():
+        assert torch.equal(other.run(path=p).view(torch.int32), want.view(torch.int32)), p
 
 
 def with_threads(n: int, fn):
@@ -154,7 +177,8 @@ def test_bad_index_is_refused_before_anything_is_read(span, message):
 @pytest.mark.parametrize("rows", [1, 5, 37])
 def test_rope_kv_has_the_bits_of_the_torch_rope_and_pool_write(rows):
     """The fused rope and K/V write gives the q/k heads and pool rows of rope_qk_into (scaled
-    tables) then KVPool.write, bit for bit, and writes no other pool row."""
+    tables) then flush_tiny, then KVPool.write with K pages in the kernel's order, bit for bit,
+    and writes no other pool row."""
     from prefixd.gpu.kv_pool import KVPool
     from prefixd.gpu.model import rope_qk_into, scale_q_tables
     from prefixd.gpu.rope import rotation_tables
@@ -162,15 +186,17 @@ def test_rope_kv_has_the_bits_of_the_torch_rope_and_pool_write(rows):
     heads, kv_heads, dim, pages = 9, 3, 64, 12
     g = torch.Generator().manual_seed(rows)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g) * 3
+    for head in (1, heads):  # a q head and a k head rotate to values below 2^-30: flushed to zero
+        qkv[:, head * dim:(head + 1) * dim] *= 2.0 ** -40
     angles = torch.rand(rows, 1, dim // 2, generator=g) * 100
     cos, sin = rotation_tables(angles.cos(), angles.sin())
     scaled = tuple(scale_q_tables(t, heads, kv_heads, dim ** -0.5) for t in (cos, sin))
     n = max(rows - 2, 1)  # the last rows' K/V are not written (padding rows)
     slots = torch.randperm(pages * PAGE, generator=g)[:n]
-    results = []
+    results, every = [], list(range(pages))
     for fused in (True, False):
         pool = KVPool(num_layers=1, num_pages=pages, page_size=PAGE, num_kv_heads=kv_heads, head_dim=dim,
-                      device=torch.device("cpu"), dtype=torch.bfloat16)
+                      device=torch.device("cpu"), dtype=torch.bfloat16, key_pages=fused)
         pool.storage.fill_(7.0)
         qk = torch.zeros(rows + 1, heads + kv_heads, dim, dtype=torch.bfloat16)
         if fused:
@@ -178,11 +204,24 @@ def test_rope_kv_has_the_bits_of_the_torch_rope_and_pool_write(rows):
         else:
             q_and_k = qkv[:, :(heads + kv_heads) * dim].unflatten(-1, (heads + kv_heads, dim))
             rope_qk_into(q_and_k, qk[:-1], heads, dim ** -0.5, (cos, sin), scaled)
+            assert ((qk[:-1] != 0) & (qk[:-1].abs() < 2.0 ** -30)).any()  # the flush has work to do
+            qk[:-1] = cpu_kernels.flush_tiny(qk[:-1])
             v = qkv[:, (heads + kv_heads) * dim:].unflatten(-1, (kv_heads, dim))
             pool.write(0, slots, qk[:n, heads:], v[:n])
+            rows_written = pool.rows(0, every, pages * PAGE)
+            pool.k[0].copy_(to_key_pages(pool.k[0].clone()))
+            # KVPool.write into a key-pages pool (mode int4's path for qwen3's normed q and k)
+            paged = KVPool(num_layers=1, num_pages=pages, page_size=PAGE, num_kv_heads=kv_heads, head_dim=dim,
+                           device=torch.device("cpu"), dtype=torch.bfloat16, key_pages=True)
+            paged.storage.fill_(7.0)
+            paged.write(0, slots, qk[:n, heads:], v[:n])
+            assert torch.equal(paged.storage.view(torch.int16), pool.storage.view(torch.int16))
         results.append((qk.view(torch.int16), pool.storage.view(torch.int16)))
+        if fused:
+            rows_read = pool.rows(0, every, pages * PAGE)  # a key-pages pool reads back as rows
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
+    assert all(torch.equal(a, b) for a, b in zip(rows_read, rows_written))
 
 
 def test_rope_kv_refuses_a_slot_outside_the_pool():

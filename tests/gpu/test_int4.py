@@ -255,7 +255,7 @@ def test_the_disk_tier_keys_a_mode_on_its_revision():
     earlier must never be served."""
     from prefixd.gpu.families import mode_identity
 
-    assert mode_identity("int4") == "int4@5"
+    assert mode_identity("int4") == "int4@6"
     assert mode_identity("invariant") == "invariant@3"
     with pytest.raises(ValueError, match="no revision"):
         mode_identity("int3")

@@ -1,14 +1,21 @@
 // prefixd's CPU paged attention for mode "int4": every query row attends keys 0..p of its own
 // lane, read in place from the KV pool through the lane's page table (no gather), each row on
 // its own: a row's bits depend on its q, its position and its lane's keys and values only, not
-// on the other rows, lanes or threads of the call, nor on the instruction set (the AVX-512 path
-// and the portable one run the same operations; tests/gpu/test_cpu_attention.py compares them).
+// on the other rows, lanes or threads of the call, nor on the instruction set (the AVX-512 BF16
+// path, the AVX-512 path and the portable one run the same operations;
+// tests/gpu/test_cpu_attention.py compares them).
+//
+// K pages: inside a page of P keys, kv head g's keys lie in pairs of dims: element (offset o,
+// kv head g, dim d) at ((g * D/2 + d/2) * P + o) * 2 + d % 2, so that dims 2i, 2i + 1 of 16
+// consecutive keys are one 64-byte vector (`to_key_pages` in cpu_kernels.py gives this layout
+// of keys laid out (P, kv_heads, D)). V pages are (P, kv_heads, D).
 //
 // For a row at position p, q head h (pre-scaled) and its kv head g = h / (heads / kv_heads),
 // with D = 16 * C (q, k, v read from bf16 exactly), its keys t = 0..p are reduced in chunks of
 // 512 (chunk j: keys 512j .. min(512j + 511, p)), each chunk on its own:
-//   score s_t:  lane i < 16: P_i = q[i] * k_t[i], then P_i = fma(q[16c + i], k_t[16c + i], P_i)
-//               for c = 1..C-1; s_t = ((P_i + P_i+8) over i < 8, then + 4, + 2, + 1 halvings)
+//   score s_t:  s = 0, then for i = 0 .. D/2 - 1 in order: s = fma(q[2i + 1], k_t[2i + 1], s),
+//               s = fma(q[2i], k_t[2i], s)  (what one AVX-512 BF16 dot product step gives: the
+//               products are exact in fp32, each sum rounded)
 //   m_j = max s_t over the chunk (NaN when some s_t is NaN)
 //   e_t = exp(s_t - m_j), the fixed polynomial `exp_fixed` (0 below -87)
 //   l_j: lane i < 16 sums e_t for t = i (mod 16) in order, then the same halvings
@@ -19,9 +26,15 @@
 // fixed by position, so a lone lane's long row can be read by several threads, a chunk each,
 // with the bits it has in any other call.
 //
+// The BF16 instruction treats subnormal inputs and sums as zero on some CPUs and not on others,
+// so the scores are defined only where none arises: q and k hold no nonzero magnitude below
+// 2^-30 (rope_kv flushes such values to zero). Then every product is a multiple of 2^-74 and so
+// is every sum: each is zero or at least 2^-74, a normal float, and all three paths agree.
+//
 // Inputs: q ((R + 1) * q_stride, D) bf16, round row r's head h at r * q_stride + h; k, v pools
-// (pages, P, kv_heads, D) bf16; spans (S, 3) int64: (first row, first position, rows) per lane;
-// tables (S, T) int32: each lane's pages; out (R + 1, heads * D) fp32, rows of the spans written.
+// (pages, P, kv_heads, D) bf16 (K pages as above); spans (S, 3) int64: (first row, first
+// position, rows) per lane; tables (S, T) int32: each lane's pages; out (R + 1, heads * D) fp32,
+// rows of the spans written.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -112,8 +125,10 @@ struct Path {
 
 inline int64_t chunks_of(int64_t keys) { return (keys + KEY_CHUNK - 1) / KEY_CHUNK; }
 
-inline const uint16_t* key_row(const Attn& a, const int32_t* table, int64_t t, int64_t kv) {
-  return a.k + ((static_cast<int64_t>(table[t / a.page]) * a.page + t % a.page) * a.kv_heads + kv) * a.dim;
+// Where key t's dims 2i, 2i + 1 of kv head kv lie (the K page layout above): two bf16, the even dim first.
+inline const uint16_t* key_pair(const Attn& a, const int32_t* table, int64_t t, int64_t kv, int64_t i) {
+  return a.k + static_cast<int64_t>(table[t / a.page]) * a.page * a.kv_heads * a.dim +
+         ((kv * (a.dim / 2) + i) * a.page + t % a.page) * 2;
 }
 
 inline const uint16_t* value_row(const Attn& a, const int32_t* table, int64_t t, int64_t kv) {
@@ -137,7 +152,7 @@ void chunk_portable(const Attn& a, const Task& task, int64_t chunk, float* part,
                     std::vector<float>& scores) {
   const int64_t* sp = a.spans + task.span * 3;
   const int32_t* table = a.tables + task.span * a.table_len;
-  const int64_t group = a.heads / a.kv_heads, chunks = a.dim / LANES, hn = task.head_to - task.head_from;
+  const int64_t group = a.heads / a.kv_heads, hn = task.head_to - task.head_from;
   const int64_t k0 = chunk * KEY_CHUNK;
   scores.resize(KEY_CHUNK);
   for (int64_t i = 0; i < task.rows; ++i) {
@@ -149,13 +164,14 @@ void chunk_portable(const Attn& a, const Task& task, int64_t chunk, float* part,
       float* s = scores.data();  // s[t - k0], t in [k0, end)
       bool nan = false;
       for (int64_t t = k0; t < end; ++t) {
-        const uint16_t* k = key_row(a, table, t, kv);
-        float lane[LANES];
-        for (int x = 0; x < LANES; ++x) lane[x] = bf16f(q[x]) * bf16f(k[x]);
-        for (int64_t c = 1; c < chunks; ++c)
-          for (int x = 0; x < LANES; ++x) lane[x] = std::fma(bf16f(q[c * LANES + x]), bf16f(k[c * LANES + x]), lane[x]);
-        s[t - k0] = halve16(lane);
-        nan = nan || std::isnan(s[t - k0]);
+        float dot = 0.f;
+        for (int64_t i = 0; i < a.dim / 2; ++i) {
+          const uint16_t* k = key_pair(a, table, t, kv, i);
+          dot = std::fma(bf16f(q[2 * i + 1]), bf16f(k[1]), dot);
+          dot = std::fma(bf16f(q[2 * i]), bf16f(k[0]), dot);
+        }
+        s[t - k0] = dot;
+        nan = nan || std::isnan(dot);
       }
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t t = k0; t < end; ++t) m = std::max(m, s[t - k0]);
@@ -223,31 +239,130 @@ PREFIXD_AVX512 inline __m512 exp_fixed(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~zero), _mm512_mul_ps(p, scale));
 }
 
-// The scores of 16 keys from their 16 lane partial vectors: for each key the halvings of
-// `halve16` (lanes j + j+8, then + 4, + 2, + 1), four keys' worth per shuffle.
-PREFIXD_AVX512 inline __m512 halve16_keys(const __m512* part /* 16 keys' lane vectors */) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i) {
-    const __m512 a = part[2 * i], b = part[2 * i + 1];
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+#define PREFIXD_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+// The scores of NP (row, head) pairs of one kv head against NB blocks of 16 keys: lane t of
+// out[n] + 16 b is key t of block b's score (the fma chain of the header). kb[b]: block b's
+// D/2 vectors of dim pairs (32 bf16: 16 keys' dims 2i, 2i + 1), `stride` bf16 apart; q[n] /
+// qf[n]: pair n's q row, bf16 / widened. The NP * NB chains are independent (hiding latency).
+using ScoreFn = void (*)(const uint16_t* const* kb, int64_t stride, int64_t half, const uint16_t* const* q,
+                         const float* const* qf, float* const* out);
+
+template <int NP, int NB>
+PREFIXD_AVX512_BF16 void scores_bf16(const uint16_t* const* kb, int64_t stride, int64_t half, const uint16_t* const* q,
+                                     const float* const*, float* const* out) {
+  __m512 acc[NP][NB];
+  for (int n = 0; n < NP; ++n)
+    for (int b = 0; b < NB; ++b) acc[n][b] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < half; ++i) {
+    __m512bh k[NB];
+    for (int b = 0; b < NB; ++b) k[b] = (__m512bh)_mm512_loadu_si512(kb[b] + i * stride);
+    for (int n = 0; n < NP; ++n) {
+      uint32_t w;  // q's dims 2i, 2i + 1
+      std::memcpy(&w, q[n] + 2 * i, sizeof w);
+      const __m512bh qw = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(w));
+      for (int b = 0; b < NB; ++b) acc[n][b] = _mm512_dpbf16_ps(acc[n][b], qw, k[b]);
+    }
   }
-  for (int i = 0; i < 4; ++i)
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  for (int i = 0; i < 2; ++i)
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  // z holds key 4e + m at lane 4m + e
-  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-  return _mm512_permutexvar_ps(order, z);
+  for (int n = 0; n < NP; ++n)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out[n] + 16 * b, acc[n][b]);
+}
+
+// The same bits without the BF16 instruction: each 32-bit word's high half (the odd dim) and
+// low half (the even dim) widened exactly, one fma each, the odd dim first.
+template <int NP, int NB>
+PREFIXD_AVX512 void scores_fma(const uint16_t* const* kb, int64_t stride, int64_t half, const uint16_t* const*,
+                               const float* const* qf, float* const* out) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  __m512 acc[NP][NB];
+  for (int n = 0; n < NP; ++n)
+    for (int b = 0; b < NB; ++b) acc[n][b] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < half; ++i) {
+    __m512 even[NB], odd[NB];
+    for (int b = 0; b < NB; ++b) {
+      const __m512i w = _mm512_loadu_si512(kb[b] + i * stride);
+      even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+      odd[b] = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+    }
+    for (int n = 0; n < NP; ++n) {
+      const __m512 qo = _mm512_set1_ps(qf[n][2 * i + 1]), qe = _mm512_set1_ps(qf[n][2 * i]);
+      for (int b = 0; b < NB; ++b) acc[n][b] = _mm512_fmadd_ps(qe, even[b], _mm512_fmadd_ps(qo, odd[b], acc[n][b]));
+    }
+  }
+  for (int n = 0; n < NP; ++n)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out[n] + 16 * b, acc[n][b]);
+}
+
+constexpr int SCORE_GROUP = 8;  // chains scored together (pairs times key blocks), at most
+
+template <bool BF16, int NP, int NB = SCORE_GROUP / NP>
+ScoreFn score_fn_blocks(int64_t blocks) {
+  constexpr ScoreFn fn = BF16 ? &scores_bf16<NP, NB> : &scores_fma<NP, NB>;
+  if constexpr (NB == 1) {
+    return fn;
+  } else {
+    return blocks == NB ? fn : score_fn_blocks<BF16, NP, NB - 1>(blocks);
+  }
+}
+
+// The function for `pairs` pairs and `blocks` key blocks, pairs * blocks <= SCORE_GROUP.
+template <bool BF16>
+ScoreFn score_fn(int64_t pairs, int64_t blocks) {
+  switch (pairs) {
+#define PREFIXD_CASE(N) \
+  case N: return score_fn_blocks<BF16, N>(blocks);
+    PREFIXD_CASE(1) PREFIXD_CASE(2) PREFIXD_CASE(3) PREFIXD_CASE(4)
+    PREFIXD_CASE(5) PREFIXD_CASE(6) PREFIXD_CASE(7) PREFIXD_CASE(8)
+#undef PREFIXD_CASE
+    default: return nullptr;
+  }
+}
+
+// The value sums of NP (row, head) pairs of one kv head over a block of widened values vb
+// (16 keys, D): o[n][x] = fma(e[n][k], vb[k][x], o[n][x]) for k = 0 .. end[n] - 1 in order.
+// Keys below `common` (the least end) are read once for all NP pairs; each pair's last keys
+// after them on their own, in order.
+using ValueFn = void (*)(const float* vb, const float* const* e, float* const* o, const int64_t* end, int64_t common);
+
+template <int C, int NP>
+PREFIXD_AVX512 void values_group(const float* vb, const float* const* e, float* const* o, const int64_t* end, int64_t common) {
+  constexpr int D = 16 * C;
+  __m512 acc[NP][C];
+  for (int n = 0; n < NP; ++n)
+    for (int c = 0; c < C; ++c) acc[n][c] = _mm512_load_ps(o[n] + 16 * c);
+  for (int64_t k = 0; k < common; ++k) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = _mm512_load_ps(vb + k * D + 16 * c);
+    for (int n = 0; n < NP; ++n) {
+      const __m512 ek = _mm512_set1_ps(e[n][k]);
+      for (int c = 0; c < C; ++c) acc[n][c] = _mm512_fmadd_ps(ek, v[c], acc[n][c]);
+    }
+  }
+  for (int n = 0; n < NP; ++n) {
+    for (int64_t k = common; k < end[n]; ++k) {
+      const __m512 ek = _mm512_set1_ps(e[n][k]);
+      for (int c = 0; c < C; ++c) acc[n][c] = _mm512_fmadd_ps(ek, _mm512_load_ps(vb + k * D + 16 * c), acc[n][c]);
+    }
+    for (int c = 0; c < C; ++c) _mm512_store_ps(o[n] + 16 * c, acc[n][c]);
+  }
+}
+
+// pairs a value group holds: their sums and one key's values fit the 32 vector registers
+constexpr int values_group_max(int c) { return std::max(1, std::min(8, (28 - c) / c)); }
+
+template <int C, int N = values_group_max(C)>
+ValueFn value_fn(int64_t pairs) {
+  if constexpr (N == 1) {
+    return &values_group<C, 1>;
+  } else {
+    return pairs == N ? &values_group<C, N> : value_fn<C, N - 1>(pairs);
+  }
 }
 
 // One chunk of keys for the task's (row, head) pairs. o is kept with dims in pairs of chunks:
 // lane i of chunk pair c holds dims 32c + 2i (first chunk) and 32c + 2i + 1 (second), an odd
 // last chunk in order; `combine_avx512` puts them back.
-template <int C>
+template <int C, bool BF16>
 PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk, float* part, int64_t pair_stride,
                                  std::vector<float>& scratch) {
   const int64_t* sp = a.spans + task.span * 3;
@@ -260,10 +375,10 @@ PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk,
   const int64_t keys = std::min(pos0 + rows, k0 + KEY_CHUNK);  // the chunk's end for the last row; earlier rows' may be sooner
   const int64_t padded = (keys - k0 + LANES - 1) / LANES * LANES;
   const int64_t d = a.dim;
-  // scratch: q (rh, D) | scores (rh, padded) | a block's keys, then its values (kvn, 16, D) |
-  // the pairs' value sums (rh, D)
-  const int64_t block = LANES * d;  // one kv head's keys or values of a block, widened
-  scratch.resize(rh * d + rh * padded + kvn * block + rh * d + LANES);
+  // scratch: q (rh, D) | scores (rh, padded) | a block's values (kvn, 16, D) | the pairs' value
+  // sums (rh, D) | a block's gathered dim pairs (kvn * D/2, 16) when pages are not read in place
+  const int64_t block = LANES * d;  // one kv head's values of a block, widened
+  scratch.resize(rh * d + rh * padded + kvn * block + rh * d + kvn * (d / 2) * LANES + LANES);
   float* qf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   float* scores = qf + rh * d;
   float* vbuf = scores + rh * padded;  // (kvn, 16 keys, D), aligned: rh * padded and D are multiples of 16
@@ -273,37 +388,67 @@ PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk,
       const uint16_t* q = a.q + ((r0 + i) * a.q_stride + h0 + j) * d;
       for (int c = 0; c < C; ++c) _mm512_store_ps(qf + (i * hn + j) * d + c * LANES, load_bf16(q + c * LANES));
     }
-  // scores of every (row, head) pair from one read of each key: a block of 16 keys is widened
-  // to fp32 once (the task's kv heads of a pool row lie side by side: one contiguous read), then
-  // each pair's 16 lane vectors stay in registers through their halvings. A row's scores past
-  // its own position (up to the block's end) are computed and never used.
-  float* kbuf = vbuf;  // (kvn, 16 keys, D), free until the values are read
-  for (int64_t tb = k0; tb < k0 + padded; tb += LANES) {
-    const int64_t live = std::min<int64_t>(LANES, keys - tb);
-    for (int64_t k = 0; k < LANES; ++k) {
-      if (k >= live) {
-        for (int64_t g = 0; g < kvn; ++g)
-          for (int c = 0; c < C; ++c) _mm512_store_ps(kbuf + g * block + k * d + c * LANES, _mm512_setzero_ps());
-        continue;
-      }
-      const uint16_t* kr = key_row(a, table, tb + k, kv0);
-      for (int64_t g = 0; g < kvn; ++g)
-        for (int c = 0; c < C; ++c) _mm512_store_ps(kbuf + g * block + k * d + c * LANES, load_bf16(kr + g * d + c * LANES));
+  // The pairs of kv head g (g - kv0 < kvn) in groups of near-equal size, up to `most` a group:
+  // fn(pairs, size) for each group, pairs in row-major order.
+  int64_t group_pairs[SCORE_GROUP];
+  const auto for_groups = [&](int64_t g, int64_t most, const auto& fn) {
+    const int64_t j0 = std::max(h0, (kv0 + g) * group) - h0, j1 = std::min(task.head_to, (kv0 + g + 1) * group) - h0;
+    const int64_t pairs = rows * (j1 - j0), groups = (pairs + most - 1) / most;
+    for (int64_t x = 0, n = 0; x < groups; ++x) {
+      const int64_t size = (pairs - n) / (groups - x);
+      for (int64_t y = 0; y < size; ++y, ++n) group_pairs[y] = (n / (j1 - j0)) * hn + j0 + n % (j1 - j0);
+      fn(group_pairs, size);
     }
-    for (int64_t p = 0; p < rh; ++p) {
-      const float* q = qf + p * d;
-      const float* kb = kbuf + ((h0 + p % hn) / group - kv0) * block;
-      __m512 qc[C];
-      for (int c = 0; c < C; ++c) qc[c] = _mm512_load_ps(q + c * LANES);
-      __m512 acc[LANES];
-#pragma GCC unroll 16
-      for (int k = 0; k < LANES; ++k) {
-        const float* kk = kb + k * d;
-        acc[k] = _mm512_mul_ps(qc[0], _mm512_load_ps(kk));
-        for (int c = 1; c < C; ++c) acc[k] = _mm512_fmadd_ps(qc[c], _mm512_load_ps(kk + c * LANES), acc[k]);
-      }
-      _mm512_storeu_ps(scores + p * padded + tb - k0, halve16_keys(acc));
+  };
+  // scores of every (row, head) pair, up to 8 blocks of 16 keys at a time: the pairs of one kv
+  // head in groups, a group with a few blocks (up to 8 independent chains), each dim pair
+  // vector of a block read once a group. With pages of a multiple of 16 keys a block is one page's run of keys and is read in
+  // place; else its keys' dim pairs are first gathered into the layout of one. A row's scores
+  // past its own position (up to the block's end) are computed and never used.
+  const int64_t half = d / 2;
+  const bool in_place = a.page % LANES == 0;
+  uint32_t* gathered = reinterpret_cast<uint32_t*>(obuf + rh * d);  // (kvn * half, 16) dim pairs
+  const uint16_t* qb[SCORE_GROUP];
+  const float* qg[SCORE_GROUP];
+  float* sg[SCORE_GROUP];
+  for (int64_t tb = k0; tb < k0 + padded;) {
+    // a step of blocks read in place, as many as a group of the most pairs a kv head has takes
+    // at once (a lone decoding row's 3 heads a kv head: 2 blocks, read kv head by kv head, so
+    // that the reads stay near each other), or one gathered block
+    const int64_t step = in_place ? std::min<int64_t>(SCORE_GROUP / std::min<int64_t>(SCORE_GROUP, rows * std::min(group, hn)),
+                                                      (k0 + padded - tb) / LANES)
+                                  : 1;
+    const uint16_t* blocks[SCORE_GROUP];
+    int64_t stride;
+    if (in_place) {
+      for (int64_t b = 0; b < step; ++b) blocks[b] = key_pair(a, table, tb + b * LANES, kv0, 0);
+      stride = a.page * 2;
+    } else {
+      for (int64_t k = 0; k < LANES; ++k)
+        for (int64_t j = 0; j < kvn * half; ++j) {
+          uint32_t w = 0;
+          if (tb + k < keys) std::memcpy(&w, key_pair(a, table, tb + k, kv0, j), sizeof w);
+          gathered[j * LANES + k] = w;
+        }
+      blocks[0] = reinterpret_cast<const uint16_t*>(gathered);
+      stride = LANES * 2;
     }
+    for (int64_t g = 0; g < kvn; ++g)
+      for_groups(g, SCORE_GROUP, [&](const int64_t* p, int64_t size) {
+        const int64_t most = SCORE_GROUP / size;  // blocks a call: a few pairs take more blocks at once
+        for (int64_t b0 = 0; b0 < step; b0 += most) {
+          const int64_t nb = std::min(most, step - b0);
+          const uint16_t* kb[SCORE_GROUP];
+          for (int64_t b = 0; b < nb; ++b) kb[b] = blocks[b0 + b] + g * half * stride;
+          for (int64_t y = 0; y < size; ++y) {
+            qb[y] = a.q + ((r0 + p[y] / hn) * a.q_stride + h0 + p[y] % hn) * d;
+            qg[y] = qf + p[y] * d;
+            sg[y] = scores + p[y] * padded + tb + b0 * LANES - k0;
+          }
+          score_fn<BF16>(size, nb)(kb, stride, half, qb, qg, sg);
+        }
+      });
+    tb += step * LANES;
   }
   for (int64_t p = 0; p < rh; ++p) {
     const int64_t n = std::min(pos0 + p / hn + 1, keys) - k0;  // the row's keys in this chunk
@@ -328,10 +473,11 @@ PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk,
     part[p * pair_stride] = m;
     part[p * pair_stride + 1] = halve16(l);
   }
-  // o = sum e_t v_t per (row, head). Values are read once per block of 16 keys for every pair of
-  // the task, two bf16 at a time: a 32-bit word's low half (shifted up) and its high half (masked)
-  // are both exact, so a pair of chunks holds dims 32c + 2i and 32c + 2i + 1 in lane i; each
-  // dim's sum is the same fma chain in key order.
+  // o = sum e_t v_t per (row, head). Values are widened once per block of 16 keys for every pair
+  // of the task, two bf16 at a time: a 32-bit word's low half (shifted up) and its high half
+  // (masked) are both exact, so a pair of chunks holds dims 32c + 2i and 32c + 2i + 1 in lane i;
+  // each dim's sum is the same fma chain in key order, the pairs of a kv head in groups that
+  // share each key's values in registers (`values_group`).
   constexpr int CP = C / 2;  // chunk pairs read two bf16 at a time; an odd last chunk is read as before
   std::fill(obuf, obuf + rh * d, 0.f);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
@@ -350,21 +496,19 @@ PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk,
         if (C % 2) _mm512_store_ps(vk + 32 * CP, load_bf16(v + 32 * CP));
       }
     }
-    for (int64_t p = 0; p < rh; ++p) {
-      const int64_t end = std::min<int64_t>(live, pos0 + p / hn + 1 - tb);  // the row's keys in this block
-      if (end <= 0) continue;
-      float* op = obuf + p * d;
-      const float* e = scores + p * padded + tb - k0;
-      const float* vb = vbuf + ((h0 + p % hn) / group - kv0) * block;
-      __m512 o[C];
-      for (int c = 0; c < C; ++c) o[c] = _mm512_load_ps(op + 16 * c);
-      for (int64_t k = 0; k < end; ++k) {
-        const __m512 ek = _mm512_set1_ps(e[k]);
-        const float* vk = vb + k * d;
-        for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(ek, _mm512_load_ps(vk + 16 * c), o[c]);
-      }
-      for (int c = 0; c < C; ++c) _mm512_store_ps(op + 16 * c, o[c]);
-    }
+    for (int64_t g = 0; g < kvn; ++g)
+      for_groups(g, values_group_max(C), [&](const int64_t* p, int64_t size) {
+        const float* e[SCORE_GROUP];
+        float* o[SCORE_GROUP];
+        int64_t end[SCORE_GROUP], common = LANES;
+        for (int64_t y = 0; y < size; ++y) {
+          e[y] = scores + p[y] * padded + tb - k0;
+          o[y] = obuf + p[y] * d;
+          end[y] = std::clamp<int64_t>(pos0 + p[y] / hn + 1 - tb, 0, live);  // the row's keys in this block
+          common = std::min(common, end[y]);
+        }
+        value_fn<C>(size)(vbuf + g * block, e, o, end, common);
+      });
   }
   for (int64_t p = 0; p < rh; ++p) std::memcpy(part + p * pair_stride + 2, obuf + p * d, d * sizeof(float));
 }
@@ -401,10 +545,10 @@ PREFIXD_AVX512 void combine_avx512(const float* part, int64_t stride, int64_t ch
   if (C % 2) _mm512_storeu_ps(out + 32 * CP, _mm512_div_ps(o[C - 1], sum));
 }
 
-Path avx512_path(int64_t chunks) {
+Path avx512_path(int64_t chunks, bool bf16) {
   switch (chunks) {
 #define PREFIXD_CASE(C) \
-  case C: return {&chunk_avx512<C>, &combine_avx512<C>};
+  case C: return {bf16 ? &chunk_avx512<C, true> : &chunk_avx512<C, false>, &combine_avx512<C>};
     PREFIXD_CASE(1) PREFIXD_CASE(2) PREFIXD_CASE(3) PREFIXD_CASE(4) PREFIXD_CASE(5) PREFIXD_CASE(6)
     PREFIXD_CASE(7) PREFIXD_CASE(8) PREFIXD_CASE(16)
 #undef PREFIXD_CASE
@@ -423,6 +567,18 @@ bool have_avx512() {
   return false;  // the portable path only: the same bits
 #endif
 }
+
+bool have_avx512_bf16() {
+#ifdef PREFIXD_X86
+  static const bool yes = have_avx512() && __builtin_cpu_supports("avx512bf16");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+// The fastest path this CPU has: "avx512-bf16", "avx512" or "portable" (the same bits).
+std::string best_path() { return have_avx512_bf16() ? "avx512-bf16" : have_avx512() ? "avx512" : "portable"; }
 
 // One task: its chunks' partials, then each (row, head)'s output (a task holding every chunk of
 // its rows) or the partials into its block's share of the split buffer (combined after all tasks).
@@ -469,9 +625,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
               "attend: tables must be contiguous int32 (S, T)");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(1) == heads * dim,
               "attend: out must be contiguous fp32 (rows, heads * D)");
-  TORCH_CHECK(path == "auto" || path == "avx512" || path == "portable", "attend: path must be auto, avx512 or portable");
-  const bool vec = path == "avx512" || (path == "auto" && have_avx512());
-  TORCH_CHECK(!vec || have_avx512(), "attend: this CPU has no AVX-512");
+  TORCH_CHECK(path == "auto" || path == "avx512-bf16" || path == "avx512" || path == "portable",
+              "attend: path must be auto, avx512-bf16, avx512 or portable");
+  const std::string take = path == "auto" ? best_path() : std::string(path);
+  TORCH_CHECK(take != "avx512" || have_avx512(), "attend: this CPU has no AVX-512");
+  TORCH_CHECK(take != "avx512-bf16" || have_avx512_bf16(), "attend: this CPU has no AVX-512 BF16");
 
   const int64_t s_count = spans.size(0), table_len = tables.size(1), q_rows = q.size(0) / q_stride;
   const int64_t* sp = spans.const_data_ptr<int64_t>();
@@ -566,8 +724,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
          sp, tb, out.mutable_data_ptr<float>(), q_stride, heads, kv_heads, dim, page, table_len};
   Path fns{&chunk_portable, &combine_portable};
 #ifdef PREFIXD_X86
-  if (vec) {
-    const Path p = avx512_path(dim / LANES);
+  if (take != "portable") {
+    const Path p = avx512_path(dim / LANES, take == "avx512-bf16");
     if (p.chunk != nullptr) fns = p;
   }
 #endif
@@ -591,16 +749,21 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
 }
 
 // One layer's rope and K/V write for mode int4, with the bits of the torch ops it replaces
-// (model.rope_qk_into with scaled tables, then KVPool.write): for every row r and q or k head j,
-//   qk[r, j, i] = bf16(fp32(x[i] * cos[r, j, i]) + fp32(x[i'] * sin[r, j, i]))   (each op rounded)
+// (model.rope_qk_into with scaled tables, then KVPool.write) but for two things: a q or k value
+// of magnitude below 2^-30 becomes +0 (zeros too) (what `attend` needs of its inputs), and the K
+// rows go to the pool in its K page layout. For every row r and q or k head j,
+//   qk[r, j, i] = flush(bf16(fp32(x[i] * cos[r, j, i]) + fp32(x[i'] * sin[r, j, i])))   (each op rounded)
 // where x is the head's slice of qkv and i' = i + D/2 for i < D/2, else i - D/2; then for rows
 // r < n the k heads go to the pool at slots[r] as they are and the v heads as bf16(v).
+// x, or +0 where |x| is below 2^-30 (exponent field under 127 - 30: zeros and subnormals too)
+inline at::BFloat16 flush_tiny(at::BFloat16 x) { return ((x.x >> 7) & 0xff) < 97 ? at::BFloat16(0.f) : x; }
+
 void rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& qk, at::Tensor& k_pool,
              at::Tensor& v_pool, const at::Tensor& slots, int64_t heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "rope_kv: qkv must be contiguous fp32 (R, N)");
   check_pools(k_pool, v_pool, "rope_kv");
   const int64_t rows = qkv.size(0), kv_heads = k_pool.size(2), dim = k_pool.size(3), qk_heads = heads + kv_heads;
-  const int64_t slots_n = k_pool.size(0) * k_pool.size(1);
+  const int64_t page_size = k_pool.size(1), slots_n = k_pool.size(0) * page_size;
   TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (qk_heads + kv_heads) * dim, "rope_kv: qkv's width is not (", qk_heads,
               " + ", kv_heads, ") * ", dim);
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
@@ -631,11 +794,15 @@ void rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
         for (int64_t i = 0; i < dim; ++i) {
           const float a = xh[i] * c[i];
           const float b = xh[i < half ? i + half : i - half] * s[i];
-          o[i] = at::BFloat16(a + b);
+          o[i] = flush_tiny(at::BFloat16(a + b));
         }
       }
       if (r < n) {
-        std::memcpy(kp + sl[r] * kv_heads * dim, out + (r * qk_heads + heads) * dim, kv_heads * dim * sizeof(at::BFloat16));
+        const int64_t page = sl[r] / page_size, off = sl[r] % page_size;
+        for (int64_t g = 0; g < kv_heads; ++g)
+          for (int64_t i = 0; i < half; ++i)  // the K page layout of `attend`: dims 2i, 2i + 1 together
+            std::memcpy(kp + page * page_size * kv_heads * dim + ((g * half + i) * page_size + off) * 2,
+                        out + (r * qk_heads + heads + g) * dim + 2 * i, 2 * sizeof(at::BFloat16));
         const float* v = x + r * width + qk_heads * dim;
         at::BFloat16* vo = vp + sl[r] * kv_heads * dim;
         for (int64_t i = 0; i < kv_heads * dim; ++i) vo[i] = at::BFloat16(v[i]);
@@ -651,7 +818,7 @@ TORCH_LIBRARY_FRAGMENT(prefixd, m) {
         "Tensor(a!) out, str path='auto') -> ()");
   m.def("rope_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) qk, Tensor(b!) k_pool, Tensor(c!) v_pool, "
         "Tensor slots, int heads) -> ()");
-  m.def("attention_isa() -> str", [] { return std::string(have_avx512() ? "avx512" : "portable"); });
+  m.def("attention_isa() -> str", [] { return best_path(); });
 }
 
 TORCH_LIBRARY_IMPL(prefixd, CPU, m) {

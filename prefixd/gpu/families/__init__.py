@@ -71,9 +71,11 @@ CPU_DEFAULT_MODE = "int4"
 # 4-bit layers and its rounds lost their padding: revision 2; CPU library products moved to one
 # thread: invariant 2, int4 3; bf16 products in calls of fixed rows on CPUs with AMX:
 # invariant 3; int4 on prefixd's own kernel, 8-bit activations and w = q * scale + base: int4 4;
-# int4's attention reduces a row's keys in fixed chunks of 512, joined after: int4 5), so that
+# int4's attention reduces a row's keys in fixed chunks of 512, joined after: int4 5; its scores
+# are dim-pair fma chains (the AVX-512 BF16 dot product's steps) over K pages laid out in dim
+# pairs, q and k flushed below 2^-30: int4 6), so that
 # the disk tier, which keys on `mode_identity`, never serves rows computed by an earlier revision.
-MODE_REVISIONS = {"invariant": 3, "int4": 5}
+MODE_REVISIONS = {"invariant": 3, "int4": 6}
 
 
 def mode_identity(mode: str) -> str:
