@@ -7,7 +7,7 @@
 //
 // K pages: inside a page of P keys, kv head g's keys lie in pairs of dims: element (offset o,
 // kv head g, dim d) at ((g * D/2 + d/2) * P + o) * 2 + d % 2, so that dims 2i, 2i + 1 of 16
-// consecutive keys are one 64-byte vector (`to_key_pages` in cpu_kernels.py gives this layout
+// consecutive keys are one 64-byte vector (`to_key_pages` in kv_pool.py gives this layout
 // of keys laid out (P, kv_heads, D)). V pages are (P, kv_heads, D).
 //
 // For a row at position p, q head h (pre-scaled) and its kv head g = h / (heads / kv_heads),
