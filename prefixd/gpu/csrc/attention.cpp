@@ -241,6 +241,13 @@ PREFIXD_AVX512 inline __m512 exp_fixed(__m512 x) {
 
 #define PREFIXD_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
+// 16 words of two bf16 each, widened exactly: each word's low half (shifted up) and its high
+// half (masked).
+PREFIXD_AVX512 inline void widen_pairs(__m512i w, __m512& low, __m512& high) {
+  low = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  high = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+}
+
 // The scores of NP (row, head) pairs of one kv head against NB blocks of 16 keys: lane t of
 // out[n] + 16 b is key t of block b's score (the fma chain of the header). kb[b]: block b's
 // D/2 vectors of dim pairs (32 bf16: 16 keys' dims 2i, 2i + 1), `stride` bf16 apart; q[n] /
@@ -273,17 +280,12 @@ PREFIXD_AVX512_BF16 void scores_bf16(const uint16_t* const* kb, int64_t stride, 
 template <int NP, int NB>
 PREFIXD_AVX512 void scores_fma(const uint16_t* const* kb, int64_t stride, int64_t half, const uint16_t* const*,
                                const float* const* qf, float* const* out) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
   __m512 acc[NP][NB];
   for (int n = 0; n < NP; ++n)
     for (int b = 0; b < NB; ++b) acc[n][b] = _mm512_setzero_ps();
   for (int64_t i = 0; i < half; ++i) {
     __m512 even[NB], odd[NB];
-    for (int b = 0; b < NB; ++b) {
-      const __m512i w = _mm512_loadu_si512(kb[b] + i * stride);
-      even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-      odd[b] = _mm512_castsi512_ps(_mm512_and_si512(w, high));
-    }
+    for (int b = 0; b < NB; ++b) widen_pairs(_mm512_loadu_si512(kb[b] + i * stride), even[b], odd[b]);
     for (int n = 0; n < NP; ++n) {
       const __m512 qo = _mm512_set1_ps(qf[n][2 * i + 1]), qe = _mm512_set1_ps(qf[n][2 * i]);
       for (int b = 0; b < NB; ++b) acc[n][b] = _mm512_fmadd_ps(qe, even[b], _mm512_fmadd_ps(qo, odd[b], acc[n][b]));
@@ -383,11 +385,13 @@ PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk,
   float* scores = qf + rh * d;
   float* vbuf = scores + rh * padded;  // (kvn, 16 keys, D), aligned: rh * padded and D are multiples of 16
   float* obuf = vbuf + kvn * block;     // (rh, D)
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < hn; ++j) {
-      const uint16_t* q = a.q + ((r0 + i) * a.q_stride + h0 + j) * d;
-      for (int c = 0; c < C; ++c) _mm512_store_ps(qf + (i * hn + j) * d + c * LANES, load_bf16(q + c * LANES));
-    }
+  if constexpr (!BF16) {  // the fma path's q, widened once (the BF16 path reads q's bf16 pairs)
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < hn; ++j) {
+        const uint16_t* q = a.q + ((r0 + i) * a.q_stride + h0 + j) * d;
+        for (int c = 0; c < C; ++c) _mm512_store_ps(qf + (i * hn + j) * d + c * LANES, load_bf16(q + c * LANES));
+      }
+  }
   // The pairs of kv head g (g - kv0 < kvn) in groups of near-equal size, up to `most` a group:
   // fn(pairs, size) for each group, pairs in row-major order.
   int64_t group_pairs[SCORE_GROUP];
@@ -400,26 +404,27 @@ PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk,
       fn(group_pairs, size);
     }
   };
-  // scores of every (row, head) pair, up to 8 blocks of 16 keys at a time: the pairs of one kv
-  // head in groups, a group with a few blocks (up to 8 independent chains), each dim pair
-  // vector of a block read once a group. With pages of a multiple of 16 keys a block is one page's run of keys and is read in
-  // place; else its keys' dim pairs are first gathered into the layout of one. A row's scores
-  // past its own position (up to the block's end) are computed and never used.
+  // scores of every (row, head) pair, a step of blocks of 16 keys at a time: the pairs of one
+  // kv head in groups, each dim pair vector of a block read once a group. With pages of a
+  // multiple of 16 keys a block is one page's run of keys and is read in place; else its keys'
+  // dim pairs are first gathered into the layout of one. A row's scores past its own position
+  // (up to the block's end) are computed and never used.
+  //
+  // A step is one block, read in place or gathered: one block a step reads the pool in order,
+  // which keeps it fastest from memory. A task of one or two pairs a kv head (a lone row's heads
+  // cut between threads) takes several blocks a step read in place, up to 8 chains in all, so
+  // that its chains are enough to hide their latency (probed: 30 layers at 4K, cold, 1 lane:
+  // 6.1-6.5 ms a block a step against 7.4-9.8 with two; 1 lane at 512 cut by heads: 1.6 against 1.0).
   const int64_t half = d / 2;
   const bool in_place = a.page % LANES == 0;
+  const int64_t most_pairs = rows * std::min(group, hn);
+  const int64_t most_blocks = !in_place || most_pairs >= 3 ? 1 : SCORE_GROUP / most_pairs;
   uint32_t* gathered = reinterpret_cast<uint32_t*>(obuf + rh * d);  // (kvn * half, 16) dim pairs
   const uint16_t* qb[SCORE_GROUP];
   const float* qg[SCORE_GROUP];
   float* sg[SCORE_GROUP];
   for (int64_t tb = k0; tb < k0 + padded;) {
-    // a step of blocks read in place, or one gathered block. One block a step reads the pool
-    // in order, which keeps it fastest from memory; a task of one or two pairs a kv head (a
-    // lone row's heads cut between threads) takes several blocks a step, so that its chains
-    // are enough to hide their latency (probed: 30 layers at 4K, cold, 1 lane: 6.1-6.5 ms a
-    // block a step against 7.4-9.8 with two; 1 lane at 512 cut by heads: 1.6 against 1.0)
-    const int64_t most_pairs = rows * std::min(group, hn);
-    const int64_t step = !in_place || most_pairs >= 3 ? 1
-                                                      : std::min<int64_t>(SCORE_GROUP / most_pairs, (k0 + padded - tb) / LANES);
+    const int64_t step = std::min<int64_t>(most_blocks, (k0 + padded - tb) / LANES);
     const uint16_t* blocks[SCORE_GROUP];
     int64_t stride;
     if (in_place) {
@@ -482,7 +487,6 @@ PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk,
   // share each key's values in registers (`values_group`).
   constexpr int CP = C / 2;  // chunk pairs read two bf16 at a time; an odd last chunk is read as before
   std::fill(obuf, obuf + rh * d, 0.f);
-  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
   for (int64_t tb = k0; tb < keys; tb += LANES) {
     const int64_t live = std::min<int64_t>(LANES, keys - tb);
     for (int64_t k = 0; k < live; ++k) {
@@ -491,9 +495,10 @@ PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk,
         const uint16_t* v = vr + g * d;
         float* vk = vbuf + g * block + k * d;
         for (int c = 0; c < CP; ++c) {
-          const __m512i w = _mm512_loadu_si512(v + 32 * c);
-          _mm512_store_ps(vk + 32 * c, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-          _mm512_store_ps(vk + 32 * c + 16, _mm512_castsi512_ps(_mm512_and_si512(w, high)));
+          __m512 low, high;
+          widen_pairs(_mm512_loadu_si512(v + 32 * c), low, high);
+          _mm512_store_ps(vk + 32 * c, low);
+          _mm512_store_ps(vk + 32 * c + 16, high);
         }
         if (C % 2) _mm512_store_ps(vk + 32 * CP, load_bf16(v + 32 * CP));
       }
@@ -750,6 +755,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   }
 }
 
+// x, or +0 where |x| is below 2^-30 (exponent field under 127 - 30: zeros and subnormals too)
+inline at::BFloat16 flush_tiny(at::BFloat16 x) { return ((x.x >> 7) & 0xff) < 97 ? at::BFloat16(0.f) : x; }
+
 // One layer's rope and K/V write for mode int4, with the bits of the torch ops it replaces
 // (model.rope_qk_into with scaled tables, then KVPool.write) but for two things: a q or k value
 // of magnitude below 2^-30 becomes +0 (zeros too) (what `attend` needs of its inputs), and the K
@@ -757,9 +765,6 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
 //   qk[r, j, i] = flush(bf16(fp32(x[i] * cos[r, j, i]) + fp32(x[i'] * sin[r, j, i])))   (each op rounded)
 // where x is the head's slice of qkv and i' = i + D/2 for i < D/2, else i - D/2; then for rows
 // r < n the k heads go to the pool at slots[r] as they are and the v heads as bf16(v).
-// x, or +0 where |x| is below 2^-30 (exponent field under 127 - 30: zeros and subnormals too)
-inline at::BFloat16 flush_tiny(at::BFloat16 x) { return ((x.x >> 7) & 0xff) < 97 ? at::BFloat16(0.f) : x; }
-
 void rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& qk, at::Tensor& k_pool,
              at::Tensor& v_pool, const at::Tensor& slots, int64_t heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "rope_kv: qkv must be contiguous fp32 (R, N)");
