@@ -162,8 +162,13 @@ def apply_penalties_and_filters(
 
 def greedy_token(row: torch.Tensor) -> int:
     """The id of the largest logit; on ties the lowest id."""
-    # torch.argmax returns the first maximal index (documented), i.e. the lowest id.
-    token = int(torch.argmax(row).item())
+    # Both return the first maximal index, i.e. the lowest id, and the first NaN's index when
+    # there is one. On the CPU numpy's argmax reads a 49K row in ~8 us, torch's in ~45 us: at
+    # 8 lanes with drafts a round samples tens of rows.
+    if row.device.type == "cpu" and row.dtype == torch.float32:
+        token = int(row.numpy().argmax())
+    else:
+        token = int(torch.argmax(row).item())
     if torch.isnan(row[token]):
         raise RuntimeError("logits row contains NaN")
     return token

@@ -61,6 +61,16 @@ def test_greedy_ties_go_to_the_lowest_id():
     big = torch.zeros(49152)
     big[[30001, 30000, 49151]] = 1.0
     assert greedy_token(big) == 30000
+    big[[100, 200]] = float("inf")
+    assert greedy_token(big) == 100
+    assert greedy_token(big.bfloat16()) == 100  # the other path: torch's argmax
+
+
+def test_greedy_refuses_a_row_with_nan():
+    row = torch.zeros(VOCAB)
+    row[[5, 9]] = torch.tensor([float("inf"), float("nan")])
+    with pytest.raises(RuntimeError, match="NaN"):
+        greedy_token(row)
 
 
 def test_greedy_never_picks_a_padded_id():
