@@ -6,9 +6,12 @@ the family registered for that model type / GGUF architecture. Families also say
 tensors (Hugging Face names and shapes) a checkpoint must contain, how GGUF names map onto
 them, and which GGUF tensors are stored row-permuted for llama.cpp's rope layout.
 
-Built-in families: llama (HF model_type llama, mistral; GGUF arch llama), qwen2 (qkv bias)
-and qwen3 (per-head q/k RMSNorm). Other families register themselves with
-`register_family`; modules listed in `_PLUGIN_MODULES` are imported on first miss.
+Each family is one `FamilyRecord` in this registry: its config parsers, tensor shapes, GGUF
+names and rewrites, and its model builder with the numeric modes it has (the builder is named,
+not imported, so parsing a config never loads torch). Built-in families: llama (HF model_type
+llama, mistral; GGUF arch llama), qwen2 (qkv bias) and qwen3 (per-head q/k RMSNorm), in
+config_llama.py. Other families register themselves with `register_family`; modules listed in
+`_PLUGIN_MODULES` are imported on first miss.
 """
 
 from __future__ import annotations
@@ -74,7 +77,12 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class _Family:
+class FamilyRecord:
+    """Everything prefixd knows of one model family, in one place: how its config is parsed
+    (Hugging Face and GGUF), which tensors it has and how GGUF names and stores them, and the
+    model code that runs it (`build`, "module:function", imported only when a model is built,
+    so this module stays torch-free) with the numeric modes that code has."""
+
     family: str
     from_hf: Callable[[dict], ModelConfig]
     tensor_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
@@ -82,11 +90,13 @@ class _Family:
     gguf_names: Callable[[ModelConfig], dict[str, str]] | None
     gguf_unpermute: Callable[[ModelConfig], dict[str, int]] | None
     gguf_fixup: Callable[[ModelConfig, dict[str, Any]], None] | None
+    build: str | None = None
+    modes: tuple[str, ...] = ("invariant",)
 
 
-_BY_MODEL_TYPE: dict[str, _Family] = {}
-_BY_GGUF_ARCH: dict[str, _Family] = {}
-_BY_FAMILY: dict[str, _Family] = {}
+_BY_MODEL_TYPE: dict[str, FamilyRecord] = {}
+_BY_GGUF_ARCH: dict[str, FamilyRecord] = {}
+_BY_FAMILY: dict[str, FamilyRecord] = {}
 
 
 def register_family(
@@ -100,6 +110,8 @@ def register_family(
     gguf_arch: str | None = None,
     gguf_unpermute: Callable[[ModelConfig], dict[str, int]] | None = None,
     gguf_fixup: Callable[[ModelConfig, dict[str, Any]], None] | None = None,
+    build: str | None = None,
+    modes: tuple[str, ...] = ("invariant",),
 ) -> None:
     """Register (or replace) a family under an HF `model_type`.
 
@@ -111,15 +123,18 @@ def register_family(
     served by from_gguf (default: model_type). gguf_fixup(config, tensors) may rewrite the
     loaded {HF name: tensor} dict in place where GGUF stores a value differently from HF.
     A GGUF tensor whose shape equals the HF shape up to size-1 dims is reshaped to it.
+    `build` ("module:function") is the model code: function(checkpoint, device, dtype, mode)
+    returns the family's FamilyModel (prefixd.gpu.families), for each mode in `modes`.
     """
-    entry = _Family(family or model_type, from_hf, tensor_shapes, from_gguf, gguf_names, gguf_unpermute, gguf_fixup)
+    entry = FamilyRecord(family or model_type, from_hf, tensor_shapes, from_gguf, gguf_names, gguf_unpermute,
+                         gguf_fixup, build, tuple(modes))
     _BY_MODEL_TYPE[model_type] = entry
     _BY_FAMILY.setdefault(entry.family, entry)
     if from_gguf is not None:
         _BY_GGUF_ARCH[gguf_arch or model_type] = entry
 
 
-def _lookup(table: dict[str, _Family], name: str) -> _Family | None:
+def _lookup(table: dict[str, FamilyRecord], name: str) -> FamilyRecord | None:
     if name not in table:
         for module in _PLUGIN_MODULES:
             if importlib.util.find_spec(module.rsplit(".", 1)[0]) and importlib.util.find_spec(module):
@@ -145,8 +160,19 @@ def config_from_gguf(meta: dict) -> ModelConfig:
     return entry.from_gguf(meta)
 
 
-def _family_entry(config: ModelConfig) -> _Family:
-    entry = _lookup(_BY_FAMILY, config.family)
+def registered_families() -> list[str]:
+    """Every family a record exists for (plugins imported)."""
+    _lookup(_BY_FAMILY, "")  # a miss: imports the plugin modules
+    return sorted(_BY_FAMILY)
+
+
+def family_record(family: str) -> FamilyRecord | None:
+    """The record of `family` (a ModelConfig.family), or None when no module registers it."""
+    return _lookup(_BY_FAMILY, family)
+
+
+def _family_entry(config: ModelConfig) -> FamilyRecord:
+    entry = family_record(config.family)
     if entry is None:
         raise ConfigError("family", f"no registered family {config.family!r}")
     return entry

@@ -200,4 +200,6 @@ for _model_type, _family in _LLAMA_FAMILIES.items():
         gguf_names=_llama_gguf_names,
         family=_family,
         gguf_unpermute=_llama_unpermute,
+        build="prefixd.gpu.model:build_llama",
+        modes=("invariant", "int4"),
     )

@@ -133,6 +133,15 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     return out
 
 
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, in) @ weight.T (+ bias) in x's dtype, for any M: the call padded to
+    `invariant_rows(M, x.dtype)` rows and cut back, the bias added after the product (the same
+    op whatever the library). For families whose activations stay in the compute dtype."""
+    rows = x.shape[0]
+    out = kernels.mm_t(kernels.pad_rows(x, invariant_rows(rows, x.dtype)), weight, x.dtype)[:rows]
+    return out if bias is None else out + bias
+
+
 def fuse(weights: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate projections that read the same input into one (sum(out), in) weight."""
     return torch.cat(weights, dim=0).contiguous()

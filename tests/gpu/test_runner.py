@@ -133,6 +133,30 @@ def test_unknown_family_raises():
         build_family(Ckpt(), torch.device("cpu"), torch.float32)
 
 
+def test_each_family_is_one_record_with_its_model_code():
+    """Parsers, GGUF map and model code of a family come from one registry record: every
+    registered family names a builder that imports, and a mode it lacks is refused by name."""
+    import importlib
+
+    from prefixd.gpu.config import family_record, registered_families
+
+    assert {"llama", "qwen2", "qwen3", "qwen3_5"} <= set(registered_families())
+    for family in registered_families():
+        record = family_record(family)
+        module, _, name = record.build.partition(":")
+        assert callable(getattr(importlib.import_module(module), name)), family
+        assert "invariant" in record.modes
+    assert family_record("llama").modes == ("invariant", "int4")
+    assert family_record("qwen3_5").from_gguf is not None and family_record("qwen3_5").modes == ("invariant",)
+
+    class Ckpt:
+        class config:
+            family = "qwen3_5"
+
+    with pytest.raises(ValueError, match="family 'qwen3_5' has no mode 'int4'"):
+        build_family(Ckpt(), torch.device("cpu"), torch.bfloat16, "int4")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_round_is_row_invariant(tiny_llama_dir):

@@ -1,19 +1,21 @@
-"""The family registry: which model code runs a checkpoint's `config.family`.
+"""Model families at run time: the `FamilyModel` protocol the runner drives, and building one.
 
-A family turns a Checkpoint into a `FamilyModel`. Built in: llama, qwen2, qwen3
-(`prefixd.gpu.model.LlamaModel`). Families in other modules register themselves with
-`register` when imported; `_PLUGINS` lists the modules imported on a miss.
+Which code runs a checkpoint's `config.family`, and in which numeric modes, is part of the
+family's one record in `prefixd.gpu.config` (`register_family(..., build=, modes=)`), beside
+its config parsers and GGUF tensor map. Built in: llama, qwen2, qwen3
+(`prefixd.gpu.model.build_llama`); qwen3_5 (`families.qwen3_5.build_qwen3_5`).
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from prefixd.gpu import cpu_kernels
+from prefixd.gpu.config import family_record, registered_families
 from prefixd.gpu.kv_pool import KVPool
 
 
@@ -58,11 +60,6 @@ class FamilyModel(Protocol):
         """Zero the lane's state."""
 
 
-Builder = Callable[[Any, torch.device, torch.dtype, str], FamilyModel]
-
-_BUILDERS: dict[str, Builder] = {}
-_MODES: dict[str, tuple[str, ...]] = {}
-_PLUGINS = {"qwen3_5": "prefixd.gpu.families.qwen3_5"}
 # "auto": int4 where the family has it on CPU bf16 (docs/benchmarks.md), else invariant
 CPU_DEFAULT_MODE = "int4"
 
@@ -73,9 +70,10 @@ CPU_DEFAULT_MODE = "int4"
 # invariant 3; int4 on prefixd's own kernel, 8-bit activations and w = q * scale + base: int4 4;
 # int4's attention reduces a row's keys in fixed chunks of 512, joined after: int4 5; its scores
 # are dim-pair fma chains (the AVX-512 BF16 dot product's steps) over K pages laid out in dim
-# pairs, q and k flushed below 2^-30: int4 6), so that
+# pairs, q and k flushed below 2^-30: int4 6; the hybrid family's products and rope became the
+# shared ones, its rope in fp32: invariant 4), so that
 # the disk tier, which keys on `mode_identity`, never serves rows computed by an earlier revision.
-MODE_REVISIONS = {"invariant": 3, "int4": 6}
+MODE_REVISIONS = {"invariant": 4, "int4": 6}
 
 
 def mode_identity(mode: str) -> str:
@@ -85,19 +83,18 @@ def mode_identity(mode: str) -> str:
     return f"{mode}@{MODE_REVISIONS[mode]}"
 
 
-def register(family: str, builder: Builder, modes: tuple[str, ...] = ("invariant",)) -> None:
-    """Make `builder(checkpoint, device, dtype, mode)` the model code for `family`, for `modes`."""
-    _BUILDERS[family] = builder
-    _MODES[family] = modes
+def family_modes(family: str) -> tuple[str, ...]:
+    """The numeric modes the family's model code has (its `FamilyRecord`); () when unknown."""
+    record = family_record(family)
+    return record.modes if record is not None and record.build else ()
 
 
 def resolve_mode(mode: str, family: str, device: torch.device, dtype: torch.dtype) -> str:
     """`mode` itself, or for "auto" the family's default on this device and dtype."""
     if mode != "auto":
         return mode
-    _load(family)
     cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
-    if not (cpu_bf16 and CPU_DEFAULT_MODE in _MODES.get(family, ())):
+    if not (cpu_bf16 and CPU_DEFAULT_MODE in family_modes(family)):
         return "invariant"
     if cpu_kernels.fast():
         return CPU_DEFAULT_MODE
@@ -108,26 +105,14 @@ def resolve_mode(mode: str, family: str, device: torch.device, dtype: torch.dtyp
 
 def build_family(checkpoint: Any, device: torch.device, dtype: torch.dtype,
                  mode: str = "invariant") -> FamilyModel:
-    """The FamilyModel for `checkpoint.config.family` in `mode` ("auto": `resolve_mode`);
-    ValueError when no model code is registered or the family has no such mode."""
+    """The FamilyModel for `checkpoint.config.family` in `mode` ("auto": `resolve_mode`), built
+    by the family record's model code; ValueError when the family has none or not that mode."""
     family = checkpoint.config.family
-    _load(family)
-    if family not in _BUILDERS:
-        raise ValueError(f"no model code for family {family!r}; have {sorted(_BUILDERS)}")
-    return _BUILDERS[family](checkpoint, device, dtype, resolve_mode(mode, family, device, dtype))
-
-
-def _load(family: str) -> None:
-    """Import the module that registers `family` when it is a plugin not yet loaded."""
-    if family not in _BUILDERS and family in _PLUGINS:
-        importlib.import_module(_PLUGINS[family])
-
-
-def _register_builtins() -> None:
-    from prefixd.gpu.model import build_llama
-
-    for name in ("llama", "qwen2", "qwen3"):
-        register(name, build_llama, modes=("invariant", "int4"))
-
-
-_register_builtins()
+    record = family_record(family)
+    if record is None or not record.build:
+        raise ValueError(f"no model code for family {family!r}; have {sorted(registered_families())}")
+    mode = resolve_mode(mode, family, device, dtype)
+    if mode not in record.modes:
+        raise ValueError(f"family {family!r} has no mode {mode!r} (have: {', '.join(record.modes)})")
+    module, _, name = record.build.partition(":")
+    return getattr(importlib.import_module(module), name)(checkpoint, device, dtype, mode)

@@ -19,16 +19,17 @@ from typing import Mapping, Sequence
 
 import torch
 
-from prefixd.gpu import families
 from prefixd.gpu.attention import AttentionSpan, attend, plan_attention
 from prefixd.gpu.families import gdn
 from prefixd.gpu.families.qwen3_5_config import LINEAR, HybridConfig, hybrid_config, model_config
 from prefixd.gpu.families.qwen3_5_gguf import register
 from prefixd.gpu.families.qwen3_5_mtp import check_mtp_config, mtp_hidden, prepare_mtp
-from prefixd.gpu.families.qwen3_5_ops import PartialRope, gated_rms_norm, linear, rms_norm
+from prefixd.gpu.families.qwen3_5_ops import gated_rms_norm, rms_norm
 from prefixd.gpu.families.qwen3_5_state import HybridState, LaneStatePool
 from prefixd.gpu.families.qwen3_5_weights import plus_one, prepare_layer
 from prefixd.gpu.kv_pool import KVPool
+from prefixd.gpu.linear import project
+from prefixd.gpu.rope import RopeTable, apply_rope
 from prefixd.scheduler.records import LaneWork
 
 
@@ -50,7 +51,7 @@ class _Round:
 
     spans: Sequence[_Span]
     slots: torch.Tensor  # (rows,) flat KV slot of each row
-    cos: torch.Tensor  # (rows, 1, rotary_dim)
+    cos: torch.Tensor  # (rows, 1, rotary_dim / 2) fp32 (rope.RopeTable.lookup)
     sin: torch.Tensor
     tiles: tuple  # attention.AttentionTile, built once per round
 
@@ -73,7 +74,7 @@ class HybridModel:
         self.lm_head = self.embed if config.tie_embeddings else t["lm_head.weight"]
         self.final_norm = plus_one(t["model.norm.weight"])
         self.layers = [prepare_layer(config, t, i) for i in range(config.num_layers)]
-        self.rope = PartialRope(config.rotary_dim, config.rope_theta, device)
+        self.rope = RopeTable(self.config, device=device, rotary_dim=config.rotary_dim)
         self.mtp = prepare_mtp(config, t, kv_slot=len(config.full_layers))  # [] without MTP
         self.num_kv_layers = len(config.full_layers) + len(self.mtp)
         self.states: LaneStatePool | None = None
@@ -98,7 +99,7 @@ class HybridModel:
         return 4 * (4 * c.hidden_size + mixer + 3 * c.intermediate_size)
 
     def padded_rows(self, n: int) -> int:
-        return n  # `linear` pads small calls itself
+        return n  # `project` pads small calls itself
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -113,7 +114,7 @@ class HybridModel:
         x = self.embed.index_select(0, inputs.tokens[:n])
         for rows_idx, rows in inputs.images:
             x.index_copy_(0, rows_idx, rows.to(self.dtype))
-        cos, sin = self.rope.cos_sin(inputs.positions[:n], self.dtype)
+        cos, sin = self.rope.lookup(inputs.positions[:n])
         rnd = _Round(spans, inputs.slots, cos, sin, inputs.tiles)
         return self._keep_carry(self._layers(x, rnd, kv).float(), spans)
 
@@ -164,7 +165,7 @@ class HybridModel:
         positions = [p for w in works for p in range(w.start, w.start + len(w.tokens))]
         slots = [w.page_table[p // page] * page + p % page
                  for w in works for p in range(w.start, w.start + len(w.tokens))]
-        cos, sin = self.rope.cos_sin(self._index(positions), self.dtype)
+        cos, sin = self.rope.lookup(self._index(positions))
         tiles = plan_attention(attn_spans, total_rows=lo, page_size=page, device=self.device,
                                dtype=kv.dtype,
                                group=self.hybrid.num_heads // self.hybrid.num_kv_heads)
@@ -181,17 +182,17 @@ class HybridModel:
             else:
                 x = x + self._full_attention(layer, h, rnd, kv)
             h = rms_norm(x, layer["ln2"], eps)
-            gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + linear((gdn.silu(gate) * up.float()).to(self.dtype), layer["down"])
+            gate, up = project(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + project((gdn.silu(gate) * up.float()).to(self.dtype), layer["down"])
         return rms_norm(x, self.final_norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits (rows, vocab) of final-normed hidden rows."""
-        return linear(hidden.to(self.dtype), self.lm_head).float()
+        return project(hidden.to(self.dtype), self.lm_head).float()
 
     def _linear_attention(self, layer: dict, h: torch.Tensor, spans: Sequence[_Span]) -> torch.Tensor:
         c = self.hybrid
-        proj = linear(h, layer["w_in"])
+        proj = project(h, layer["w_in"])
         mixed, z, b, a = proj.split([c.conv_dim, c.lin_value_dim, c.lin_num_v_heads,
                                      c.lin_num_v_heads], dim=-1)
         g, beta = gdn.gates(a, b, layer["a_log"], layer["dt_bias"])
@@ -218,7 +219,7 @@ class HybridModel:
                                                v[s.lo:s.hi], g[s.lo:s.hi], beta[s.lo:s.hi])
         out = gated_rms_norm(core, z.view(-1, c.lin_num_v_heads, c.lin_v_dim), layer["norm"],
                              c.rms_norm_eps, self.dtype)
-        return linear(out.view(h.shape[0], -1), layer["w_out"])
+        return project(out.view(h.shape[0], -1), layer["w_out"])
 
     def _index(self, values) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.long, device=self.device)
@@ -270,7 +271,7 @@ class HybridModel:
 
     def _full_attention(self, layer: dict, h: torch.Tensor, rnd: _Round, kv: KVPool) -> torch.Tensor:
         c = self.hybrid
-        qkv = linear(h, layer["w_qkv"], layer.get("b_qkv"))
+        qkv = project(h, layer["w_qkv"], layer.get("b_qkv"))
         q_size, kv_size = 2 * c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qg, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         qg = qg.view(-1, c.num_heads, 2 * c.head_dim)
@@ -278,12 +279,12 @@ class HybridModel:
         q = rms_norm(q, layer["q_norm"], c.rms_norm_eps)
         k = rms_norm(k.view(-1, c.num_kv_heads, c.head_dim), layer["k_norm"], c.rms_norm_eps)
         v = v.view(-1, c.num_kv_heads, c.head_dim)
-        q, k = self.rope.apply(q, rnd.cos, rnd.sin), self.rope.apply(k, rnd.cos, rnd.sin)
+        q, k = (apply_rope(t.float(), rnd.cos, rnd.sin).to(self.dtype) for t in (q, k))
         kv.write(layer["slot"], rnd.slots, k, v)
         out = attend(q.float() * c.head_dim ** -0.5, kv.k[layer["slot"]], kv.v[layer["slot"]],
                      rnd.tiles)  # (rows, heads * head_dim) float32
         attn = (out * gdn.sigmoid(gate)).to(self.dtype)
-        return linear(attn, layer["w_o"], layer.get("b_o"))
+        return project(attn, layer["w_o"], layer.get("b_o"))
 
     # -- lane state ------------------------------------------------------------------------
 
@@ -314,4 +315,3 @@ def build_qwen3_5(checkpoint, device: torch.device, dtype: torch.dtype, mode: st
 
 
 register()
-families.register("qwen3_5", build_qwen3_5)

@@ -159,7 +159,8 @@ def _reorder_tail(t, start: int, index):
 
 
 def register() -> None:
-    """Register `qwen3_5_text` (HF directories) and GGUF architecture `qwen35`."""
+    """Register `qwen3_5_text` (HF directories) and GGUF architecture `qwen35`, run by
+    `qwen3_5.build_qwen3_5` (mode invariant only)."""
     from prefixd.gpu.config import register_family
     from prefixd.gpu.families.qwen3_5_config import hybrid_config_from_hf, hybrid_tensor_shapes
 
@@ -172,4 +173,5 @@ def register() -> None:
         gguf_arch=GGUF_ARCH,
         gguf_names=lambda mc: gguf_names(hybrid_config(mc)),
         gguf_fixup=lambda mc, tensors: fixup(hybrid_config(mc), tensors),
+        build="prefixd.gpu.families.qwen3_5:build_qwen3_5",
     )

@@ -22,7 +22,8 @@ import torch
 
 from prefixd.gpu.families import gdn
 from prefixd.gpu.families.qwen3_5_config import FULL, HybridConfig
-from prefixd.gpu.families.qwen3_5_ops import linear, rms_norm
+from prefixd.gpu.families.qwen3_5_ops import rms_norm
+from prefixd.gpu.linear import project
 from prefixd.gpu.families.qwen3_5_weights import plus_one, prepare_layer
 
 
@@ -55,12 +56,12 @@ def mtp_hidden(model, layer: dict, hidden: torch.Tensor, next_tokens: torch.Tens
     eps = c.rms_norm_eps
     e = rms_norm(model.embed.index_select(0, next_tokens), layer["norm_e"], eps)
     h = rms_norm(hidden.to(model.dtype), layer["norm_h"], eps)
-    x = linear(torch.cat([e, h], dim=-1), layer["fc"])  # (rows, hidden)
+    x = project(torch.cat([e, h], dim=-1), layer["fc"])  # (rows, hidden)
     a = rms_norm(x, layer["ln1"], eps)
     x = x + model._full_attention(layer, a, rnd, kv)
     a = rms_norm(x, layer["ln2"], eps)
-    gate, up = linear(a, layer["gate_up"]).chunk(2, dim=-1)
-    x = x + linear((gdn.silu(gate) * up.float()).to(model.dtype), layer["down"])
+    gate, up = project(a, layer["gate_up"]).chunk(2, dim=-1)
+    x = x + project((gdn.silu(gate) * up.float()).to(model.dtype), layer["down"])
     return rms_norm(x, layer["norm"], eps).float()
 
 
