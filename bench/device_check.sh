@@ -102,7 +102,7 @@ EOF
 step "pytest -m cuda" 240 "${PYTEST[@]}" -m cuda tests/gpu
 
 step "exactness suites on cuda" 300 env PREFIXD_TEST_DEVICE=cuda "${PYTEST[@]}" -m "not slow" \
-  tests/gpu/test_invariance.py tests/gpu/test_hybrid_exact.py tests/gpu/test_hybrid_runner.py \
+  tests/gpu/test_programs.py tests/gpu/test_invariance.py tests/gpu/test_hybrid_exact.py tests/gpu/test_hybrid_runner.py \
   tests/e2e/test_e2e_hybrid.py tests/e2e/test_e2e_concurrent.py tests/e2e/test_e2e_basic.py
 
 step "page-copy micro-benchmark" 90 "$PYTHON" - <<'EOF'
@@ -131,6 +131,9 @@ for use_cupy in (True, False):
     print(f"use_cupy={use_cupy}: {fence.nbytes / 2**20:.1f} MiB per batch, "
           f"{fence.nbytes / seconds / 1e9:.1f} GB/s")
 EOF
+
+step "plain-torch reference, same shape (eager SDPA prefill, decode in one CUDA graph)" 120 \
+  "$PYTHON" bench/torch_reference.py --repeats 3
 
 step "runtime table on cuda (random model shaped like the default)" 240 bash -c '
   set -e

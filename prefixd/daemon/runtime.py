@@ -116,7 +116,8 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         raise StartupError(f"--draft mtp: {checkpoint.path} has no MTP (multi-token prediction) layers; "
                            "use --draft ngram or --draft off")
     runner = ModelRunner(checkpoint, device=device, dtype=dtype, num_lanes=cfg.num_lanes,
-                         num_pages=num_pages, page_size=cfg.page_size, mode=mode, draft_head=draft == "mtp")
+                         num_pages=num_pages, page_size=cfg.page_size, mode=mode, draft_head=draft == "mtp",
+                         programs=cfg.cuda_graphs)
     sched = SchedulerConfig(num_lanes=cfg.num_lanes, grid=cfg.grid, max_context=max_context,
                             cache=cfg.cache, cache_budget_bytes=cfg.cache_budget_bytes,
                             draft=draft, draft_max=cfg.draft_max)

@@ -67,7 +67,7 @@ class AttentionTile:
     page_index: torch.Tensor  # (num_lanes * num_blocks * block // page_size,)
     mask_from: int  # first block where some row of the tile has a masked key
     masked: torch.Tensor  # (num_lanes, num_blocks - mask_from, 1, rows * group, block) bool
-    dead_from: tuple[int, ...]  # per lane: its first key past its last row (keys up to num_blocks * block)
+    dead_from: tuple[int, ...] | torch.Tensor  # per lane: its first key past its last row (a tensor: programs.py)
     kv_group: int  # tiles of one group share one K/V gather: that of the group's widest tile
     index_cache: dict = field(default_factory=dict, compare=False, repr=False)  # `_head_rows`, `_key_rows`
 
@@ -113,14 +113,21 @@ def _tile(pieces: Sequence[tuple[AttentionSpan, int, int]], *, total_rows: int, 
     nl = len(pieces)
     # Blocks before mask_from are unmasked for every row: the mask covers only the rest.
     mask_from = min(qpos) // block
-    span_keys = (num_blocks - mask_from) * block
-    qp = torch.tensor(qpos, dtype=torch.long, device=device).view(nl, rows, 1, 1)
-    kpos = torch.arange(mask_from * block, num_blocks * block, device=device).view(1, 1, 1, -1)
-    masked = (kpos > qp).expand(nl, rows, group, span_keys)
-    masked = masked.reshape(nl, rows * group, num_blocks - mask_from, block).permute(0, 2, 1, 3)
+    qp = torch.tensor(qpos, dtype=torch.long, device=device).view(nl, rows)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return AttentionTile(nl, rows, num_blocks, as_long(q_index), as_long(out_index),
-                         as_long(page_index), mask_from, masked.unsqueeze(2).contiguous(), tuple(ends), kv_group)
+                         as_long(page_index), mask_from, tile_mask(qp, num_blocks, mask_from, block, group),
+                         tuple(ends), kv_group)
+
+
+def tile_mask(qpos: torch.Tensor, num_blocks: int, mask_from: int, block: int, group: int) -> torch.Tensor:
+    """`AttentionTile.masked` for query positions qpos (lanes, rows): (lanes, num_blocks -
+    mask_from, 1, rows * group, block) bool, True where the key lies past the row's position."""
+    nl, rows = qpos.shape
+    kpos = torch.arange(mask_from * block, num_blocks * block, device=qpos.device).view(1, 1, 1, -1)
+    masked = (kpos > qpos.view(nl, rows, 1, 1)).expand(nl, rows, group, (num_blocks - mask_from) * block)
+    masked = masked.reshape(nl, rows * group, num_blocks - mask_from, block).permute(0, 2, 1, 3)
+    return masked.unsqueeze(2).contiguous()
 
 
 def plan_attention(spans: Sequence[AttentionSpan], *, total_rows: int, group: int, page_size: int,
@@ -160,7 +167,9 @@ def _key_rows(tile: AttentionTile, block: int, page_size: int, kv_heads: int) ->
         offsets = torch.arange(page_size, device=device)
         pages = tile.page_index.view(nl, nb * per_block)
         slots = (pages.view(nl, nb, per_block, 1) * page_size + offsets).view(nl, nb, block)
-        ends = torch.tensor(tile.dead_from, dtype=torch.long, device=device).view(nl, 1, 1)
+        ends = tile.dead_from if isinstance(tile.dead_from, torch.Tensor) else \
+            torch.tensor(tile.dead_from, dtype=torch.long, device=device)
+        ends = ends.view(nl, 1, 1)
         positions = torch.arange(nb * block, device=device).view(1, nb, block)
         first = (pages[:, 0] * page_size).view(nl, 1, 1)
         slots = torch.where(positions >= ends, first, slots).view(nl, nb, 1, block)

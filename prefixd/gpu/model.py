@@ -45,6 +45,7 @@ class RoundInputs:
     prefill: tuple[bool, ...]  # per span: a prefill chunk (True) or decode/verify rows
     tiles: tuple[AttentionTile, ...]
     images: tuple[tuple[torch.Tensor, torch.Tensor], ...] = field(default=())  # (row idx, rows f32)
+    max_position: int | None = None  # a bound on `positions` known to the host (no device read)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -111,6 +112,7 @@ class LlamaModel:
         self.mode = mode
         # int4 attends with prefixd's CPU kernel (cpu_kernels.attend): no tiles to plan
         self.attention_tiles = mode != "int4"
+        self.decode_programs = self.attention_tiles  # decode rounds as fixed programs (programs.py)
         self.num_kv_layers = config.num_layers
         f32 = lambda t: t.to(device=device, dtype=torch.float32)  # noqa: E731
         lin = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
@@ -274,7 +276,7 @@ class _Round:
         device = inputs.tokens.device
         self.num_rows, self.slots, self.tiles = inputs.num_rows, inputs.slots, inputs.tiles
         self.cpu_index = cpu_kernels.attention_index(inputs.spans) if not model.attention_tiles else None
-        self.cos, self.sin = rotation_tables(*model.rope.lookup(inputs.positions))  # (rows, 1, head_dim) each
+        self.cos, self.sin = rotation_tables(*model.rope.lookup(inputs.positions, top=inputs.max_position))
         self.scaled = None
         if not c.qk_norm and math.frexp(model.scale)[0] == 0.5:
             self.scaled = tuple(scale_q_tables(t, c.num_heads, c.num_kv_heads, model.scale) for t in (self.cos, self.sin))

@@ -56,9 +56,14 @@ class RopeTable:
         self.sin = freqs.sin().to(self.device)
         self.size = size
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each (rows, 1, rotary_dim/2) fp32, for a (rows,) position tensor."""
-        top = int(positions.max()) + 1 if positions.numel() else 0
+    def lookup(self, positions: torch.Tensor, top: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (rows, 1, rotary_dim/2) fp32, for a (rows,) position tensor.
+
+        `top`: a bound on the positions that the caller knows (no read of the tensor, so no
+        wait for the device); else their maximum is read. The table grows to cover it."""
+        if top is None:
+            top = int(positions.max()) if positions.numel() else -1
+        top += 1
         if top > self.size:
             size = self.size
             while size < top:

@@ -35,6 +35,7 @@ from prefixd.gpu.families import build_family
 from prefixd.gpu.families.qwen3_5_draft import MtpDrafts
 from prefixd.gpu.kv_pool import KVPool
 from prefixd.gpu.model import RoundInputs
+from prefixd.gpu.programs import DecodePrograms
 from prefixd.gpu.sampling import LaneSampler
 from prefixd.scheduler.device import DeviceInfo
 from prefixd.gpu.families.qwen3_5_state import HybridState
@@ -52,7 +53,8 @@ class ModelRunner:
     """Runs rounds for `num_lanes` lanes over a pool of `num_pages` KV pages."""
 
     def __init__(self, checkpoint: Any, *, device: torch.device, dtype: torch.dtype, num_lanes: int,
-                 num_pages: int, page_size: int = 16, mode: str = "invariant", draft_head: bool = False) -> None:
+                 num_pages: int, page_size: int = 16, mode: str = "invariant", draft_head: bool = False,
+                 programs: str = "auto") -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.mode = mode
@@ -62,7 +64,13 @@ class ModelRunner:
         self.config = config = checkpoint.config
         self.model = build_family(checkpoint, self.device, dtype, mode)
         self.model.new_lane_states(num_lanes)
+        if programs not in ("auto", "eager", "off"):
+            raise ValueError(f"programs {programs!r}: auto, eager or off")
+        # decode rounds as fixed programs (programs.py): captured as CUDA graphs under "auto"
+        use_programs = self.model.decode_programs and not draft_head and (
+            programs == "eager" or (programs == "auto" and self.device.type == "cuda"))
         scratch = num_lanes if draft_head else 0  # a page per lane for chained MTP passes
+        scratch += 1 if use_programs else 0  # the page the programs' padding rows write
         self.kv = KVPool(num_layers=self.model.num_kv_layers, num_pages=num_pages + scratch, page_size=page_size,
                          num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                          device=self.device, dtype=dtype, key_pages=self.model.mode == "int4")
@@ -74,6 +82,8 @@ class ModelRunner:
             workspace_bytes_per_row=self.model.workspace_bytes_per_row,
             invariant_rows=self.model.invariant_rows, lookahead=1 if draft_head else 0, draft_head=draft_head)
         self.drafts = MtpDrafts(self.model, self.kv, scratch_base=num_pages) if draft_head else None
+        self.programs = DecodePrograms(self.model, self.kv, num_lanes=num_lanes, scratch_page=num_pages,
+                                       capture=programs == "auto") if use_programs else None
         self.copies = CopyEngine(self.device)  # page and state copies, fenced
         self._samplers: dict[int, LaneSampler] = {}
         self._ll_tokenizer: Any = None
@@ -228,20 +238,33 @@ class ModelRunner:
         runnable = RoundPlan(tuple(w for w in work if w.lane not in refused))
         results = {lane: LaneResult(lane, error=err) for lane, err in refused.items()}
         forward_s = 0.0
-        if runnable.lanes:
+        program = self.programs.pick(runnable.lanes) if self.programs is not None and runnable.lanes else None
+        if program is not None:
+            t0 = time.perf_counter()
+            rows = program.run(runnable.lanes)  # every bucket row's logits
+            wanted, where = self._wanted_rows(runnable, [program.row(i, 0) for i in range(len(runnable.lanes))])
+            logits = rows.index_select(0, wanted) if where else None
+            self._sample(runnable, logits, where, results)
+            forward_s = time.perf_counter() - t0
+        elif runnable.lanes:
             inputs = self._inputs(runnable)
             t0 = time.perf_counter()
             carries = self.drafts.carries(runnable.lanes) if self.drafts is not None else {}
             hidden = self.model.forward(inputs, self.kv)
-            wanted, where = self._wanted_rows(runnable, inputs)
+            wanted, where = self._wanted_rows(runnable, [span.row for span in inputs.spans])
             logits = self.model.logits(hidden.index_select(0, wanted)) if where else None
-            finite = _finite_rows(logits) if logits is not None else []
-            with held_masks():  # next masks are built once every lane has sampled (constrain.py)
-                results.update((w.lane, self._lane_result(w, logits, where, finite)) for w in runnable.lanes)
+            self._sample(runnable, logits, where, results)
             if self.drafts is not None:
                 self._propose(runnable.lanes, inputs, hidden, carries, results)
             forward_s = time.perf_counter() - t0
         return tuple(results[w.lane] for w in work), forward_s
+
+    def _sample(self, plan: RoundPlan, logits: torch.Tensor | None, where: dict,
+                results: dict[int, LaneResult]) -> None:
+        """Each lane's result from the logits of its wanted rows (`_wanted_rows`)."""
+        finite = _finite_rows(logits) if logits is not None else []
+        with held_masks():  # next masks are built once every lane has sampled (constrain.py)
+            results.update((w.lane, self._lane_result(w, logits, where, finite)) for w in plan.lanes)
 
     def _propose(self, works: tuple[LaneWork, ...], inputs: RoundInputs, hidden: torch.Tensor,
                  carries: dict, results: dict[int, LaneResult]) -> None:
@@ -293,7 +316,7 @@ class ModelRunner:
             lanes=tuple(w.lane for w in plan.lanes), prefill=tuple(w.prefill for w in plan.lanes),
             tiles=tuple(plan_attention(spans, total_rows=padded, group=group, page_size=p, device=self.device,
                                        dtype=self.dtype)) if self.model.attention_tiles else (),
-            images=tuple(self._images(plan, spans)))
+            images=tuple(self._images(plan, spans)), max_position=max(positions, default=0))
 
     def _check_work(self, w: LaneWork, seen: set[int]) -> None:
         self._check_lane(w.lane)
@@ -303,6 +326,8 @@ class ModelRunner:
         if not w.tokens or w.start < 0:
             raise ValueError(f"lane {w.lane}: empty work or negative start {w.start}")
         end = w.start + len(w.tokens)
+        if end > self.info.max_context:  # (the rope table never grows under a captured program)
+            raise ValueError(f"lane {w.lane}: row {end - 1} past the model's max_context {self.info.max_context}")
         if len(w.page_table) * self.info.page_size < end:
             raise ValueError(f"lane {w.lane}: {len(w.page_table)} pages cannot hold row {end - 1}")
         for r in (*w.sample_rows, *w.logits_rows, *w.digest_rows):
@@ -324,14 +349,15 @@ class ModelRunner:
                 idx = torch.arange(span.row + lo - w.start, span.row + hi - w.start, device=self.device)
                 yield idx, rows.to(self.device)
 
-    def _wanted_rows(self, plan: RoundPlan, inputs: RoundInputs) -> tuple[torch.Tensor, dict]:
-        """Round rows that need logits, and (lane, row) -> index into them."""
+    def _wanted_rows(self, plan: RoundPlan, first_rows: Sequence[int]) -> tuple[torch.Tensor, dict]:
+        """Round rows that need logits (lane i's rows start at first_rows[i]), and (lane, row) ->
+        index into them."""
         where: dict[tuple[int, int], int] = {}
         rows: list[int] = []
-        for w, span in zip(plan.lanes, inputs.spans):
+        for w, first in zip(plan.lanes, first_rows):
             for r in sorted({*w.sample_rows, *w.logits_rows, *w.digest_rows}):
                 where[(w.lane, r)] = len(rows)
-                rows.append(span.row + r)
+                rows.append(first + r)
         return torch.tensor(rows, dtype=torch.long, device=self.device), where
 
     def _image_error(self, w: LaneWork) -> str | None:

@@ -134,6 +134,14 @@ def test_draft_mode_and_length_from_flags_and_env():
         config_from_args(_args(draft_max=-1), env={})
 
 
+def test_cuda_graphs_from_flag_and_env():
+    assert config_from_args(_args(), env={}).cuda_graphs == "auto"
+    assert config_from_args(_args(), env={"PREFIXD_CUDA_GRAPHS": "off"}).cuda_graphs == "off"
+    assert config_from_args(_args(cuda_graphs="off"), env={"PREFIXD_CUDA_GRAPHS": "auto"}).cuda_graphs == "off"
+    with pytest.raises(ConfigError, match="PREFIXD_CUDA_GRAPHS='always': expected one of auto, off"):
+        config_from_args(_args(), env={"PREFIXD_CUDA_GRAPHS": "always"})
+
+
 def test_draft_auto_picks_per_family_and_mode_and_a_flag_wins():
     assert resolve_draft("auto", "llama", "int4") == "ngram"
     assert resolve_draft("auto", "llama", "invariant") == "ngram"

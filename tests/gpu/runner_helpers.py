@@ -23,10 +23,11 @@ def lane_pages(lane: int) -> tuple[int, ...]:
 
 
 def make_runner(spec: str | Path, dtype: torch.dtype, *, num_lanes: int = 8, num_pages: int = 160,
-                page_size: int = PAGE, device: torch.device = DEVICE, mode: str = "invariant") -> ModelRunner:
+                page_size: int = PAGE, device: torch.device = DEVICE, mode: str = "invariant",
+                programs: str = "auto") -> ModelRunner:
     ckpt = load_checkpoint(spec, device=device, dtype=dtype)
     return ModelRunner(ckpt, device=device, dtype=dtype, num_lanes=num_lanes, num_pages=num_pages,
-                       page_size=page_size, mode=mode)
+                       page_size=page_size, mode=mode, programs=programs)
 
 
 def pages(first: int, n: int = 20) -> tuple[int, ...]:

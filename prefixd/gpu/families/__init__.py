@@ -36,6 +36,9 @@ class FamilyModel(Protocol):
     attention_tiles: bool  # True: forward reads `RoundInputs.tiles` (the runner plans them)
     lane_state_bytes: int  # bytes of one lane's state (0: attention only)
     workspace_bytes_per_row: int
+    # True when `forward` and `logits` may run as fixed programs (gpu/programs.py: inputs in
+    # static buffers, `RoundInputs.max_position` set, no device value read on the host)
+    decode_programs: bool
 
     def new_lane_states(self, num_lanes: int) -> None:
         """Allocate zeroed state for lanes 0..num_lanes-1."""

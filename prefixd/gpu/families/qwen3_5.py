@@ -62,6 +62,7 @@ class HybridModel:
 
     invariant_rows = False
     attention_tiles = True
+    decode_programs = False  # its lanes' recurrent steps run per lane, in Python
     mode = "invariant"
 
     def __init__(self, config: HybridConfig, tensors: Mapping[str, torch.Tensor], *,
