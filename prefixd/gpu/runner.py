@@ -9,6 +9,8 @@ Verify rows (a lane's `LaneWork.drafts`) are sampled up to the first rejected dr
 lane's state is rolled back to the last accepted row in the same round. A runner with a draft
 head (`draft_head=True`, a qwen3_5 checkpoint with MTP layers) then runs the head's rows for
 every lane and returns its proposals with the lane's result (`gpu.families.qwen3_5_draft`).
+A round of decode and verify rows may run as a fixed program instead of op by op, replayed
+as a CUDA graph (`gpu.programs`, `programs=`): the same bits, the same results.
 
 A failure that belongs to one lane ends that lane alone (`LaneResult.error`): image rows of the
 wrong shape keep the lane out of the forward; a non-finite logits row or a sampler error is
