@@ -22,8 +22,9 @@ DTYPES = [torch.bfloat16, torch.float32]
 @pytest.fixture(scope="module", params=DTYPES, ids=lambda d: str(d)[6:])
 def runners(request, tiny_llama_dir):
     dtype = request.param
-    return (make_runner(tiny_llama_dir, dtype, num_pages=320, programs="off"),
-            make_runner(tiny_llama_dir, dtype, num_pages=320,
+    # 32 lanes of 20 pages (lane_pages), then 140 pages for a long lane
+    return (make_runner(tiny_llama_dir, dtype, num_lanes=32, num_pages=800, programs="off"),
+            make_runner(tiny_llama_dir, dtype, num_lanes=32, num_pages=800,
                         programs="eager" if DEVICE.type == "cpu" else "auto"))
 
 
@@ -63,11 +64,11 @@ def test_programs_run_decode_rounds_and_leave_prefill_to_the_eager_round(runners
     assert programs.programs.pick((LaneWork(0, 0, (1,), lane_pages(0), False),)) is not None
 
 
-@pytest.mark.parametrize("lanes", [1, 3, 8])
+@pytest.mark.parametrize("lanes", [1, 2, 3, 8, 13, 32])
 def test_decode_rounds_equal_the_eager_round_at_every_bucket(runners, lanes):
     """Each round's lanes bring 1..8 rows (every rows bucket, padding rows in most), at
-    positions that move each round; lane counts 1, 3 (a padding lane) and 8."""
-    ctx = {lane: prompt(40 + 37 * lane, seed=50 + lane) for lane in range(lanes)}
+    positions that move each round; every lanes bucket, 3 and 13 with padding lanes."""
+    ctx = {lane: prompt(40 + 7 * lane, seed=50 + lane) for lane in range(lanes)}
     _prefill(runners, ctx)
     at = {lane: len(toks) for lane, toks in ctx.items()}
     for step, rows in enumerate([1, 2, 3, 5, 8, 1]):
@@ -120,7 +121,7 @@ def test_a_long_lane_takes_the_longer_context_bucket(runners):
     runs in the next bucket, every lane's keys read up to it, the same bits."""
     eager, programs = runners
     long, short = prompt(2100, seed=61), prompt(12, seed=62)
-    table = tuple(range(160, 300))  # 2240 rows
+    table = tuple(range(640, 780))  # 2240 rows
     _both(runners, RoundPlan((work(6, 0, long, table), work(7, 0, short, lane_pages(7)))))
     plan = RoundPlan((work(6, 2100, prompt(2, seed=63), table, prefill=False),
                       work(7, 12, prompt(1, seed=64), lane_pages(7), prefill=False)))
