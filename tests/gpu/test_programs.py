@@ -136,3 +136,22 @@ def test_a_row_past_max_context_is_refused(runners):
     plan = RoundPlan((work(0, end, prompt(1, seed=65), tuple(range(end // 16 + 1)), prefill=False),))
     with pytest.raises(ValueError, match="past the model's max_context"):
         programs.run_round(plan)
+
+
+def test_a_program_reads_no_device_value_on_the_host(runners, monkeypatch):
+    """What a CUDA graph cannot capture: the program must not read a tensor's value into
+    Python (a device sync) anywhere in its mask, forward and logits."""
+    _, programs = runners
+    ctx = {8: prompt(25, seed=66), 9: prompt(300, seed=67)}
+    _prefill(runners, ctx)
+    plan = RoundPlan((work(8, 25, prompt(3, seed=68), lane_pages(8), prefill=False),
+                      work(9, 300, prompt(1, seed=69), lane_pages(9), prefill=False)))
+    program = programs.programs.pick(plan.lanes)
+    program.load(plan.lanes)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a decode program read a device value on the host")
+
+    for name in ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    program._run()
