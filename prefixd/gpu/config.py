@@ -10,8 +10,9 @@ Each family is one `FamilyRecord` in this registry: its config parsers, tensor s
 names and rewrites, and its model builder with the numeric modes it has (the builder is named,
 not imported, so parsing a config never loads torch). Built-in families: llama (HF model_type
 llama, mistral; GGUF arch llama), qwen2 (qkv bias) and qwen3 (per-head q/k RMSNorm), in
-config_llama.py. Other families register themselves with `register_family`; modules listed in
-`_PLUGIN_MODULES` are imported on first miss.
+config_llama.py, and qwen3_5 (families/qwen3_5_gguf.py) register themselves with
+`register_family` when their module is imported; the modules in `_PLUGIN_MODULES` are imported
+on the first lookup that misses, so this module imports none of them.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-# Families that live in other modules and register themselves when imported.
-_PLUGIN_MODULES = ("prefixd.gpu.families.qwen3_5",)
+# The modules that register families when imported (the built-in llama-style ones first),
+# imported on the first lookup that misses.
+_PLUGIN_MODULES = ("prefixd.gpu.config_llama", "prefixd.gpu.families.qwen3_5")
 
 # The GGUF metadata dict passed to `from_gguf` carries the tensor shapes under this key:
 # {gguf tensor name: shape in torch order (rows, cols)}.
@@ -202,6 +204,3 @@ def gguf_fixup(config: ModelConfig) -> Callable[[ModelConfig, dict[str, Any]], N
     return _family_entry(config).gguf_fixup
 
 
-
-# Built-in families register on import; the module needs the names above, so it comes last.
-from prefixd.gpu import config_llama as _config_llama  # noqa: E402,F401
