@@ -173,6 +173,10 @@ def _status(args: argparse.Namespace) -> int:
     print(f"prefixd at {info.get('socket') or _socket_path(args)}  ({info.get('server', '?')})")
     print(f"model     {model.get('name', '?')} ({model.get('family', '?')}, {model.get('device', '?')}, "
           f"{model.get('dtype', '?')}, {model.get('mode', '?')}), context {info.get('max_context', '?')}")
+    graphs = model.get("cuda_graphs")
+    if isinstance(graphs, dict):
+        print(f"graphs    {graphs.get('captured', 0)} decode programs captured in {graphs.get('startup_s', 0):.1f}s"
+              if not graphs.get("failed") else f"graphs    not captured ({graphs['failed']}): rounds run op by op")
     print(f"lanes     {info.get('lanes_busy', 0)} busy, {info.get('lanes_resident', 0)} resident, "
           f"{len(info.get('lanes', []))} total; {info.get('waiting', 0)} waiting")
     print(f"pages     {info.get('pages_used', 0)} used, {info.get('pages_free', 0)} free "
