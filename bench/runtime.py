@@ -255,11 +255,9 @@ def run_engines(args: argparse.Namespace, sizes: Sizes) -> tuple[Results, Result
         except (ValueError, NotImplementedError) as exc:
             notes.append(f"prefixd mode {mode!r} not available: {exc}")
             continue
-        programs = m.runner.programs
-        if programs is not None and programs.captured:  # CUDA: decode rounds replay graphs (gpu/programs.py)
-            notes.append(f"prefixd {mode}: decode programs not captured: {programs.failed}" if programs.failed else
-                         f"prefixd {mode}: {len(programs.programs)} decode programs captured as CUDA graphs "
-                         f"in {programs.startup_s:.1f} s at start-up")
+        graphs = m.runner.programs.status() if m.runner.programs is not None else None
+        if graphs is not None:  # CUDA: decode rounds replay graphs (gpu/programs.py)
+            notes.append(f"prefixd {mode}: decode programs captured as CUDA graphs: {graphs}")
         m._prefill_lanes({0: prompt_tokens(min(2 * args.grid, sizes.longest), vocab)})  # warm-up: allocator, kernels
         measure_engine(m, f"prefixd {mode}", sizes, vocab, args.busy_core, results, busy_results)
         if args.profile:

@@ -138,7 +138,8 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         "cpu_kernels": cpu_kernel_paths() if runner.model.mode == "int4" else None,
         "draft": sched.draft,
         "draft_chosen_by": "auto" if cfg.draft == "auto" else "flag",
-        "cuda_graphs": cuda_graphs_info(runner),
+        # the captured decode programs (gpu/programs.py): None on the CPU and with --cuda-graphs off
+        "cuda_graphs": runner.programs.status() if runner.programs is not None else None,
         "lanes": cfg.num_lanes,
         "page_size": info.page_size,
         "num_pages": info.num_pages,
@@ -148,17 +149,6 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
     threads = CpuThreads.up_to_current() if cfg.device == "cpu" else None
     return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info, disk=disk,
                    before_round=None if threads is None else threads.tick, cpu_threads=threads)
-
-
-def cuda_graphs_info(runner: Any) -> dict | None:
-    """The decode programs' state for `status` (`model.cuda_graphs`): None where no program is
-    captured (the CPU, --cuda-graphs off, a family without them)."""
-    programs = runner.programs
-    if programs is None or not programs.captured:
-        return None
-    if programs.failed is not None:
-        return {"captured": 0, "failed": programs.failed}
-    return {"captured": len(programs.programs), "startup_s": round(programs.startup_s, 2)}
 
 
 def cpu_kernel_paths() -> dict[str, str]:

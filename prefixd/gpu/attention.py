@@ -67,7 +67,7 @@ class AttentionTile:
     page_index: torch.Tensor  # (num_lanes * num_blocks * block // page_size,)
     mask_from: int  # first block where some row of the tile has a masked key
     masked: torch.Tensor  # (num_lanes, num_blocks - mask_from, 1, rows * group, block) bool
-    dead_from: tuple[int, ...] | torch.Tensor  # per lane: its first key past its last row (a tensor: programs.py)
+    dead_from: torch.Tensor  # (num_lanes,) long: each lane's first key past its last row
     kv_group: int  # tiles of one group share one K/V gather: that of the group's widest tile
     index_cache: dict = field(default_factory=dict, compare=False, repr=False)  # `_head_rows`, `_key_rows`
 
@@ -117,7 +117,7 @@ def _tile(pieces: Sequence[tuple[AttentionSpan, int, int]], *, total_rows: int, 
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return AttentionTile(nl, rows, num_blocks, as_long(q_index), as_long(out_index),
                          as_long(page_index), mask_from, tile_mask(qp, num_blocks, mask_from, block, group),
-                         tuple(ends), kv_group)
+                         as_long(ends), kv_group)
 
 
 def tile_mask(qpos: torch.Tensor, num_blocks: int, mask_from: int, block: int, group: int) -> torch.Tensor:
@@ -167,9 +167,7 @@ def _key_rows(tile: AttentionTile, block: int, page_size: int, kv_heads: int) ->
         offsets = torch.arange(page_size, device=device)
         pages = tile.page_index.view(nl, nb * per_block)
         slots = (pages.view(nl, nb, per_block, 1) * page_size + offsets).view(nl, nb, block)
-        ends = tile.dead_from if isinstance(tile.dead_from, torch.Tensor) else \
-            torch.tensor(tile.dead_from, dtype=torch.long, device=device)
-        ends = ends.view(nl, 1, 1)
+        ends = tile.dead_from.view(nl, 1, 1)
         positions = torch.arange(nb * block, device=device).view(1, nb, block)
         first = (pages[:, 0] * page_size).view(nl, 1, 1)
         slots = torch.where(positions >= ends, first, slots).view(nl, nb, 1, block)

@@ -90,7 +90,7 @@ class DecodeProgram:
         self.num_rows = lanes * rows  # the round's rows; the forward may pad more
         self.padded = model.padded_rows(self.num_rows)
         self.max_position = c.max_context - 1  # the rope table covers every position first
-        model.rope.lookup(torch.zeros(1, dtype=torch.long, device=device), top=self.max_position)
+        model.rope.cover(self.max_position)
         # every integer input in one buffer: one copy from the host a round
         sizes = {"tokens": self.padded, "positions": self.padded, "slots": self.num_rows,
                  "q_index": lanes * self.tile_rows, "out_index": lanes * self.tile_rows,
@@ -210,6 +210,15 @@ class DecodePrograms:
                 self.programs.clear()
                 print(f"prefixd: decode programs not captured ({self.failed}); decode rounds run op by op "
                       "(--cuda-graphs off skips the attempt)", file=sys.stderr, flush=True)
+
+    def status(self) -> dict | None:
+        """What `status` reports of the captured programs (`model.cuda_graphs`): how many and
+        how long their capture took, or why it failed; None when nothing was captured (eager)."""
+        if not self.captured:
+            return None
+        if self.failed is not None:
+            return {"captured": 0, "failed": self.failed}
+        return {"captured": len(self.programs), "startup_s": round(self.startup_s, 2)}
 
     def _fits_memory(self, bucket: tuple[int, int, int]) -> bool:
         """Whether one layer's scores and probabilities of the bucket stay under MAX_ATTENTION_BYTES."""

@@ -63,13 +63,17 @@ class RopeTable:
         wait for the device); else their maximum is read. The table grows to cover it."""
         if top is None:
             top = int(positions.max()) if positions.numel() else -1
+        self.cover(top)
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def cover(self, top: int) -> None:
+        """Grow the table (by doubling) until it holds position `top`."""
         top += 1
         if top > self.size:
             size = self.size
             while size < top:
                 size *= 2
             self._build(size)
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

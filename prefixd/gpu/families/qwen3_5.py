@@ -115,7 +115,7 @@ class HybridModel:
         x = self.embed.index_select(0, inputs.tokens[:n])
         for rows_idx, rows in inputs.images:
             x.index_copy_(0, rows_idx, rows.to(self.dtype))
-        cos, sin = self.rope.lookup(inputs.positions[:n])
+        cos, sin = self.rope.lookup(inputs.positions[:n], top=inputs.max_position)
         rnd = _Round(spans, inputs.slots, cos, sin, inputs.tiles)
         return self._keep_carry(self._layers(x, rnd, kv).float(), spans)
 
@@ -166,7 +166,7 @@ class HybridModel:
         positions = [p for w in works for p in range(w.start, w.start + len(w.tokens))]
         slots = [w.page_table[p // page] * page + p % page
                  for w in works for p in range(w.start, w.start + len(w.tokens))]
-        cos, sin = self.rope.lookup(self._index(positions))
+        cos, sin = self.rope.lookup(self._index(positions), top=max(positions, default=-1))
         tiles = plan_attention(attn_spans, total_rows=lo, page_size=page, device=self.device,
                                dtype=kv.dtype,
                                group=self.hybrid.num_heads // self.hybrid.num_kv_heads)
