@@ -56,9 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "model's own multi-token-prediction head; qwen3_5 checkpoints that ship one), off, "
                             "or auto: the drafter measured to pay for the model and mode, else off (default: auto)")
     serve.add_argument("--draft-max", type=int, default=None, help="most drafted tokens per lane and round (default: 4)")
-    serve.add_argument("--cuda-graphs", default=None, choices=("auto", "off"),
+    serve.add_argument("--cuda-graphs", default=None, choices=("auto", "eager", "off"),
                        help="auto: decode rounds replay CUDA graphs captured at start-up (CUDA, llama-style "
-                            "families); off: every round runs op by op (default: auto)")
+                            "families); eager: the same fixed programs run uncaptured, on any device (a check "
+                            "of them); off: every round runs op by op (default: auto)")
     serve.add_argument("--grace", type=float, default=None, metavar="SECONDS",
                        help=f"on SIGTERM, time in-flight streams get to finish (default: {DEFAULT_GRACE_S:g})")
     serve.add_argument("--disk-cache", default=None, metavar="DIR",

@@ -25,7 +25,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # numeric modes (prefixd.gpu.model.MODES); "auto" is resolved by prefixd.gpu.families.resolve_mode
 MODES = ("auto", "invariant", "int4")
 DRAFTS = ("auto", "mtp", "ngram", "off")
-CUDA_GRAPHS = ("auto", "off")
+CUDA_GRAPHS = ("auto", "eager", "off")
 # `--draft auto`: the drafter per (family, numeric mode) that bench/draft.py found to pay on
 # the echo trace without slowing prose (docs/benchmarks.md, *Drafting*); unmeasured pairs: off.
 AUTO_DRAFT = {
@@ -79,7 +79,7 @@ class DaemonConfig:
     idle_exit_s: float | None = None  # None: never exit for idleness
     draft: str = "auto"  # "auto" | "mtp" | "ngram" | "off" (auto: `resolve_draft` once the model is loaded)
     draft_max: int = DEFAULT_DRAFT_MAX
-    cuda_graphs: str = "auto"  # "auto": decode rounds as captured programs on CUDA (gpu/programs.py); "off"
+    cuda_graphs: str = "auto"  # "auto": decode rounds as captured programs on CUDA (gpu/programs.py); "eager"; "off"
     client_frame_rate: float = DEFAULT_CLIENT_FRAME_RATE  # frames a second one client is read at; 0: unpaced
     client_frame_burst: int = DEFAULT_CLIENT_FRAME_BURST
     error_frame_cost: int = DEFAULT_ERROR_FRAME_COST

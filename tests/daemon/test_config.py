@@ -138,7 +138,8 @@ def test_cuda_graphs_from_flag_and_env():
     assert config_from_args(_args(), env={}).cuda_graphs == "auto"
     assert config_from_args(_args(), env={"PREFIXD_CUDA_GRAPHS": "off"}).cuda_graphs == "off"
     assert config_from_args(_args(cuda_graphs="off"), env={"PREFIXD_CUDA_GRAPHS": "auto"}).cuda_graphs == "off"
-    with pytest.raises(ConfigError, match="PREFIXD_CUDA_GRAPHS='always': expected one of auto, off"):
+    assert config_from_args(_args(cuda_graphs="eager"), env={}).cuda_graphs == "eager"
+    with pytest.raises(ConfigError, match="PREFIXD_CUDA_GRAPHS='always': expected one of auto, eager, off"):
         config_from_args(_args(), env={"PREFIXD_CUDA_GRAPHS": "always"})
 
 

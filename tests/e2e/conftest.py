@@ -36,3 +36,11 @@ def tiny_daemon(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     """The tiny random llama in fp32 (the default model runs bf16), 8 lanes, store on."""
     yield from serving(tiny_llama_dir, tmp_path_factory.mktemp("d_tiny"), "--lanes", "8", "--max-context", "1024",
                        "--cache-budget", "64M", "--dtype", "fp32")
+
+
+@pytest.fixture(scope="session")
+def tiny_programs_daemon(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """`tiny_daemon` with its decode rounds run as the fixed programs CUDA captures as graphs,
+    here uncaptured (`--cuda-graphs eager`, gpu/programs.py)."""
+    yield from serving(tiny_llama_dir, tmp_path_factory.mktemp("d_tiny_programs"), "--lanes", "8", "--max-context",
+                       "1024", "--cache-budget", "64M", "--dtype", "fp32", "--cuda-graphs", "eager")

@@ -46,7 +46,7 @@ def exact(results: dict[str, GenerateResult]) -> dict[str, tuple]:
     return {key: (r.ids, r.logits_sha256, r.finish_reason, r.usage.prompt_tokens) for key, r in sorted(results.items())}
 
 
-@pytest.fixture(scope="module", params=[pytest.param("default", marks=pytest.mark.slow), "tiny"])
+@pytest.fixture(scope="module", params=[pytest.param("default", marks=pytest.mark.slow), "tiny", "tiny_programs"])
 def setup(request: pytest.FixtureRequest) -> tuple[DaemonProcess, dict[str, dict[str, Any]], dict[str, GenerateResult]]:
     """The daemon, the requests, and each request's result run alone on the idle daemon with
     the store off."""
@@ -79,3 +79,15 @@ def test_eight_clients_at_once_equal_each_alone(setup, cache: bool):
     assert {k: r.text for k, r in together.items()} == {k: r.text for k, r in solo.items()}
     assert most_busy >= 2, "the clients shared lane rounds"
     assert {r.usage.cache for r in together.values()} <= ({"miss", "hit"} if cache else {"off"})
+
+
+def test_decode_programs_give_the_op_by_op_daemons_bits(tiny_daemon: DaemonProcess,
+                                                       tiny_programs_daemon: DaemonProcess):
+    """The same model served with decode rounds as fixed programs (gpu/programs.py) and op by
+    op: each request alone, cold, gives the same ids and logits bits on both."""
+    reqs = requests(max_tokens=24)
+    with tiny_daemon.client() as plain, tiny_programs_daemon.client() as programs:
+        for key in ("greedy0", "greedy2", "seed7", "long"):
+            a = plain.generate(**reqs[key], cache=False).collect()
+            b = programs.generate(**reqs[key], cache=False).collect()
+            assert exact({key: a}) == exact({key: b}), key
