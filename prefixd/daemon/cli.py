@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto: decode rounds replay CUDA graphs captured at start-up (CUDA, llama-style "
                             "families); eager: the same fixed programs run uncaptured, on any device (a check "
                             "of them); off: every round runs op by op (default: auto)")
+    serve.add_argument("--overlap", default=None, choices=("auto", "on", "off"),
+                       help="run each round's device call on a thread of its own while the engine takes new "
+                            "requests and seats them for the next round; auto: on for CUDA, off on the CPU, "
+                            "where the host work is small beside the round (default: auto)")
     serve.add_argument("--grace", type=float, default=None, metavar="SECONDS",
                        help=f"on SIGTERM, time in-flight streams get to finish (default: {DEFAULT_GRACE_S:g})")
     serve.add_argument("--disk-cache", default=None, metavar="DIR",

@@ -26,6 +26,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 MODES = ("auto", "invariant", "int4")
 DRAFTS = ("auto", "mtp", "ngram", "off")
 CUDA_GRAPHS = ("auto", "eager", "off")
+OVERLAP = ("auto", "on", "off")
 # `--draft auto`: the drafter per (family, numeric mode) that bench/draft.py found to pay on
 # the echo trace without slowing prose (docs/benchmarks.md, *Drafting*); unmeasured pairs: off.
 AUTO_DRAFT = {
@@ -80,6 +81,7 @@ class DaemonConfig:
     draft: str = "auto"  # "auto" | "mtp" | "ngram" | "off" (auto: `resolve_draft` once the model is loaded)
     draft_max: int = DEFAULT_DRAFT_MAX
     cuda_graphs: str = "auto"  # "auto": decode rounds as captured programs on CUDA (gpu/programs.py); "eager"; "off"
+    overlap: str = "auto"  # "auto" (on for CUDA) | "on" | "off": the next round's host work beside the device call
     client_frame_rate: float = DEFAULT_CLIENT_FRAME_RATE  # frames a second one client is read at; 0: unpaced
     client_frame_burst: int = DEFAULT_CLIENT_FRAME_BURST
     error_frame_cost: int = DEFAULT_ERROR_FRAME_COST
@@ -232,6 +234,7 @@ def config_from_args(args: object, env: dict[str, str] | None = None) -> DaemonC
         draft=pick("draft", "PREFIXD_DRAFT", "auto", _one_of(*DRAFTS)),
         draft_max=pick("draft_max", "PREFIXD_DRAFT_MAX", DEFAULT_DRAFT_MAX, int),
         cuda_graphs=pick("cuda_graphs", "PREFIXD_CUDA_GRAPHS", "auto", _one_of(*CUDA_GRAPHS)),
+        overlap=pick("overlap", "PREFIXD_OVERLAP", "auto", _one_of(*OVERLAP)),
         client_frame_rate=pick("client_frame_rate", "PREFIXD_CLIENT_FRAME_RATE", DEFAULT_CLIENT_FRAME_RATE, float),
         client_frame_burst=pick("client_frame_burst", "PREFIXD_CLIENT_FRAME_BURST", DEFAULT_CLIENT_FRAME_BURST, int),
         error_frame_cost=pick("error_frame_cost", "PREFIXD_ERROR_FRAME_COST", DEFAULT_ERROR_FRAME_COST, int),

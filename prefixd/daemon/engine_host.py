@@ -8,6 +8,12 @@
 The event loop never blocks on a forward: every engine call crosses the command queue, and
 the engine thread sleeps on a condition while it has nothing to run.
 
+Overlap (`overlap=True`, the daemon's choice on CUDA): each round's device call runs on a
+device thread of its own while the engine thread takes the submits and cancels that arrive
+and seats waiting streams for the next round (`Engine.admit_ahead`: admission, store lookups,
+page bookkeeping); the round then lands on the engine thread. Only host work that cannot
+change the round in flight overlaps it: any other call waits until the round has landed.
+
 While busy the process keeps freed heap for the next round (`retain_freed_memory`); once
 the engine has been idle for `idle_trim_s` it hands that heap back to the system, once per
 idle spell, so a burst does not leave the daemon at its peak RSS.
@@ -21,6 +27,7 @@ import gc
 import logging
 import threading
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -103,17 +110,19 @@ class EngineHost:
                  on_overflow: Callable[[int], None] | None = None,
                  before_round: Callable[[], object] | None = None,
                  idle_trim_s: float | None = IDLE_TRIM_S,
-                 trim: Callable[[], object] | None = None) -> None:
+                 trim: Callable[[], object] | None = None, overlap: bool = False) -> None:
         self.engine = engine
         self._idle_trim_s = idle_trim_s  # None: never trim
         self._trim = trim or return_idle_memory  # on the engine thread after idle_trim_s without work
         self._trim_due = False  # rounds or calls ran since the last trim
         self.num_trims = 0
-        self._before_round = before_round  # called on the engine thread (thread policy)
+        self._before_round = before_round  # called on the thread that runs rounds (thread policy)
+        # overlap: rounds run here while the engine thread does the next round's host work
+        self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="prefixd-device") if overlap else None
         self._event_buffer = event_buffer
         self._on_overflow = on_overflow
         self._cond = threading.Condition()
-        self._commands: deque[Callable[[], None]] = deque()
+        self._commands: deque[tuple[Callable[[], None], bool]] = deque()  # (command, host only)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -138,6 +147,8 @@ class EngineHost:
             self._cond.notify()
         if self._thread is not None:
             await anyio.to_thread.run_sync(self._thread.join)
+            if self._device_thread is not None:
+                self._device_thread.shutdown()
             if self.failure is None:  # a failed device is left as it is
                 self.engine.close()  # the thread is gone: nothing steps the engine any more
         for sink in self._sinks.values():
@@ -150,8 +161,10 @@ class EngineHost:
 
     # -- calls (event loop) -----------------------------------------------------------------
 
-    async def call(self, fn: Callable[[Any], T]) -> T:
-        """Run `fn(engine)` on the engine thread between steps; its exception is re-raised here."""
+    async def call(self, fn: Callable[[Any], T], *, host_only: bool = False) -> T:
+        """Run `fn(engine)` on the engine thread between steps; its exception is re-raised here.
+        `host_only`: `fn` makes no device call and leaves every running stream as it is (a
+        submit, a cancel mark), so it may run while a round is in flight (overlap)."""
         if self.failure is not None:
             raise EngineFailed(f"engine stopped: {self.failure!r}")
         if self._stopping:
@@ -167,7 +180,7 @@ class EngineHost:
             else:
                 self._post(_set_result, future, result)
 
-        self._push(run)
+        self._push(run, host_only)
         return await future
 
     async def submit(self, request: Any) -> MemoryObjectReceiveStream[Any]:
@@ -181,7 +194,7 @@ class EngineHost:
         send, receive = anyio.create_memory_object_stream[Any](self._event_buffer)
         self._sinks[stream_id] = send
         try:
-            await self.call(lambda engine: engine.submit(request))
+            await self.call(lambda engine: engine.submit(request), host_only=True)
         except BaseException:
             self._drop(stream_id)
             receive.close()
@@ -193,15 +206,15 @@ class EngineHost:
         """Ask the engine to cancel a stream; its DoneEvent (cancelled) still arrives.
         `keep_rows`: see Engine.cancel."""
         if keep_rows is None:
-            self._push(lambda: self.engine.cancel(stream_id))
+            self._push(lambda: self.engine.cancel(stream_id), host_only=True)
         else:
-            self._push(lambda: self.engine.cancel(stream_id, keep_rows))
+            self._push(lambda: self.engine.cancel(stream_id, keep_rows), host_only=True)
 
     # -- engine thread ----------------------------------------------------------------------
 
-    def _push(self, command: Callable[[], None]) -> None:
+    def _push(self, command: Callable[[], None], host_only: bool = False) -> None:
         with self._cond:
-            self._commands.append(command)
+            self._commands.append((command, host_only))
             self._cond.notify()
 
     def _run(self) -> None:
@@ -218,11 +231,9 @@ class EngineHost:
                     self._trim_idle()
                     continue
                 self._trim_due = True
-                for command in commands:
+                for command, _ in commands:
                     command()
                 if not self.engine.idle and not self._stopping:
-                    if self._before_round is not None:
-                        self._before_round()
                     events = self._step()
                     if events:
                         self._post(self._dispatch, [_host_event(e) for e in events])
@@ -245,7 +256,7 @@ class EngineHost:
         """One round. A lane that failed alone ends only its stream (the engine did that); a
         failed round, the device's own failure, ends every stream with "error"; serving goes on."""
         try:
-            events = self.engine.step()
+            events = self._overlapped_round() if self._device_thread is not None else self._round()
         except Exception as e:
             log.exception("lane round failed; ending every stream with finish_reason error")
             self.num_failed_rounds += 1
@@ -254,6 +265,53 @@ class EngineHost:
             if getattr(event, "finish_reason", None) == "error":
                 log.warning("stream %d ended with error: %s", event.stream_id, event.note)
         return events
+
+    def _round(self) -> list[Any]:
+        if self._before_round is not None:
+            self._before_round()
+        return self.engine.step()
+
+    def _overlapped_round(self) -> list[Any]:
+        """One round with its device call on the device thread; meanwhile the host-only commands
+        that arrive run here and waiting streams are seated for the next round."""
+        engine = self.engine
+        launched = engine.launch()
+        if launched.plan.empty:
+            return engine.land(launched, None)
+        running = self._device_thread.submit(self._run_on_device, launched)
+        running.add_done_callback(self._wake)
+        try:
+            while True:
+                commands = self._host_commands(running)
+                for command, _ in commands:
+                    command()
+                engine.admit_ahead(launched)
+                if running.done():
+                    break
+        except BaseException:
+            wait([running])  # the device finishes its round before the engine gives up on it
+            raise
+        return engine.land(launched, running.result())
+
+    def _run_on_device(self, launched: Any) -> Any:
+        if self._before_round is not None:
+            self._before_round()  # torch keeps CPU thread counts per thread: set them where rounds run
+        return self.engine.run(launched)
+
+    def _wake(self, _: Future) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _host_commands(self, running: Future) -> list[tuple[Callable[[], None], bool]]:
+        """Wait until a host-only command is at the head of the queue or the round is done; take
+        the host-only commands at the head (a later one never runs before an earlier call)."""
+        with self._cond:
+            while not (self._commands and self._commands[0][1]) and not running.done():
+                self._cond.wait()
+            taken = []
+            while self._commands and self._commands[0][1]:
+                taken.append(self._commands.popleft())
+            return taken
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop

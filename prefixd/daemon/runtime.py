@@ -34,6 +34,7 @@ class Runtime:
     disk: Any = None  # prefixd.disk.tier.DiskTier, or None when the disk tier is off
     before_round: Callable[[], Any] | None = None  # on the engine thread: the CPU thread policy
     cpu_threads: Any = None  # prefixd.gpu.threads.CpuThreads on the CPU, else None
+    overlap: bool = False  # rounds run on a device thread beside the engine's host work (EngineHost)
 
 
 def plan_num_pages(cfg: DaemonConfig, *, kv_bytes_per_page: int, max_context: int,
@@ -124,6 +125,7 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
     disk = build_disk_tier(cfg, checkpoint.path, runner, device.type, observer) if cfg.cache else None
     engine = Engine(runner, sched, observer=observer, disk=disk)
     info = runner.info
+    overlap = cfg.overlap == "on" or (cfg.overlap == "auto" and device.type == "cuda")
     model_info = {
         "name": Path(str(checkpoint.path)).name,
         "source": checkpoint.source,
@@ -140,6 +142,7 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         "draft_chosen_by": "auto" if cfg.draft == "auto" else "flag",
         # the captured decode programs (gpu/programs.py): None on the CPU and with --cuda-graphs off
         "cuda_graphs": runner.programs.status() if runner.programs is not None else None,
+        "overlap": overlap,
         "lanes": cfg.num_lanes,
         "page_size": info.page_size,
         "num_pages": info.num_pages,
@@ -148,7 +151,7 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
     }
     threads = CpuThreads.up_to_current() if cfg.device == "cpu" else None
     return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info, disk=disk,
-                   before_round=None if threads is None else threads.tick, cpu_threads=threads)
+                   before_round=None if threads is None else threads.tick, cpu_threads=threads, overlap=overlap)
 
 
 def cpu_kernel_paths() -> dict[str, str]:

@@ -147,7 +147,7 @@ class Server:
         engine = self._runtime.engine
         self.metrics.track(lambda: len(self._connections),
                            lambda: (engine.allocator.num_free, engine.allocator.num_used))
-        self._host = EngineHost(engine, before_round=self._runtime.before_round)
+        self._host = EngineHost(engine, before_round=self._runtime.before_round, overlap=self._runtime.overlap)
         self._seats = FairSeats(len(engine.lanes))
         await self._host.start()
 

@@ -1,11 +1,18 @@
 """The engine: streams in, lane rounds out.
 
-One `step()` is one lane round: `_schedule()` (drop cancels, admit, plan) ->
-`device.run_round()` -> `_postprocess()` (append tokens, keep cuts, finish streams).
+One `step()` is one lane round: `launch()` (drop cancels, admit, plan) ->
+`device.run_round()` -> `land()` (append tokens, keep cuts, finish streams).
 The round's plan is the only device call: seatings, lane work and captures are decided on
 the host and run by the device in one go. A lane the device reports failed (`LaneResult.error`)
 ends its stream alone; the round's other lanes go on. Single-threaded: the daemon calls it
 from one engine thread.
+
+Overlap: a caller that runs the launched round elsewhere (the daemon's device thread) may call
+`admit_ahead()` while it runs. That seats waiting streams for the next round, with their store
+lookups and page bookkeeping, on lanes the round in flight leaves alone; it reads nothing the
+round will answer and changes nothing the round reads (its plan is frozen, its lanes stay
+busy until `land()`, and a page it writes is held by its lane). Every stream's tokens are
+those of rounds run one at a time; only when a waiting stream is seated moves.
 """
 
 from __future__ import annotations
@@ -36,6 +43,16 @@ from prefixd.scheduler.streams import (DoneEvent, Stream, StreamRequest, TokenEv
 from prefixd.scheduler.verify import Verifies
 
 Event = TokenEvent | DoneEvent
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Launched:
+    """A round scheduled by `Engine.launch`: its frozen plan and what `land` needs of it."""
+
+    plan: RoundPlan
+    planned: list[PlannedWork]
+    events: list[Event]  # done events of the streams dropped while scheduling it
+    t0: float
 OUT_OF_PAGES_NOTE = "stopped early: no KV pages left for another row"
 
 
@@ -81,6 +98,7 @@ class Engine:
         self._seq = itertools.count()
         self._tick = itertools.count(1)
         self._store_touched = True
+        self._ahead: PlanBuilder | None = None  # the next round's seatings made by admit_ahead
         self.draft_costs = RoundCosts()  # round time by rows, learned for the drafters' policy
         self.admitter = Admitter(
             lanes=self.lanes, tables=self.tables, store=self.store, grid=config.grid,
@@ -139,33 +157,64 @@ class Engine:
 
     def step(self) -> list[Event]:
         """Run one lane round; returns the token and done events it produced, in order."""
+        launched = self.launch()
+        return self.land(launched, None if launched.plan.empty else self.run(launched))
+
+    def launch(self) -> Launched:
+        """Schedule the next round: drop cancels, admit, plan. Run its plan (`run`), then `land`."""
         t0 = self.clock()
         events: list[Event] = []
         if self.disk is not None:
             self.disk.poll()
-        builder = PlanBuilder()
+        builder, self._ahead = self._ahead or PlanBuilder(), None
         planned = self._schedule(events, builder)
         if self.config.draft == "mtp":
             planned = ask_proposals(planned)
         for p in planned:
             if self.cuts.captures_at(p):
                 builder.capture(p.lane.index, p.cut)
-        plan = builder.build(tuple(p.work for p in planned))
+        return Launched(builder.build(tuple(p.work for p in planned)), planned, events, t0)
+
+    def run(self, launched: Launched) -> RoundResult:
+        """The device call of a launched round (any thread may make it; one round at a time)."""
+        return self.device.run_round(launched.plan)
+
+    def admit_ahead(self, launched: Launched) -> int:
+        """While `launched` runs: seat waiting streams for the next round (see the module's
+        *Overlap*). Streams the round runs, cancelled ones included, are left to `land()` and the
+        next `launch()`. Nothing is seated ahead with a disk tier attached (its lookups and
+        write-throughs are device calls). Returns how many streams were seated."""
+        if self.disk is not None or launched.plan.empty:
+            return 0
+        seatings = self.admitter.admit()
+        if seatings:
+            self._ahead = self._ahead or PlanBuilder()
+            for seating in seatings:
+                self._store_touched = True
+                self._seat(seating, self._ahead)
+        return len(seatings)
+
+    def land(self, launched: Launched, result: RoundResult | None) -> list[Event]:
+        """Take the device's answer to a launched round (None for an empty plan): append tokens,
+        keep cuts, finish streams. Returns the round's events, in order."""
+        plan, events = launched.plan, launched.events
         forward_s = 0.0
         if not plan.empty:
-            result = self.device.run_round(plan)
+            if result is None:
+                raise RuntimeError("a round with device work landed without the device's result")
             forward_s = result.forward_s
-            self.draft_costs.observe_round(plan, self.clock() - t0)
-            self._postprocess(planned, plan, result, events)
+            self.draft_costs.observe_round(plan, self.clock() - launched.t0)
+            self._postprocess(launched.planned, plan, result, events)
         self._report_store()
         busy = sum(1 for lane in self.lanes if lane.busy)
-        self.observer.on_round(self.clock() - t0, forward_s, plan.num_rows, busy, len(self.admitter.waiting))
+        self.observer.on_round(self.clock() - launched.t0, forward_s, plan.num_rows, busy, len(self.admitter.waiting))
         return events
 
     def abort(self, note: str) -> list[Event]:
         """End every running and waiting stream with finish_reason "error" and `note` (after a
         device failure); lanes are freed, not kept resident. The store keeps what it holds."""
         events: list[Event] = []
+        self._ahead = None  # seatings made ahead belong to streams ended here
         for stream in sorted(self._streams.values(), key=lambda s: s.seq):
             if stream.lane is None:
                 self.admitter.forget(stream)
@@ -196,7 +245,7 @@ class Engine:
     # -- schedule ---------------------------------------------------------------------
 
     def _schedule(self, events: list[Event], builder: PlanBuilder) -> list[PlannedWork]:
-        self._drop_cancelled(events)
+        self._drop_cancelled(events, builder)
         for seating in self.admitter.admit():
             self._store_touched = True
             self._seat(seating, builder)
@@ -246,11 +295,15 @@ class Engine:
         need = self.tables.pages_needed(lane, rows)
         return need == 0 or (self.admitter.free_pages(need, spare=()) and self.tables.grow(lane, rows))
 
-    def _drop_cancelled(self, events: list[Event]) -> None:
+    def _drop_cancelled(self, events: list[Event], builder: PlanBuilder) -> None:
         for stream in [s for s in self._streams.values() if s.cancelled]:
             if stream.lane is None:
                 self.admitter.forget(stream)
                 self._done(stream, "cancelled", events)
+            elif builder.unseat(stream.lane):
+                # seated ahead, nothing of it run yet: its lane's pages and state were never
+                # made, so the lane is freed rather than kept resident
+                self._finish(stream, "cancelled", events, keep=False)
             else:
                 self._finish(stream, "cancelled", events)
 

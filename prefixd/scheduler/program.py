@@ -8,43 +8,40 @@ talks to the device.
 from __future__ import annotations
 
 from prefixd.scheduler.admission import Seating
-from prefixd.scheduler.records import (Capture, LaneWork, PageCopy, Restore, RoundPlan, SamplerSetup,
-                                       StoredSample)
+from prefixd.scheduler.records import Capture, LaneWork, Restore, RoundPlan, SamplerSetup, StoredSample
 
 
 class PlanBuilder:
     """Collects one round's items in the order they are decided; `build()` freezes them."""
 
     def __init__(self) -> None:
-        self._resets: list[int] = []
-        self._restores: list[Restore] = []
-        self._copies: list[PageCopy] = []
-        self._samplers: list[SamplerSetup] = []
-        self._stored: list[StoredSample] = []
+        self._seatings: dict[int, Seating] = {}  # by lane, in the order seated
         self._captures: list[Capture] = []
-        self._seated: set[int] = set()
 
     def seat(self, seating: Seating) -> None:
         """The device side of a seating: reset or restore, page copies, a fresh sampler, and for
         a full hit the first token from the stored row."""
-        lane, req = seating.lane, seating.stream.req
-        if lane in self._seated:
-            raise RuntimeError(f"lane {lane} seated twice in one round")
-        self._seated.add(lane)
-        if seating.reset:
-            self._resets.append(lane)
-        elif seating.restore is not None:
-            self._restores.append(Restore(lane, seating.restore))
-        self._copies.extend(seating.page_copies)
-        self._samplers.append(SamplerSetup(lane, req.sampling, req.tokens))
-        if seating.stored_logits is not None:
-            self._stored.append(StoredSample(lane, seating.stored_logits, 0, digest=req.want_logits))
+        if seating.lane in self._seatings:
+            raise RuntimeError(f"lane {seating.lane} seated twice in one round")
+        self._seatings[seating.lane] = seating
+
+    def unseat(self, lane: int) -> bool:
+        """Take back the device side of the lane's seating (its stream left before the round
+        ran; the engine frees the lane). Returns False if the lane was not seated here."""
+        return self._seatings.pop(lane, None) is not None
 
     def capture(self, lane: int, cut: int) -> None:
         """Capture the lane's state after the forward (its chunk ends at `cut`)."""
         self._captures.append(Capture(lane, cut))
 
     def build(self, lanes: tuple[LaneWork, ...]) -> RoundPlan:
-        return RoundPlan(lanes=lanes, resets=tuple(self._resets), restores=tuple(self._restores),
-                         page_copies=tuple(self._copies), samplers=tuple(self._samplers),
-                         stored=tuple(self._stored), captures=tuple(self._captures))
+        seatings = self._seatings.values()
+        return RoundPlan(
+            lanes=lanes,
+            resets=tuple(s.lane for s in seatings if s.reset),
+            restores=tuple(Restore(s.lane, s.restore) for s in seatings if not s.reset and s.restore is not None),
+            page_copies=tuple(c for s in seatings for c in s.page_copies),
+            samplers=tuple(SamplerSetup(s.lane, s.stream.req.sampling, s.stream.req.tokens) for s in seatings),
+            stored=tuple(StoredSample(s.lane, s.stored_logits, 0, digest=s.stream.req.want_logits)
+                         for s in seatings if s.stored_logits is not None),
+            captures=tuple(self._captures))

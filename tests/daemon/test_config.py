@@ -143,6 +143,14 @@ def test_cuda_graphs_from_flag_and_env():
         config_from_args(_args(), env={"PREFIXD_CUDA_GRAPHS": "always"})
 
 
+def test_overlap_from_flag_and_env():
+    assert config_from_args(_args(), env={}).overlap == "auto"
+    assert config_from_args(_args(), env={"PREFIXD_OVERLAP": "on"}).overlap == "on"
+    assert config_from_args(_args(overlap="off"), env={"PREFIXD_OVERLAP": "on"}).overlap == "off"
+    with pytest.raises(ConfigError, match="PREFIXD_OVERLAP='yes': expected one of auto, on, off"):
+        config_from_args(_args(), env={"PREFIXD_OVERLAP": "yes"})
+
+
 def test_draft_auto_picks_per_family_and_mode_and_a_flag_wins():
     assert resolve_draft("auto", "llama", "int4") == "ngram"
     assert resolve_draft("auto", "llama", "invariant") == "ngram"

@@ -59,10 +59,10 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @asynccontextmanager
 async def tiny_server(tmp_path: Path, model: Path, *, dtype: str = "fp32", mode: str = "auto",
-                      cuda_graphs: str = "auto") -> AsyncIterator[Server]:
+                      cuda_graphs: str = "auto", overlap: str = "auto") -> AsyncIterator[Server]:
     cfg = DaemonConfig(model=str(model), dtype=dtype, mode=mode, lanes=8, max_context=512, cache_budget_bytes=32 << 20,
                        socket_path=tmp_path / "run" / "prefixd.sock", metrics_addr="127.0.0.1:0",
-                       cuda_graphs=cuda_graphs)
+                       cuda_graphs=cuda_graphs, overlap=overlap)
     server = Server(cfg, env={}, out=io.StringIO())
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.run)
@@ -120,17 +120,18 @@ async def twelve(server: Server) -> list[tuple]:
 
 # int4: its own kernels read the pool in place, and the attack's NaN pages are reused;
 # "eager" graphs: decode rounds run as the fixed programs CUDA captures (gpu/programs.py), whose
-# attention reads every block up to its bucket's context, the reused NaN pages included
-NUMERICS = [("fp32", "invariant", "auto"), ("fp32", "invariant", "eager"), pytest.param(
-    "bf16", "int4", "auto", marks=pytest.mark.skipif(not cpu_kernels.available()[0],
+# attention reads every block up to its bucket's context, the reused NaN pages included; with
+# them, overlap on (CUDA's defaults): each round runs on the device thread beside the next's admission
+NUMERICS = [("fp32", "invariant", "auto", "auto"), ("fp32", "invariant", "eager", "on"), pytest.param(
+    "bf16", "int4", "auto", "auto", marks=pytest.mark.skipif(not cpu_kernels.available()[0],
                                                       reason="mode int4's CPU kernels cannot be built here"))]
 
 
-@pytest.mark.parametrize(("dtype", "mode", "graphs"), NUMERICS)
+@pytest.mark.parametrize(("dtype", "mode", "graphs", "overlap"), NUMERICS)
 async def test_a_nan_image_past_admission_ends_only_its_own_request(tmp_path, tiny_dir, monkeypatch, dtype, mode,
-                                                                   graphs):
+                                                                   graphs, overlap):
     monkeypatch.setattr(RequestBuilder, "_image", unchecked_image)
-    async with tiny_server(tmp_path, tiny_dir, dtype=dtype, mode=mode, cuda_graphs=graphs) as server:
+    async with tiny_server(tmp_path, tiny_dir, dtype=dtype, mode=mode, cuda_graphs=graphs, overlap=overlap) as server:
         assert server._runtime.model_info["mode"] == mode  # noqa: SLF001 - the numerics under test
         clean, _ = await run_together(server, attack=False)
         before = await twelve(server)

@@ -69,6 +69,7 @@ def test_loaded_runtime_reports_the_resolved_mode_and_runs_the_thread_policy(tmp
             # --draft auto: prompt lookup for llama in both modes, shown in status
             assert (runtime.model_info["draft"], runtime.model_info["draft_chosen_by"]) == ("ngram", "auto")
             assert runtime.model_info["cuda_graphs"] is None  # the CPU captures no decode programs
+            assert runtime.overlap is False and runtime.model_info["overlap"] is False  # auto: CUDA only
             assert runtime.engine.status()["draft"]["mode"] == "ngram"
             assert runtime.before_round is not None and runtime.before_round() >= 1
     finally:

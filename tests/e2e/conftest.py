@@ -44,3 +44,11 @@ def tiny_programs_daemon(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPath
     here uncaptured (`--cuda-graphs eager`, gpu/programs.py)."""
     yield from serving(tiny_llama_dir, tmp_path_factory.mktemp("d_tiny_programs"), "--lanes", "8", "--max-context",
                        "1024", "--cache-budget", "64M", "--dtype", "fp32", "--cuda-graphs", "eager")
+
+
+@pytest.fixture(scope="session")
+def tiny_overlap_daemon(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """`tiny_daemon` with overlap on (the CUDA default): each round's device call runs on a
+    thread of its own while the engine takes requests and seats them for the next round."""
+    yield from serving(tiny_llama_dir, tmp_path_factory.mktemp("d_tiny_overlap"), "--lanes", "8", "--max-context",
+                       "1024", "--cache-budget", "64M", "--dtype", "fp32", "--overlap", "on")

@@ -46,7 +46,8 @@ def exact(results: dict[str, GenerateResult]) -> dict[str, tuple]:
     return {key: (r.ids, r.logits_sha256, r.finish_reason, r.usage.prompt_tokens) for key, r in sorted(results.items())}
 
 
-@pytest.fixture(scope="module", params=[pytest.param("default", marks=pytest.mark.slow), "tiny", "tiny_programs"])
+@pytest.fixture(scope="module", params=[pytest.param("default", marks=pytest.mark.slow), "tiny", "tiny_programs",
+                                        "tiny_overlap"])
 def setup(request: pytest.FixtureRequest) -> tuple[DaemonProcess, dict[str, dict[str, Any]], dict[str, GenerateResult]]:
     """The daemon, the requests, and each request's result run alone on the idle daemon with
     the store off."""
@@ -91,3 +92,17 @@ def test_decode_programs_give_the_op_by_op_daemons_bits(tiny_daemon: DaemonProce
             a = plain.generate(**reqs[key], cache=False).collect()
             b = programs.generate(**reqs[key], cache=False).collect()
             assert exact({key: a}) == exact({key: b}), key
+
+
+def test_overlapped_rounds_give_the_one_at_a_time_daemons_bits(tiny_daemon: DaemonProcess,
+                                                             tiny_overlap_daemon: DaemonProcess):
+    """Eight clients at once on a daemon that overlaps each round with the next one's host work
+    get what each gets alone on a daemon that runs rounds one at a time: ids and logits bits."""
+    reqs = {key: {**f, "cache": True, "namespace": "overlap"} for key, f in requests(max_tokens=24).items()}
+    with tiny_daemon.client() as plain:
+        alone = {key: plain.generate(**{**fields, "cache": False}).collect() for key, fields in reqs.items()}
+    together, most_busy = anyio.run(run_together, tiny_overlap_daemon.socket, reqs)
+    assert exact(together) == exact(alone)
+    assert most_busy >= 2, "the clients shared lane rounds"
+    with tiny_overlap_daemon.client() as client:
+        assert client.status()["model"]["overlap"] is True
