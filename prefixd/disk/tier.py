@@ -16,9 +16,10 @@ import fcntl
 import logging
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from prefixd.disk.format import SUFFIX, TEMP_SUFFIX, BadFile, FileMeta, encode_head, file_bytes, read_body, read_head
 from prefixd.disk.writer import FAILED, OFF, WRITTEN, DiskWriter, WriteJob, parts_of
@@ -67,6 +68,8 @@ class DiskTier:
         self.allocator: Any = None
         self.device: Any = None
         self._lock_fd: int | None = None
+        self._deferring = False  # offers wait in _deferred (their pages held) for run_deferred
+        self._deferred: list[tuple[ReuseKey, Schedule, int, tuple[int, ...], Snapshot]] = []
         self._open()
         self.writer = writer if writer is not None else DiskWriter(self.directory)
         self._report()
@@ -75,6 +78,33 @@ class DiskTier:
         """Wire to the engine's RAM store, page allocator and device; the store's keeps come here."""
         self.store, self.allocator, self.device = store, allocator, device
         store.on_keep = self.offer
+
+    @contextmanager
+    def deferring(self) -> Iterator[None]:
+        """Offers made inside wait for `run_deferred`, their pages held: what the store keeps
+        while a round is in flight (the engine's admission ahead) reaches the device after it."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+
+    def run_deferred(self, *, export: bool = True) -> None:
+        """Make the offers deferred so far (`export=False`: drop them), then let their pages go."""
+        deferred, self._deferred = self._deferred, []
+        for key, schedule, cut, pages, snapshot in deferred:
+            try:
+                if export:
+                    self.offer(key, schedule, cut, pages, snapshot)
+            finally:
+                self.allocator.decref(pages)
+
+    def holds_deeper(self, key: ReuseKey, schedule: Schedule, have_rows: int) -> bool:
+        """Whether `fetch` would find an entry deeper than `have_rows` (host work only)."""
+        if self.off is not None or not self.index.entries:
+            return False
+        entry = self.index.find(key, schedule)
+        return entry is not None and entry.cut > have_rows
 
     # -- start-up ---------------------------------------------------------------------
     def _open(self) -> None:
@@ -146,9 +176,15 @@ class DiskTier:
 
     # -- write-through ----------------------------------------------------------------
     def offer(self, key: ReuseKey, schedule: Schedule, cut: int, pages: Sequence[int], snapshot: Snapshot) -> str:
-        """Queue the entry the RAM store just kept; returns "queued", "present", "skipped" or "off"."""
+        """Queue the entry the RAM store just kept; returns "queued", "present", "skipped", "off"
+        or, inside `deferring`, "deferred"."""
         if self.off is not None:
             return "off"
+        if self._deferring:
+            pages = tuple(pages)
+            self.allocator.incref(pages)
+            self._deferred.append((key, schedule, cut, pages, snapshot))
+            return "deferred"
         self.poll()
         digest = KeyDigests(key).at(cut, cut_hashes(key, schedule, self.identity.invariant_rows)(cut))
         known = self.index.entries.get(digest)

@@ -182,11 +182,16 @@ class Engine:
     def admit_ahead(self, launched: Launched) -> int:
         """While `launched` runs: seat waiting streams for the next round (see the module's
         *Overlap*). Streams the round runs, cancelled ones included, are left to `land()` and the
-        next `launch()`. Nothing is seated ahead with a disk tier attached (its lookups and
-        write-throughs are device calls). Returns how many streams were seated."""
-        if self.disk is not None or launched.plan.empty:
+        next `launch()`. The disk tier's device calls wait too: a stream it holds more of than
+        RAM is seated by the next launch (its fetch writes pages), and what the store keeps
+        meanwhile is written through when the round lands. Returns how many were seated."""
+        if launched.plan.empty:
             return 0
-        seatings = self.admitter.admit()
+        if self.disk is None:
+            seatings = self.admitter.admit(fetch=False)
+        else:
+            with self.disk.deferring():
+                seatings = self.admitter.admit(fetch=False)
         if seatings:
             self._ahead = self._ahead or PlanBuilder()
             for seating in seatings:
@@ -198,6 +203,8 @@ class Engine:
         """Take the device's answer to a launched round (None for an empty plan): append tokens,
         keep cuts, finish streams. Returns the round's events, in order."""
         plan, events = launched.plan, launched.events
+        if self.disk is not None:
+            self.disk.run_deferred()  # the write-throughs admission ahead kept from the device
         forward_s = 0.0
         if not plan.empty:
             if result is None:
@@ -215,6 +222,8 @@ class Engine:
         device failure); lanes are freed, not kept resident. The store keeps what it holds."""
         events: list[Event] = []
         self._ahead = None  # seatings made ahead belong to streams ended here
+        if self.disk is not None:
+            self.disk.run_deferred(export=False)  # no device call after its failure
         for stream in sorted(self._streams.values(), key=lambda s: s.seq):
             if stream.lane is None:
                 self.admitter.forget(stream)

@@ -8,12 +8,17 @@ leaks.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixd.scheduler.config import SchedulerConfig
 from prefixd.scheduler.engine import Engine, Launched
 from prefixd.scheduler.streams import DoneEvent, StreamRequest
+from tests.scheduler.disk_rig import disk_engine, make_tier
+from tests.scheduler.engines import req, turn
 from tests.scheduler.fake_device import FakeDevice, make_info, reference_tokens, run_until_idle, tokens_by_stream
 from tests.scheduler.test_engine_random import BASES, cold_tokens
 
@@ -52,7 +57,9 @@ def overlapped_round(engine: Engine, device: FakeDevice, during=()) -> list:
     for call in during:
         call()
     seated_before = _lanes_of(engine._ahead.build(())) if engine._ahead is not None else set()
+    disk_calls = (len(device.exported), len(device.loaded))
     engine.admit_ahead(launched)
+    assert (len(device.exported), len(device.loaded)) == disk_calls, "a disk call beside the round in flight"
     check_in_flight_untouched(engine, launched, seated_before)
     result = None if launched.plan.empty else device.run_round(launched.plan)
     events = engine.land(launched, result)
@@ -73,13 +80,21 @@ action = st.one_of(
 @settings(max_examples=120, deadline=None)
 @given(actions=st.lists(action, min_size=4, max_size=30), lanes=st.integers(1, 3),
        num_pages=st.sampled_from([10, 12, 24, 64]), budget=st.sampled_from([None, 10_100, 0]),
-       row_budget=st.integers(1, 9), cache=st.sampled_from([True, True, False]), invariant=st.booleans())
+       row_budget=st.integers(1, 9), cache=st.sampled_from([True, True, False]), invariant=st.booleans(),
+       disk=st.booleans())
 def test_overlapped_rounds_yield_cold_tokens_and_leave_the_round_in_flight_alone(
-        actions, lanes, num_pages, budget, row_budget, cache, invariant):
+        actions, lanes, num_pages, budget, row_budget, cache, invariant, disk):
+    with tempfile.TemporaryDirectory() as directory:
+        _overlapped_traffic(actions, lanes, num_pages, budget, row_budget, cache, invariant,
+                            Path(directory) if disk else None)
+
+
+def _overlapped_traffic(actions, lanes, num_pages, budget, row_budget, cache, invariant, disk_dir):
     device = FakeDevice(make_info(num_lanes=3, num_pages=num_pages, invariant_rows=invariant))
     cfg = SchedulerConfig(num_lanes=lanes, grid=4, round_row_budget=row_budget, cache=cache,
                           cache_budget_bytes=budget, decode_headroom_rows=2)
-    engine = Engine(device, cfg)
+    tier = make_tier(disk_dir, device.info) if disk_dir is not None else None
+    engine = Engine(device, cfg, disk=tier)
     requests: dict[int, StreamRequest] = {}
     got: dict[int, list[int]] = {}
     done: dict[int, DoneEvent] = {}
@@ -121,6 +136,8 @@ def test_overlapped_rounds_yield_cold_tokens_and_leave_the_round_in_flight_alone
             break
         take(overlapped_round(engine, device))
     assert engine.idle
+    if tier is not None:
+        tier.close()
     assert set(done) == set(requests)
     for sid, ev in done.items():
         tokens = got.get(sid, [])
@@ -171,3 +188,46 @@ def test_a_stream_seated_ahead_then_cancelled_gives_its_lane_back_unrun():
     assert tokens_by_stream(events)[3] == reference_tokens(range(30, 41), 3)
     assert tokens_by_stream(events)[1] == reference_tokens(range(10, 19), 6)
     assert 2 not in tokens_by_stream(events)
+
+
+SYSTEM = list(range(10, 20))
+
+
+def test_with_a_disk_tier_admission_ahead_leaves_disk_hits_and_write_throughs_to_the_launch(tmp_path):
+    """A restarted engine: a request the disk holds is not seated beside the round in flight
+    (its fetch writes pages); the next launch seats it, and it hits from disk as a cold run.
+    A lane evicted ahead is written through once the round lands."""
+    first = req(1, SYSTEM + [1, 2, 3], max_tokens=4)
+    engine, _, tier = disk_engine(tmp_path)
+    turn(engine, first)
+    tier.close()
+    engine, device, tier = disk_engine(tmp_path, num_lanes=2)  # a new process on the same directory
+    engine.submit(req(2, [50, 51, 52, 53, 54, 55], max_tokens=2))
+    run_until_idle(engine)  # stream 2's lane stays resident
+    engine.submit(req(3, [70, 71, 72], max_tokens=30))
+    engine.step()
+    launched = engine.launch()
+    engine.submit(req(4, SYSTEM + [1, 2, 3, 9], max_tokens=3))  # the disk holds 13 of its rows
+    assert engine.admit_ahead(launched) == 0
+    assert device.loaded == []
+    engine.submit(req(5, [90, 91, 92, 93, 94], max_tokens=2))  # behind it in the queue: waits too (FIFO)
+    assert engine.admit_ahead(launched) == 0
+    engine.land(launched, device.run_round(launched.plan))
+    events = run_until_idle(engine)
+    tokens, done = tokens_by_stream(events), {e.stream_id: e for e in events if isinstance(e, DoneEvent)}
+    assert tokens[4] == reference_tokens(SYSTEM + [1, 2, 3, 9], 3)
+    assert done[4].usage.cached_tokens == 13 and device.loaded  # from disk, at the next launch
+    assert tokens[5] == reference_tokens([90, 91, 92, 93, 94], 2)
+
+    engine.submit(req(6, [30, 31, 32, 33, 34, 35, 36], max_tokens=40))
+    engine.step()
+    launched = engine.launch()
+    exported = len(device.exported)
+    engine.submit(req(7, [110, 111, 112], max_tokens=2))  # no free lane: a resident one is evicted ahead
+    assert engine.admit_ahead(launched) == 1
+    assert len(device.exported) == exported and tier._deferred  # its write-through waits for the landing
+    engine.land(launched, device.run_round(launched.plan))
+    assert not tier._deferred and len(device.exported) > exported
+    events = run_until_idle(engine)
+    assert tokens_by_stream(events)[7] == reference_tokens([110, 111, 112], 2)
+    tier.close()
