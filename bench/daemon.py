@@ -2,6 +2,7 @@
 
     python bench/daemon.py            # the full table (minutes; run it on an idle machine)
     python bench/daemon.py --quick    # a smoke run with small sizes
+    python bench/daemon.py --overlap  # overlap on against off, on agent turns (two daemons, alternately)
 
 Spawns `prefixd serve` with 8 lanes and measures, through its socket:
 - the round trip of `status` (median over N calls on one connection);
@@ -12,6 +13,11 @@ Spawns `prefixd serve` with 8 lanes and measures, through its socket:
   to back (on a shared machine a ratio of figures taken minutes apart measures the load);
 and, in this process (the daemon does not report forward time), the share of each 8-lane
 decode round that the engine spends outside the model forward.
+
+With --overlap it measures instead two daemons that differ only in `--overlap on|off`, taken in
+turns (the idle one spins nothing): the wall time of agent turns, clients sending each next
+turn (prompt + reply + new text) as soon as the last one ends, so that requests keep arriving
+while other lanes decode and are seated beside the round in flight.
 """
 
 from __future__ import annotations
@@ -248,6 +254,60 @@ def engine_measures(model: str, sizes: Sizes, vocab: int) -> dict[str, float]:
     return out
 
 
+async def agent_turns_s(handle: DaemonHandle, sizes: Sizes, vocab: int, seed: int, turns: int = 3) -> float:
+    """Wall time of `sizes.lanes` clients each running `turns` turns back to back."""
+    import anyio
+
+    from prefixd.ipc.client import AsyncClient
+
+    async def one(lane: int) -> None:
+        tokens = prompt(sizes.lane_context, vocab, seed * 100 + lane)
+        async with await AsyncClient.connect(handle.socket) as c:
+            for turn in range(turns):
+                result = await c.generate(tokens=tokens, max_tokens=sizes.lane_tokens // 2).collect()
+                tokens = tokens + list(result.ids) + prompt(32, vocab, seed * 1000 + lane * 10 + turn)
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for lane in range(sizes.lanes):
+            tg.start_soon(one, lane)
+    return time.perf_counter() - t0
+
+
+def compare_overlap(args: argparse.Namespace, sizes: Sizes) -> int:
+    """Agent turns on a daemon with --overlap on against one with it off, in alternate pairs."""
+    import anyio
+
+    from prefixd.ipc.client import AsyncClient
+
+    async def vocab_of(handle: DaemonHandle) -> int:
+        async with await AsyncClient.connect(handle.socket) as client:
+            return int((await client.status())["model"]["vocab_size"])
+
+    flags = ["--lanes", str(sizes.lanes), "--max-context", "4096"]
+    rows = []
+    with spawn_daemon([*flags, "--overlap", "off"], model=args.model) as off, \
+            spawn_daemon([*flags, "--overlap", "on"], model=args.model) as on:
+        vocab = anyio.run(vocab_of, off)
+        anyio.run(agent_turns_s, off, QUICK, vocab, 0)  # warm-up, both
+        anyio.run(agent_turns_s, on, QUICK, vocab, 0)
+        for i in range(args.pairs):
+            pair = {}
+            for name, handle in (("off", off), ("on", on)) if i % 2 == 0 else (("on", on), ("off", off)):
+                pair[name] = anyio.run(agent_turns_s, handle, sizes, vocab, i + 1)
+            rows.append((pair["off"], pair["on"], os.getloadavg()[0]))
+            print(f"pair {i + 1}: off {pair['off']:.2f} s, on {pair['on']:.2f} s", file=sys.stderr, flush=True)
+    print_machine({"model": args.model, "lanes": str(sizes.lanes)})
+    table = [[str(i + 1), f"{a:.2f}", f"{b:.2f}", fmt_ratio(a, b), f"{load:.2f}"] for i, (a, b, load) in enumerate(rows)]
+    table.append(["median", f"{median(a for a, _, _ in rows):.2f}", f"{median(b for _, b, _ in rows):.2f}",
+                  f"{median(a / b for a, b, _ in rows):.2f}x", ""])
+    print(markdown_table(["pair", "overlap off (s)", "overlap on (s)", "speed-up (off / on)", "load avg (1 min)"],
+                         table))
+    print(f"\n- {sizes.lanes} clients, 3 turns each: {sizes.lane_context} prompt tokens, then each turn adds its "
+          f"reply ({sizes.lane_tokens // 2} tokens) and 32 new tokens; the two daemons alternate which goes first")
+    return 0
+
+
 def render(sock: dict[str, float], local: dict[str, float], sizes: Sizes) -> str:
     ms = lambda s: f"{s * 1e3:.3f}"  # noqa: E731
     per_token = sock["client_gap_s"] - sock.get("engine_gap_s", float("nan"))
@@ -292,9 +352,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument("--model", default="default")
     parser.add_argument("--pairs", type=int, default=5, help="runtime/socket aggregate pairs, measured alternately")
+    parser.add_argument("--overlap", action="store_true", help="agent turns with --overlap on against off")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the spawned daemon is stopped too
     sizes = QUICK if args.quick else FULL
+    if args.overlap:
+        return compare_overlap(args, sizes)
     runtime = RuntimeDecode(args.model, sizes)
     flags = ["--lanes", str(sizes.lanes), "--max-context", "4096"]
     with spawn_daemon(flags, model=args.model, metrics=True) as handle:
