@@ -1,13 +1,16 @@
 """`DiskTier`: the prefix store's second tier, written through and read on a RAM miss.
 
-Every entry the RAM store keeps is offered here (`offer`, the store's keep hook): the engine
-thread copies the pages its parent file lacks to host memory and queues the file; the writer
-thread writes it. A lookup that misses RAM, or hits shallower than disk could, asks
-`fetch`: the entry's chain is read and checked, loaded into fresh pages and published into
-the RAM store, and the request then hits there like any other.
+Every entry the RAM store keeps is offered here (`offer`, the store's keep hook): the pages its
+parent file lacks are held and exported to host memory by the next round (`PageExport`, an
+item of the engine's plan), and when that round lands the file is queued; the writer thread
+writes it. A lookup that misses RAM, or hits shallower than disk could, asks `fetch`: the
+entry's chain is read and checked, fresh pages are taken for it and it is published into the
+RAM store with its state and logits row still to be made (`FromDisk`); the next round loads
+the pages first (`DiskLoad`), before any item that reads them, and the request then hits
+there like any other. The tier makes no device call of its own: the round is the only one.
 
 Files that are torn, truncated, corrupt or foreign are never served: skipped, logged,
-counted (`corrupt`) and removed. Torch-free; the device does the copies.
+counted (`corrupt`) and removed. Torch-free.
 """
 
 from __future__ import annotations
@@ -16,15 +19,14 @@ import fcntl
 import logging
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from prefixd.disk.format import SUFFIX, TEMP_SUFFIX, BadFile, FileMeta, encode_head, file_bytes, read_body, read_head
 from prefixd.disk.writer import FAILED, OFF, WRITTEN, DiskWriter, WriteJob, parts_of
 from prefixd.scheduler.planner import Schedule
-from prefixd.scheduler.records import DiskLoad, PageLoad
+from prefixd.scheduler.records import DiskLoad, FromDisk, PageExport, PageLoad, PagePayload
 from prefixd.scheduler.store import PRESENT, REPLACED, SAVED, ReuseKey, Snapshot
 from prefixd.scheduler.store.disk_index import DiskEntry, DiskIndex, KeyDigests, TierIdentity, cut_hashes
 
@@ -42,6 +44,16 @@ class DiskStats:
     skipped: int  # entries not written: the queue was full, or bigger than the budget
     hit_tokens: int
     off: str | None  # why the tier stopped, or None
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """A kept entry's file: its export (an item of the next round) and what the file needs after."""
+
+    export: PageExport
+    pages: list[int]  # held until the round lands
+    head: bytes
+    entry: DiskEntry
 
 
 class DiskObserver:
@@ -66,45 +78,75 @@ class DiskTier:
         self.written_bytes = self.corrupt = self.skipped = self.hit_tokens = 0
         self.store: Any = None
         self.allocator: Any = None
-        self.device: Any = None
         self._lock_fd: int | None = None
-        self._deferring = False  # offers wait in _deferred (their pages held) for run_deferred
-        self._deferred: list[tuple[ReuseKey, Schedule, int, tuple[int, ...], Snapshot]] = []
+        # device work for the next round (`take_work`), then in flight until `landed`
+        self._loads: list[tuple[DiskLoad, list[int]]] = []  # (load, its pages, held)
+        self._exports: list[_Write] = []
+        self._loads_in_flight: list[tuple[DiskLoad, list[int]]] = []
+        self._exports_in_flight: list[_Write] = []
         self._open()
         self.writer = writer if writer is not None else DiskWriter(self.directory)
         self._report()
 
-    def attach(self, *, store: Any, allocator: Any, device: Any) -> None:
-        """Wire to the engine's RAM store, page allocator and device; the store's keeps come here."""
-        self.store, self.allocator, self.device = store, allocator, device
+    def attach(self, *, store: Any, allocator: Any) -> None:
+        """Wire to the engine's RAM store and page allocator; the store's keeps come here."""
+        self.store, self.allocator = store, allocator
         store.on_keep = self.offer
 
-    @contextmanager
-    def deferring(self) -> Iterator[None]:
-        """Offers made inside wait for `run_deferred`, their pages held: what the store keeps
-        while a round is in flight (the engine's admission ahead) reaches the device after it."""
-        self._deferring = True
+    # -- device work: items of the next round ---------------------------------------
+    @property
+    def has_work(self) -> bool:
+        """Loads or exports wait for a round (the engine runs one for them even when idle)."""
+        return bool(self._loads or self._exports)
+
+    def take_work(self) -> tuple[tuple[DiskLoad, ...], tuple[PageExport, ...]]:
+        """The loads and exports for the round being planned; `landed` takes its answer."""
+        self._loads_in_flight, self._loads = self._loads_in_flight + self._loads, []
+        self._exports_in_flight, self._exports = self._exports_in_flight + self._exports, []
+        return (tuple(load for load, _ in self._loads_in_flight),
+                tuple(w.export for w in self._exports_in_flight))
+
+    def landed(self, exported: Sequence[PagePayload]) -> None:
+        """The round ran the work `take_work` gave it: queue the exports' files (in order: a
+        file whose parent was skipped is skipped too) and let every held page go."""
+        writes, self._exports_in_flight = self._exports_in_flight, []
+        loads, self._loads_in_flight = self._loads_in_flight, []
+        if len(exported) != len(writes):
+            raise RuntimeError(f"the device answered {len(exported)} exports for {len(writes)}")
         try:
-            yield
+            for w, payload in zip(writes, exported):
+                if self.index.entries.get(w.entry.digest) is not w.entry:
+                    continue  # evicted from the index (or its parent's write failed) meanwhile
+                job = WriteJob(w.entry.digest, w.entry.parent, w.head,
+                               parts_of((payload.kv, payload.state, payload.logits)), w.entry.nbytes)
+                if not self.writer.submit_write(job):
+                    self.skipped += 1
+                    for e in self.index.subtree(w.entry):
+                        self.index.remove(e)
         finally:
-            self._deferring = False
-
-    def run_deferred(self, *, export: bool = True) -> None:
-        """Make the offers deferred so far (`export=False`: drop them), then let their pages go."""
-        deferred, self._deferred = self._deferred, []
-        for key, schedule, cut, pages, snapshot in deferred:
-            try:
-                if export:
-                    self.offer(key, schedule, cut, pages, snapshot)
-            finally:
+            for w in writes:
+                self.allocator.decref(w.pages)
+            for _, pages in loads:
                 self.allocator.decref(pages)
+            self._report()
 
-    def holds_deeper(self, key: ReuseKey, schedule: Schedule, have_rows: int) -> bool:
-        """Whether `fetch` would find an entry deeper than `have_rows` (host work only)."""
-        if self.off is not None or not self.index.entries:
-            return False
-        entry = self.index.find(key, schedule)
-        return entry is not None and entry.cut > have_rows
+    def drop_work(self) -> None:
+        """After a device failure: forget every load and export not yet landed (their entries
+        leave the index unwritten) and let their pages go."""
+        for w in self._exports_in_flight + self._exports:
+            if self.index.entries.get(w.entry.digest) is w.entry:
+                for e in self.index.subtree(w.entry):
+                    self.index.remove(e)
+            self.allocator.decref(w.pages)
+        for _, pages in self._loads_in_flight + self._loads:
+            self.allocator.decref(pages)
+        self._exports = self._exports_in_flight = []
+        self._loads = self._loads_in_flight = []
+
+    def held_pages(self) -> list[int]:
+        """Pages held for loads and exports not yet landed (one reference each)."""
+        return [p for w in self._exports_in_flight + self._exports for p in w.pages] + \
+            [p for _, pages in self._loads_in_flight + self._loads for p in pages]
 
     # -- start-up ---------------------------------------------------------------------
     def _open(self) -> None:
@@ -176,15 +218,11 @@ class DiskTier:
 
     # -- write-through ----------------------------------------------------------------
     def offer(self, key: ReuseKey, schedule: Schedule, cut: int, pages: Sequence[int], snapshot: Snapshot) -> str:
-        """Queue the entry the RAM store just kept; returns "queued", "present", "skipped", "off"
-        or, inside `deferring`, "deferred"."""
+        """Index the entry the RAM store just kept and hold its pages for an export in the next
+        round; its file is queued when that round lands. Returns "queued", "present",
+        "skipped" or "off"."""
         if self.off is not None:
             return "off"
-        if self._deferring:
-            pages = tuple(pages)
-            self.allocator.incref(pages)
-            self._deferred.append((key, schedule, cut, pages, snapshot))
-            return "deferred"
         self.poll()
         digest = KeyDigests(key).at(cut, cut_hashes(key, schedule, self.identity.invariant_rows)(cut))
         known = self.index.entries.get(digest)
@@ -205,14 +243,11 @@ class DiskTier:
             self.skipped += 1
             self._report()
             return "skipped"
-        payload = self.device.export_pages(pages[first:num], state, snapshot.logits)
-        job = WriteJob(digest, meta.parent, head, parts_of((payload.kv, payload.state, payload.logits)), nbytes)
-        if not self.writer.submit_write(job):
-            self.skipped += 1
-            self._report()
-            return "skipped"
+        held = list(pages[first:num])
+        self.allocator.incref(held)  # never freed (nor written again) before the export reads them
         entry = DiskEntry(digest, meta.parent, cut, first, num, nbytes, meta.logits_bytes > 0,
                           self.index.next_seq(), self.clock())
+        self._exports.append(_Write(PageExport(tuple(held), state, snapshot.logits), held, head, entry))
         self.index.add(entry)
         self._fit(frozenset(e.digest for e in self.index.chain(entry)))
         self._report()
@@ -257,9 +292,13 @@ class DiskTier:
         pages = self._take_pages(entry.num_pages)
         if pages is None:
             return False
-        snapshot = self._load(entry, bodies, pages)
+        load = self._load(entry, bodies, pages)
+        snapshot = Snapshot(state=load.state_to, logits=load.logits_to)
         result = self.store.publish(key, schedule, entry.cut, pages, snapshot, prefilled_upto=entry.cut)
-        self.allocator.decref(pages)  # the store holds what it kept
+        if result in (SAVED, REPLACED):
+            self._loads.append((load, pages))  # held until the load has run: the store may let go first
+        else:
+            self.allocator.decref(pages)  # nothing kept needs them
         if result not in (SAVED, PRESENT, REPLACED):
             return False
         entry.hits += 1
@@ -289,7 +328,9 @@ class DiskTier:
             self.store.make_room(num)
         return self.allocator.allocate(num)
 
-    def _load(self, entry: DiskEntry, bodies: list, pages: list[int]) -> Snapshot:
+    def _load(self, entry: DiskEntry, bodies: list, pages: list[int]) -> DiskLoad:
+        """The load of `entry`'s chain into `pages`, for the next round; its state and logits
+        row are made on the device then (`FromDisk`)."""
         bpp = self.identity.kv_bytes_per_page
         loads = []
         for i, (e, body, meta) in enumerate(bodies):
@@ -300,8 +341,9 @@ class DiskTier:
         view = memoryview(body)
         state = view[meta.kv_bytes: meta.kv_bytes + meta.state_bytes] if meta.state_bytes else None
         logits = view[meta.kv_bytes + meta.state_bytes:] if meta.logits_bytes else None
-        state_obj, logits_obj = self.device.load_pages(DiskLoad(tuple(loads), state, logits))
-        return Snapshot(state=state_obj, logits=logits_obj)
+        return DiskLoad(tuple(loads), state, logits,
+                        FromDisk(len(state)) if state is not None else None,
+                        FromDisk(len(logits)) if logits is not None else None)
 
     def _touch(self, entry: DiskEntry) -> None:
         try:  # the last use survives a restart as the file's mtime

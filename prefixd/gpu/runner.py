@@ -1,7 +1,8 @@
 """ModelRunner: the torch implementation of `prefixd.scheduler.device.Device`.
 
 `run_round` is the only call the scheduler makes. It runs a `RoundPlan` in its fixed order:
-fences, rollbacks, resets, restores, page copies, sampler set-up, stored-row samples, then
+disk loads and exports, fences, rollbacks, resets, restores, page copies, sampler set-up,
+stored-row samples, then
 one batched forward (the plan's lanes concatenated into one row batch; every row's K/V goes
 into its lane's pages, attention reads only through each lane's page table, and the lm_head
 runs only on rows that are sampled, returned or digested), the samples, and the captures.
@@ -41,8 +42,9 @@ from prefixd.gpu.programs import DecodePrograms
 from prefixd.gpu.sampling import LaneSampler
 from prefixd.scheduler.device import DeviceInfo
 from prefixd.gpu.families.qwen3_5_state import HybridState
-from prefixd.scheduler.records import (CapturedState, DiskLoad, LaneResult, LaneWork, PageCopy, PagePayload,
-                                       RoundPlan, RoundResult, SamplerSetup, SamplingParams, StoredSample)
+from prefixd.scheduler.records import (CapturedState, DiskLoad, LaneResult, LaneWork, PageCopy, PageExport,
+                                       PagePayload, RoundPlan, RoundResult, SamplerSetup, SamplingParams,
+                                       StoredSample, made)
 from prefixd.text.grammar import ll_tokenizer
 
 # Errors a lane's sampler may raise on its own row; device-wide ones (a CUDA fault, no memory)
@@ -94,13 +96,18 @@ class ModelRunner:
     def run_round(self, plan: RoundPlan) -> RoundResult:
         self._check_plan(plan)
         with torch.inference_mode():
+            if plan.loads or plan.exports:
+                self.copies.wait_all()  # no copy still writes a page or state these read or replace
+            for load in plan.loads:
+                self._load(load)
+            exported = tuple(self._export(item) for item in plan.exports)
             self._before_forward(plan)
             stored = tuple(self._sample_stored(item) for item in plan.stored)
             lanes, forward_s = self._forward(plan.lanes) if plan.lanes else ((), 0.0)
             if plan.captures:
                 self.copies.wait_all()  # a capture never holds a row an in-flight copy is replacing
             captured = tuple(CapturedState(c.lane, c.cut, self.model.capture(c.lane)) for c in plan.captures)
-        return RoundResult(lanes=lanes, forward_s=forward_s, stored=stored, captured=captured)
+        return RoundResult(lanes=lanes, forward_s=forward_s, stored=stored, captured=captured, exported=exported)
 
     def close(self) -> None:
         """Let every copy land and drop the samplers; the weights go with the runner."""
@@ -118,7 +125,7 @@ class ModelRunner:
         for lane in plan.resets:
             self.model.reset(lane)
         for item in plan.restores:
-            self.model.restore(item.lane, item.state)
+            self.model.restore(item.lane, made(item.state))
         self._copy_pages(plan.page_copies)
         for item in plan.samplers:
             self._samplers[item.lane] = self._new_sampler(item)
@@ -172,7 +179,7 @@ class ModelRunner:
 
     def _sample_stored(self, item: StoredSample) -> LaneResult:
         """The lane's first token from a stored logits row, or the lane's error."""
-        row = item.logits[item.row]
+        row = made(item.logits)[item.row]
         if not bool(torch.isfinite(row).all()):
             return LaneResult(item.lane, error="the stored logits row is not finite (NaN or inf)")
         digests = logits_sha256(row) if item.digest else ()
@@ -186,21 +193,22 @@ class ModelRunner:
         logprobs = (sampler.last_logprob,) if sampler.params.logprobs is not None else None
         return LaneResult(lane=item.lane, sampled=(token,), digests=digests, logprobs=logprobs)
 
-    # The disk tier's own calls (scheduler.device.DiskPages), outside the round ------------
-    def export_pages(self, pages: Sequence[int], state: Any, logits: torch.Tensor | None) -> PagePayload:
-        """Host copies for the disk tier: the pages page-major (n, 2, layers, P, kv_heads, head_dim), the lane state's bytes and the float32 logits rows. Runs on the engine
-        thread; the writer thread only reads the returned buffers."""
-        self.copies.wait_all()
-        idx = torch.tensor(list(pages), dtype=torch.long, device=self.device)
+    # The disk tier's items: loads and exports ----------------------------------------------
+    def _export(self, item: PageExport) -> PagePayload:
+        """Host copies for the disk tier: the pages page-major (n, 2, layers, P, kv_heads,
+        head_dim), the lane state's bytes and the float32 logits rows. The disk tier's writer
+        thread only reads the returned buffers."""
+        state, logits = made(item.state), made(item.logits)
+        idx = torch.tensor(list(item.pages), dtype=torch.long, device=self.device)
         # page-major (n, 2, L, P, H, D), one gather: a file's leading pages are a byte prefix
         kv = self.kv.storage.permute(2, 0, 1, 3, 4, 5).index_select(0, idx)
         return PagePayload(kv=_host_bytes(kv), state=None if state is None else _host_bytes(state.data),
                            logits=None if logits is None else _host_bytes(logits))
 
-    def load_pages(self, load: DiskLoad) -> tuple[Any, torch.Tensor | None]:
+    def _load(self, load: DiskLoad) -> None:
         """Write the load's page bytes into their pages (one copy from the read buffer into the
-        pool); the state and logits row come back as device tensors made from the bytes."""
-        self.copies.wait_all()
+        pool); the state and logits row become device tensors made from the bytes, set on the
+        load's `state_to` / `logits_to`."""
         shape = self.kv.storage.shape  # (2, L, num_pages, P, H, D)
         for pl in load.pages:
             if not pl.pages:
@@ -217,7 +225,10 @@ class ModelRunner:
         if load.logits is not None:
             rows = torch.frombuffer(load.logits, dtype=torch.float32).view(-1, self.config.vocab_size)
             logits = rows.to(self.device).clone()
-        return state, logits
+        if load.state_to is not None:
+            load.state_to.made = state
+        if load.logits_to is not None:
+            load.logits_to.made = logits
 
     def kv_rows(self, layer: int, page_table: Sequence[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V (n, kv_heads, head_dim) of attention layer `layer`, for tests."""

@@ -91,17 +91,15 @@ class Admitter:
     def reuse_allowed(self, stream: Stream) -> bool:
         return self.cache and stream.req.cache and stream.key is not None
 
-    def admit(self, *, fetch: bool = True) -> list[Seating]:
-        """Seat waiting streams FIFO; a stream whose resident lane exists goes first.
-        `fetch=False` (admission while a round is in flight): seating stops at the first
-        stream the disk tier holds more of, since its fetch writes pages on the device."""
+    def admit(self) -> list[Seating]:
+        """Seat waiting streams FIFO; a stream whose resident lane exists goes first."""
         seated = []
         for stream in self.waiting:
             match = self._resident_match(stream)
             if match is not None:
                 seated.append(self._place(stream, match.lane, match.rows, "resident", None))
         for stream in self.waiting:
-            seating = self._try_seat(stream, fetch)
+            seating = self._try_seat(stream)
             if seating is None:
                 break
             seated.append(seating)
@@ -129,7 +127,7 @@ class Admitter:
             return None
         return match
 
-    def _try_seat(self, stream: Stream, fetch: bool = True) -> Seating | None:
+    def _try_seat(self, stream: Stream) -> Seating | None:
         lane = free_seat(self.lanes)
         if lane is None:
             others = [s for s in self.waiting if s is not stream]
@@ -139,8 +137,6 @@ class Admitter:
             lane = victims[0]
             self.evict_resident(lane)
         if not stream.looked_up and self.store is not None and self.reuse_allowed(stream):
-            if not fetch and self._disk_holds_more(stream):
-                return None
             self._look_up(stream)
         hit = stream.hit
         rows = hit.rows if hit is not None else 0
@@ -169,12 +165,6 @@ class Admitter:
             self.tables.allocator.incref(hit.pages)
             self.store.pin(hit)
             stream.hit = hit
-
-    def _disk_holds_more(self, stream: Stream) -> bool:
-        if self.disk is None:
-            return False
-        ram = self.store.lookup(stream.key, stream.schedule, count=False)
-        return self.disk.holds_deeper(stream.key, stream.schedule, ram.rows if ram is not None else 0)
 
     def _wanted(self, lane: Lane, waiting: list[Stream]) -> bool:
         """True if some waiting stream would continue resident `lane`."""

@@ -9,9 +9,9 @@ holds the KV pool they index.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
-from prefixd.scheduler.records import DeviceRows, DeviceState, DiskLoad, PagePayload, RoundPlan, RoundResult
+from prefixd.scheduler.records import RoundPlan, RoundResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,25 +40,11 @@ class Device(Protocol):
     info: DeviceInfo
 
     def run_round(self, plan: RoundPlan) -> RoundResult:
-        """Run `plan`: its fences, rollbacks, resets, restores and page copies, sampler set-up
-        and stored-row samples, then one batched forward (writing every row's KV into its
-        lane's pages, advancing every planned lane's recurrent state, sampling where asked),
-        then its captures. Returns tokens, logits rows and digests, and captured states."""
+        """Run `plan`: its disk loads and exports, fences, rollbacks, resets, restores and page
+        copies, sampler set-up and stored-row samples, then one batched forward (writing every
+        row's KV into its lane's pages, advancing every planned lane's recurrent state,
+        sampling where asked), then its captures. Returns tokens, logits rows and digests,
+        captured states and the exports' host bytes."""
 
     def close(self) -> None:
         """Release device resources; no round runs after it."""
-
-
-class DiskPages(Protocol):
-    """The disk tier's page export and load (`prefixd.disk.tier`), called by the tier itself
-    outside the round: a write-through reads kept pages, a disk hit writes pages before any
-    round reads them. Not yet plan items."""
-
-    def export_pages(self, pages: Sequence[int], state: DeviceState | None,
-                     logits: DeviceRows | None) -> PagePayload:
-        """Host copies of `pages` (every attention layer, K and V, in page order), of `state`
-        and of `logits`, for the disk tier's writer thread (which runs no device code)."""
-
-    def load_pages(self, load: DiskLoad) -> tuple[DeviceState | None, DeviceRows | None]:
-        """Write each load's bytes into its pages; returns the state and logits row made from
-        the load's bytes (None where it has none)."""

@@ -62,7 +62,8 @@ class Engine:
     `store_factory(allocator=, page_size=, kv_bytes_per_page=, budget_bytes=, invariant_rows=,
     clock=)` builds the prefix store when `config.cache` (default `PrefixStore`); returning None
     leaves only resident lanes. `disk` (a `prefixd.disk.tier.DiskTier`, used only with a
-    store) is written through on every keep and asked when a lookup misses RAM.
+    store) is written through on every keep and asked when a lookup misses RAM; its loads and
+    exports are items of the next round's plan.
     """
 
     def __init__(
@@ -93,7 +94,7 @@ class Engine:
                 budget_bytes=store_budget_bytes(info, config), invariant_rows=info.invariant_rows, clock=clock)
         self.disk = disk if self.store is not None else None
         if self.disk is not None:
-            self.disk.attach(store=self.store, allocator=self.allocator, device=device)
+            self.disk.attach(store=self.store, allocator=self.allocator)
         self._streams: dict[int, Stream] = {}
         self._seq = itertools.count()
         self._tick = itertools.count(1)
@@ -173,7 +174,8 @@ class Engine:
         for p in planned:
             if self.cuts.captures_at(p):
                 builder.capture(p.lane.index, p.cut)
-        return Launched(builder.build(tuple(p.work for p in planned)), planned, events, t0)
+        loads, exports = self.disk.take_work() if self.disk is not None else ((), ())
+        return Launched(builder.build(tuple(p.work for p in planned), loads, exports), planned, events, t0)
 
     def run(self, launched: Launched) -> RoundResult:
         """The device call of a launched round (any thread may make it; one round at a time)."""
@@ -182,16 +184,11 @@ class Engine:
     def admit_ahead(self, launched: Launched) -> int:
         """While `launched` runs: seat waiting streams for the next round (see the module's
         *Overlap*). Streams the round runs, cancelled ones included, are left to `land()` and the
-        next `launch()`. The disk tier's device calls wait too: a stream it holds more of than
-        RAM is seated by the next launch (its fetch writes pages), and what the store keeps
-        meanwhile is written through when the round lands. Returns how many were seated."""
+        next `launch()`; so is the disk tier's device work (a disk hit's load, a kept entry's
+        export), which goes into the next plan. Returns how many streams were seated."""
         if launched.plan.empty:
             return 0
-        if self.disk is None:
-            seatings = self.admitter.admit(fetch=False)
-        else:
-            with self.disk.deferring():
-                seatings = self.admitter.admit(fetch=False)
+        seatings = self.admitter.admit()
         if seatings:
             self._ahead = self._ahead or PlanBuilder()
             for seating in seatings:
@@ -203,8 +200,8 @@ class Engine:
         """Take the device's answer to a launched round (None for an empty plan): append tokens,
         keep cuts, finish streams. Returns the round's events, in order."""
         plan, events = launched.plan, launched.events
-        if self.disk is not None:
-            self.disk.run_deferred()  # the write-throughs admission ahead kept from the device
+        if self.disk is not None and (plan.loads or plan.exports):
+            self.disk.landed(result.exported if result is not None else ())
         forward_s = 0.0
         if not plan.empty:
             if result is None:
@@ -223,7 +220,7 @@ class Engine:
         events: list[Event] = []
         self._ahead = None  # seatings made ahead belong to streams ended here
         if self.disk is not None:
-            self.disk.run_deferred(export=False)  # no device call after its failure
+            self.disk.drop_work()  # no device call after its failure
         for stream in sorted(self._streams.values(), key=lambda s: s.seq):
             if stream.lane is None:
                 self.admitter.forget(stream)
@@ -235,13 +232,16 @@ class Engine:
         return events
 
     def close(self) -> None:
-        """Release the device; call once no step() runs and none will."""
+        """Run the disk tier's last exports, then release the device; call once no step() runs
+        and none will."""
+        if self.disk is not None and self.disk.has_work:
+            self.step()  # a kept entry's export is an item of the round after the keep
         self.device.close()
 
     @property
     def idle(self) -> bool:
-        """Nothing running or waiting."""
-        return not self._streams
+        """Nothing running or waiting, and no disk load or export waiting for a round."""
+        return not self._streams and (self.disk is None or not self.disk.has_work)
 
     def status(self) -> dict:
         """Lanes (busy/resident/free), waiting count, pages free/used, store stats."""

@@ -58,4 +58,6 @@ def check_engine(engine: Engine, streams: Mapping[int, Stream]) -> None:
         engine.store.check_integrity()
         store_pages = engine.store.stats().pages
     waiting_pages = [p for s in waiting if s.hit is not None for p in s.hit.pages]
+    if engine.disk is not None:
+        waiting_pages += engine.disk.held_pages()  # for loads and exports not yet landed
     check_page_refs(engine.allocator, engine.lanes, engine.info.page_size, waiting_pages, store_pages)

@@ -8,7 +8,8 @@ talks to the device.
 from __future__ import annotations
 
 from prefixd.scheduler.admission import Seating
-from prefixd.scheduler.records import Capture, LaneWork, Restore, RoundPlan, SamplerSetup, StoredSample
+from prefixd.scheduler.records import (Capture, DiskLoad, LaneWork, PageExport, Restore, RoundPlan, SamplerSetup,
+                                       StoredSample)
 
 
 class PlanBuilder:
@@ -34,10 +35,11 @@ class PlanBuilder:
         """Capture the lane's state after the forward (its chunk ends at `cut`)."""
         self._captures.append(Capture(lane, cut))
 
-    def build(self, lanes: tuple[LaneWork, ...]) -> RoundPlan:
+    def build(self, lanes: tuple[LaneWork, ...], loads: tuple[DiskLoad, ...] = (),
+              exports: tuple[PageExport, ...] = ()) -> RoundPlan:
         seatings = self._seatings.values()
         return RoundPlan(
-            lanes=lanes,
+            lanes=lanes, loads=loads, exports=exports,
             resets=tuple(s.lane for s in seatings if s.reset),
             restores=tuple(Restore(s.lane, s.restore) for s in seatings if not s.reset and s.restore is not None),
             page_copies=tuple(c for s in seatings for c in s.page_copies),

@@ -158,19 +158,32 @@ class Capture:
 
 
 @dataclass(frozen=True, slots=True)
+class PageExport:
+    """Host copies of `pages` (every attention layer, K and V, page-major), of `state` and of
+    `logits` for the disk tier's writer (a write-through of a kept entry)."""
+
+    pages: tuple[int, ...]
+    state: DeviceState | None = None
+    logits: DeviceRows | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RoundPlan:
     """Everything the device does in one round, run in this fixed order:
 
-        fences -> rollbacks -> resets -> restores -> page copies -> sampler set-up
-          -> stored samples -> forward (lanes) -> samples -> captures
+        loads -> exports -> fences -> rollbacks -> resets -> restores -> page copies
+          -> sampler set-up -> stored samples -> forward (lanes) -> samples -> captures
 
     Each step runs its items in the order listed. A lane appears at most once in `lanes`,
     `resets`/`restores` (one of them), `stored` and `captures`. A fence makes every later
     step that touches the lane wait for its in-flight rollback copies; resets, restores and
-    captures wait for them in any case.
+    captures wait for them in any case. Loads write pages nothing has read since they were
+    taken; exports read pages before anything in the round writes one.
     """
 
     lanes: tuple[LaneWork, ...] = ()
+    loads: tuple[DiskLoad, ...] = ()
+    exports: tuple[PageExport, ...] = ()
     fences: tuple[int, ...] = ()
     rollbacks: tuple[Rollback, ...] = ()
     resets: tuple[int, ...] = ()
@@ -186,8 +199,8 @@ class RoundPlan:
 
     @property
     def empty(self) -> bool:
-        return not any((self.lanes, self.fences, self.rollbacks, self.resets, self.restores,
-                        self.page_copies, self.samplers, self.stored, self.captures))
+        return not any((self.lanes, self.loads, self.exports, self.fences, self.rollbacks, self.resets,
+                        self.restores, self.page_copies, self.samplers, self.stored, self.captures))
 
 
 class DeviceRows(Protocol):
@@ -252,6 +265,7 @@ class RoundResult:
     extra: dict[str, float] = field(default_factory=dict)
     stored: tuple[LaneResult, ...] = ()  # one per RoundPlan.stored entry
     captured: tuple[CapturedState, ...] = ()  # one per RoundPlan.captures entry
+    exported: tuple[PagePayload, ...] = ()  # one per RoundPlan.exports entry
 
     def by_lane(self) -> dict[int, LaneResult]:
         return {r.lane: r for r in self.lanes}
@@ -276,11 +290,35 @@ class PageLoad:
     kv: Any
 
 
+@dataclass(eq=False, slots=True)
+class FromDisk:
+    """A lane state or logits row that a disk load (`RoundPlan.loads`) makes on the device.
+
+    It stands in the store's snapshot from the moment the entry is fetched; the device sets
+    `made` when it runs the load, in the first round after the fetch, before any item of that
+    round can use it, and uses `made` wherever a plan names this (a restore, a stored sample,
+    an export)."""
+
+    nbytes: int
+    made: Any = None
+
+
 @dataclass(frozen=True, slots=True)
 class DiskLoad:
     """What one disk hit puts on the device: page loads, and the snapshot's state and logits
-    row as bytes (None when the entry has none)."""
+    row as bytes (None when the entry has none), made into `state_to` and `logits_to`."""
 
     pages: tuple[PageLoad, ...]
     state: Any | None = None
     logits: Any | None = None
+    state_to: FromDisk | None = None
+    logits_to: FromDisk | None = None
+
+
+def made(x: Any) -> Any:
+    """What the device uses for `x`: a `FromDisk`'s `made`, anything else as it is."""
+    if isinstance(x, FromDisk):
+        if x.made is None:
+            raise RuntimeError("a state or logits row from disk used before its load ran")
+        return x.made
+    return x

@@ -10,8 +10,8 @@ whole chunk, a decode row hashes its one token with another tag, so rows are rep
 when computed with the same chunking.
 
 `run_round` is the only call the engine makes: it runs a plan's items in `RoundPlan`'s
-documented order, and any other method reached for raises (`SideCallError`), except the disk
-tier's own `export_pages` / `load_pages` (`scheduler.device.DiskPages`).
+documented order (the disk tier's loads and exports included), and any other method reached
+for raises (`SideCallError`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from prefixd.scheduler.device import DeviceInfo
-from prefixd.scheduler.records import (CapturedState, DiskLoad, LaneResult, LaneWork, PagePayload, RoundPlan,
-                                       RoundResult, StoredSample)
+from prefixd.scheduler.records import (CapturedState, DiskLoad, LaneResult, LaneWork, PageExport, PagePayload,
+                                       RoundPlan, RoundResult, StoredSample, made)
 
 POISON = "nan"  # what a failed lane leaves in its rows: any later read of them changes a hash
 
@@ -125,13 +125,16 @@ class FakeDevice:
             raise SideCallError("run_round after close")
         self.plans.append(plan)
         self._check(plan)
+        for load in plan.loads:
+            self._load(load)
+        exported = tuple(self._export(item) for item in plan.exports)
         if plan.rollbacks:
             raise AssertionError("the fake device does not model drafting rollbacks")
         for lane in plan.resets:
             self.state[lane] = 0
             self.resets.append(lane)
         for item in plan.restores:
-            self.state[item.lane] = item.state.value
+            self.state[item.lane] = made(item.state).value
             self.copied_bytes += item.state.nbytes
         for copy in plan.page_copies:
             self.pool[copy.dst] = list(self.pool[copy.src])
@@ -154,7 +157,8 @@ class FakeDevice:
             logits = FakeRows(tuple(values[i] for i in work.logits_rows), self.info.logits_row_bytes) if work.logits_rows else None
             digests = tuple(fake_digest(values[i]) for i in work.digest_rows)
             results.append(LaneResult(lane=work.lane, sampled=sampled, logits=logits, digests=digests))
-        return RoundResult(tuple(results), forward_s=0.0, stored=stored, captured=self._captures(plan))
+        return RoundResult(tuple(results), forward_s=0.0, stored=stored, captured=self._captures(plan),
+                           exported=exported)
 
     def close(self) -> None:
         self.closed = True
@@ -176,7 +180,7 @@ class FakeDevice:
         error = self.stored_fault(item) if self.stored_fault is not None else None
         if error is not None:
             return LaneResult(lane=item.lane, error=error)
-        value = item.logits.values[item.row]
+        value = made(item.logits).values[item.row]
         digests = (fake_digest(value),) if item.digest else ()
         token = self._pick(item.lane, value, self.samplers[item.lane].first_position)
         return LaneResult(lane=item.lane, sampled=(token,), digests=digests)
@@ -185,10 +189,11 @@ class FakeDevice:
         return tuple(CapturedState(c.lane, c.cut, FakeState(self.state[c.lane], self.info.lane_state_bytes))
                      for c in plan.captures)
 
-    # -- the disk tier's own calls (scheduler.device.DiskPages) --------------------------
+    # -- the disk tier's items ----------------------------------------------------------
 
-    def export_pages(self, pages: Sequence[int], state: FakeState | None, logits: FakeRows | None) -> PagePayload:
+    def _export(self, item: PageExport) -> PagePayload:
         """Each page as its rows' token ids (int64, -1 unwritten), padded to kv_bytes_per_page."""
+        pages, state, logits = item.pages, made(item.state), made(item.logits)
         bpp = self.info.kv_bytes_per_page
         kv = b"".join(array("q", [-1 if t is None else t for t in self.pool[p]]).tobytes().ljust(bpp, b"\0")
                       for p in pages)
@@ -197,7 +202,7 @@ class FakeDevice:
         self.exported.append(tuple(pages))
         return PagePayload(kv, st, lg)
 
-    def load_pages(self, load: DiskLoad) -> tuple[FakeState | None, FakeRows | None]:
+    def _load(self, load: DiskLoad) -> None:
         bpp, p = self.info.kv_bytes_per_page, self.info.page_size
         for pl in load.pages:
             data = bytes(pl.kv)
@@ -213,7 +218,10 @@ class FakeDevice:
         if load.logits is not None:
             raw = bytes(load.logits)
             logits = FakeRows(tuple(struct.unpack_from("<Q", raw, i)[0] for i in range(0, len(raw), rb)), rb)
-        return state, logits
+        if load.state_to is not None:
+            load.state_to.made = state
+        if load.logits_to is not None:
+            load.logits_to.made = logits
 
     # -- the fake model ---------------------------------------------------------------
 

@@ -193,10 +193,11 @@ def test_a_stream_seated_ahead_then_cancelled_gives_its_lane_back_unrun():
 SYSTEM = list(range(10, 20))
 
 
-def test_with_a_disk_tier_admission_ahead_leaves_disk_hits_and_write_throughs_to_the_launch(tmp_path):
-    """A restarted engine: a request the disk holds is not seated beside the round in flight
-    (its fetch writes pages); the next launch seats it, and it hits from disk as a cold run.
-    A lane evicted ahead is written through once the round lands."""
+def test_with_a_disk_tier_admission_ahead_seats_disk_hits_whose_loads_ride_the_next_round(tmp_path):
+    """A restarted engine: a request the disk holds is seated beside the round in flight; its
+    load is an item of the next round (none of the round in flight), before anything reads its
+    pages, and it hits from disk as a cold run. A lane evicted ahead is exported by the next
+    round too."""
     first = req(1, SYSTEM + [1, 2, 3], max_tokens=4)
     engine, _, tier = disk_engine(tmp_path)
     turn(engine, first)
@@ -208,16 +209,15 @@ def test_with_a_disk_tier_admission_ahead_leaves_disk_hits_and_write_throughs_to
     engine.step()
     launched = engine.launch()
     engine.submit(req(4, SYSTEM + [1, 2, 3, 9], max_tokens=3))  # the disk holds 13 of its rows
-    assert engine.admit_ahead(launched) == 0
-    assert device.loaded == []
-    engine.submit(req(5, [90, 91, 92, 93, 94], max_tokens=2))  # behind it in the queue: waits too (FIFO)
-    assert engine.admit_ahead(launched) == 0
+    assert engine.admit_ahead(launched) == 1
+    assert not launched.plan.loads and device.loaded == []
     engine.land(launched, device.run_round(launched.plan))
-    events = run_until_idle(engine)
-    tokens, done = tokens_by_stream(events), {e.stream_id: e for e in events if isinstance(e, DoneEvent)}
-    assert tokens[4] == reference_tokens(SYSTEM + [1, 2, 3, 9], 3)
-    assert done[4].usage.cached_tokens == 13 and device.loaded  # from disk, at the next launch
-    assert tokens[5] == reference_tokens([90, 91, 92, 93, 94], 2)
+    events = engine.step()
+    assert device.plans[-1].loads and device.loaded  # the next round loads, then restores/samples
+    events += run_until_idle(engine)
+    done = {e.stream_id: e for e in events if isinstance(e, DoneEvent)}
+    assert tokens_by_stream(events)[4] == reference_tokens(SYSTEM + [1, 2, 3, 9], 3)
+    assert done[4].usage.cached_tokens == 13
 
     engine.submit(req(6, [30, 31, 32, 33, 34, 35, 36], max_tokens=40))
     engine.step()
@@ -225,9 +225,10 @@ def test_with_a_disk_tier_admission_ahead_leaves_disk_hits_and_write_throughs_to
     exported = len(device.exported)
     engine.submit(req(7, [110, 111, 112], max_tokens=2))  # no free lane: a resident one is evicted ahead
     assert engine.admit_ahead(launched) == 1
-    assert len(device.exported) == exported and tier._deferred  # its write-through waits for the landing
+    assert len(device.exported) == exported and tier.has_work  # its write-through waits for a round
     engine.land(launched, device.run_round(launched.plan))
-    assert not tier._deferred and len(device.exported) > exported
-    events = run_until_idle(engine)
+    events = engine.step()
+    assert len(device.exported) > exported and device.plans[-1].exports
+    events += run_until_idle(engine)
     assert tokens_by_stream(events)[7] == reference_tokens([110, 111, 112], 2)
     tier.close()
