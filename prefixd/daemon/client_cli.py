@@ -177,6 +177,8 @@ def _status(args: argparse.Namespace) -> int:
     if isinstance(graphs, dict):
         print(f"graphs    {graphs.get('captured', 0)} decode programs captured in {graphs.get('startup_s', 0):.1f}s"
               if not graphs.get("failed") else f"graphs    not captured ({graphs['failed']}): rounds run op by op")
+    if model.get("overlap"):
+        print("overlap   on: requests are seated for the next round while a round runs")
     print(f"lanes     {info.get('lanes_busy', 0)} busy, {info.get('lanes_resident', 0)} resident, "
           f"{len(info.get('lanes', []))} total; {info.get('waiting', 0)} waiting")
     print(f"pages     {info.get('pages_used', 0)} used, {info.get('pages_free', 0)} free "

@@ -178,15 +178,17 @@ class DecodeProgram:
         """Capture the program as a CUDA graph (inputs: every lane padding, which writes only
         the scratch page), after two warm-up runs on a side stream (kernels compiled, the
         allocator settled)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.logits = self._run()
+        device = self.kv.storage.device
+        with torch.cuda.device(device):  # streams and the graph on the pool's device, whatever is current
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._run()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits = self._run()
         self.graph = graph
 
 
@@ -238,7 +240,7 @@ class DecodePrograms:
                 print(f"prefixd: capturing decode programs {i}/{len(buckets)} "
                       f"(lanes {bucket[0]}, rows {bucket[1]}, context {bucket[2]})", file=sys.stderr, flush=True)
                 self._program(bucket).capture(pool)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.kv.storage.device)
         self.startup_s = time.perf_counter() - t0
         print(f"prefixd: {len(buckets)} decode programs captured in {self.startup_s:.1f} s", file=sys.stderr,
               flush=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import nullcontext
 from typing import Any, Sequence
 
 import numpy as np
@@ -95,7 +96,8 @@ class ModelRunner:
     # Device protocol -------------------------------------------------------------------
     def run_round(self, plan: RoundPlan) -> RoundResult:
         self._check_plan(plan)
-        with torch.inference_mode():
+        # the calling thread's current CUDA device may be another (the daemon's device thread)
+        with torch.inference_mode(), torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
             if plan.loads or plan.exports:
                 self.copies.wait_all()  # no copy still writes a page or state these read or replace
             for load in plan.loads:

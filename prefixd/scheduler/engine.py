@@ -43,6 +43,7 @@ from prefixd.scheduler.streams import (DoneEvent, Stream, StreamRequest, TokenEv
 from prefixd.scheduler.verify import Verifies
 
 Event = TokenEvent | DoneEvent
+OUT_OF_PAGES_NOTE = "stopped early: no KV pages left for another row"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,7 +54,6 @@ class Launched:
     planned: list[PlannedWork]
     events: list[Event]  # done events of the streams dropped while scheduling it
     t0: float
-OUT_OF_PAGES_NOTE = "stopped early: no KV pages left for another row"
 
 
 class Engine:
@@ -200,12 +200,12 @@ class Engine:
         """Take the device's answer to a launched round (None for an empty plan): append tokens,
         keep cuts, finish streams. Returns the round's events, in order."""
         plan, events = launched.plan, launched.events
-        if self.disk is not None and (plan.loads or plan.exports):
-            self.disk.landed(result.exported if result is not None else ())
         forward_s = 0.0
         if not plan.empty:
             if result is None:
                 raise RuntimeError("a round with device work landed without the device's result")
+            if self.disk is not None and (plan.loads or plan.exports):
+                self.disk.landed(result.exported)
             forward_s = result.forward_s
             self.draft_costs.observe_round(plan, self.clock() - launched.t0)
             self._postprocess(launched.planned, plan, result, events)

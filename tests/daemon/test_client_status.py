@@ -30,3 +30,10 @@ def test_status_names_the_cuda_graphs_only_where_they_were_tried(monkeypatch, ca
     assert out.splitlines()[1].startswith("model     m.gguf")
     graph_lines = [l for l in out.splitlines() if l.startswith("graphs")]
     assert graph_lines == ([] if line is None else [line])
+
+
+@pytest.mark.parametrize("overlap", [None, False, True])
+def test_status_says_when_rounds_overlap_the_next_rounds_admission(monkeypatch, capsys, overlap):
+    out = _print_status(monkeypatch, capsys, {"model": {"name": "m.gguf", "overlap": overlap}, "store": None})
+    lines = [l for l in out.splitlines() if l.startswith("overlap")]
+    assert lines == (["overlap   on: requests are seated for the next round while a round runs"] if overlap else [])
