@@ -197,16 +197,18 @@ class RuntimeDecode:
 
         from bench.runtime import RunnerMeasure
         from bench.runtime import Sizes as RuntimeSizes
+        from prefixd.gpu.families import resolve_mode
         from prefixd.gpu.loading import load_checkpoint
 
         device, dtype = torch.device("cpu"), torch.bfloat16
         checkpoint = load_checkpoint(model, device=device, dtype=dtype)
+        self.mode = resolve_mode("auto", checkpoint.config.family, device, dtype)  # the daemon's mode
         self.vocab = checkpoint.tokenizer.vocab_size
         self.sizes = sizes
         self.lanes = {lane: prompt(sizes.lane_context, self.vocab, 100 + lane) for lane in range(sizes.lanes)}
         rs = RuntimeSizes(prefill=(16,), decode_context=sizes.lane_context, lanes=sizes.lanes,
                           lane_context=sizes.lane_context, decode_steps=sizes.lane_tokens, repeats=1)
-        self.measure = RunnerMeasure(checkpoint, device=device, dtype=dtype, mode="invariant", sizes=rs, grid=256)
+        self.measure = RunnerMeasure(checkpoint, device=device, dtype=dtype, mode=self.mode, sizes=rs, grid=256)
         self.measure.start_decode(self.lanes)
         self.measure.decode(self.lanes, sizes.lane_tokens)  # warm-up
 
@@ -216,7 +218,7 @@ class RuntimeDecode:
         return self.sizes.lanes * self.sizes.lane_tokens / (time.perf_counter() - t0)
 
 
-def engine_measures(model: str, sizes: Sizes, vocab: int) -> dict[str, float]:
+def engine_measures(model: str, sizes: Sizes, vocab: int, mode: str) -> dict[str, float]:
     """The engine's outside-forward share of an all-lanes decode round, in this process."""
     import torch
 
@@ -240,7 +242,7 @@ def engine_measures(model: str, sizes: Sizes, vocab: int) -> dict[str, float]:
 
     pages = sizes.lanes * (-(-(sizes.lane_context + sizes.lane_tokens + 32) // 16))
     checkpoint = load_checkpoint(model, device=device, dtype=dtype)
-    runner = ModelRunner(checkpoint, device=device, dtype=dtype, num_lanes=sizes.lanes, num_pages=pages)
+    runner = ModelRunner(checkpoint, device=device, dtype=dtype, num_lanes=sizes.lanes, num_pages=pages, mode=mode)
     observer = Rounds()
     engine = Engine(runner, SchedulerConfig(num_lanes=sizes.lanes, cache=False), observer=observer)
     for lane, tokens in lanes.items():
@@ -363,13 +365,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     with spawn_daemon(flags, model=args.model, metrics=True) as handle:
         sock = anyio.run(socket_measures, handle, sizes, runtime.vocab)
         pairs = alternate(handle, runtime, sizes, args.pairs)
-    vocab = runtime.vocab
+    vocab, mode = runtime.vocab, runtime.mode
     del runtime
-    local = engine_measures(args.model, sizes, vocab)
+    local = engine_measures(args.model, sizes, vocab, mode)
     sock["runtime_tok_s"] = median(r for r, _, _ in pairs)
     sock["socket_tok_s"] = median(t for _, t, _ in pairs)
     sock["pair_ratio"] = median(t / r for r, t, _ in pairs)
-    print_machine({"model": args.model, "lanes": str(sizes.lanes)})
+    print_machine({"model": args.model, "lanes": str(sizes.lanes), "mode": mode})
     print(render(sock, local, sizes))
     print()
     print(markdown_table(["pair", "runtime tok/s", "socket tok/s", "ratio", "load avg (1 min)"],
