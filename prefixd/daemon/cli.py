@@ -57,9 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "or auto: the drafter measured to pay for the model and mode, else off (default: auto)")
     serve.add_argument("--draft-max", type=int, default=None, help="most drafted tokens per lane and round (default: 4)")
     serve.add_argument("--cuda-graphs", default=None, choices=("auto", "eager", "off"),
-                       help="auto: decode rounds replay CUDA graphs captured at start-up (CUDA, llama-style "
-                            "families); eager: the same fixed programs run uncaptured, on any device (a check "
-                            "of them); off: every round runs op by op (default: auto)")
+                       help="auto: decode rounds replay CUDA graphs captured at start-up (CUDA; the hybrid "
+                            "family: rounds of one decode row per lane); eager: the same fixed programs run "
+                            "uncaptured, on any device (a check of them); off: every round runs op by op "
+                            "(default: auto)")
     serve.add_argument("--overlap", default=None, choices=("auto", "on", "off"),
                        help="run each round's device call on a thread of its own while the engine takes new "
                             "requests and seats them for the next round; auto: on for CUDA, off on the CPU, "

@@ -46,6 +46,9 @@ class RoundInputs:
     tiles: tuple[AttentionTile, ...]
     images: tuple[tuple[torch.Tensor, torch.Tensor], ...] = field(default=())  # (row idx, rows f32)
     max_position: int | None = None  # a bound on `positions` known to the host (no device read)
+    # a decode program's rows (gpu/programs.py): the lane of each row, every row one lane's
+    # single decode row, padding rows a scratch lane (families with lane state read it)
+    lane_index: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,9 +20,13 @@ and adds exact zeros (attention.py), the products are row-invariant (linear.py, 
 and a padding row or lane shares no arithmetic with a real one. So a program's rows equal
 the eager round's, bit for bit (tests/gpu/test_programs.py, at every bucket).
 
-`ModelRunner(programs=...)`: "auto" runs programs where they pay, on CUDA for the llama-style
-families in mode invariant, captured as CUDA graphs at start-up (progress on stderr, the time
-reported); "eager" runs the same programs without capture (the CPU tests); "off" never.
+A family with lane state (the hybrid) reads each row's lane from `RoundInputs.lane_index`,
+padding rows stepping a scratch lane; it takes only rows it computes the same way in a round
+of any size (`program_rows`, `program_prefill` on the model: the hybrid, one decode row a lane).
+
+`ModelRunner(programs=...)`: "auto" runs programs where they pay, on CUDA in mode invariant,
+captured as CUDA graphs at start-up (progress on stderr, the time reported); "eager" runs the
+same programs without capture (the CPU tests); "off" never.
 The rope table is grown to max_context first, so no program ever reads a position the host
 must check, and no table moves under a captured graph.
 
@@ -73,13 +77,14 @@ def bucket_contexts(max_context: int) -> tuple[int, ...]:
 
 
 class DecodeProgram:
-    """One bucket's program over a model's forward and logits (llama-style families)."""
+    """One bucket's program over a model's forward and logits."""
 
-    def __init__(self, model, kv: KVPool, *, lanes: int, rows: int, context: int, scratch_page: int) -> None:
+    def __init__(self, model, kv: KVPool, *, lanes: int, rows: int, context: int, scratch_page: int,
+                 scratch_lane: int) -> None:
         c = model.config
         self.model, self.kv = model, kv
         self.lanes, self.rows, self.context = lanes, rows, context
-        self.scratch_page = scratch_page
+        self.scratch_page, self.scratch_lane = scratch_page, scratch_lane
         device = kv.storage.device
         page = kv.page_size
         self.block = block_size(page)
@@ -92,7 +97,7 @@ class DecodeProgram:
         self.max_position = c.max_context - 1  # the rope table covers every position first
         model.rope.cover(self.max_position)
         # every integer input in one buffer: one copy from the host a round
-        sizes = {"tokens": self.padded, "positions": self.padded, "slots": self.num_rows,
+        sizes = {"tokens": self.padded, "positions": self.padded, "slots": self.num_rows, "lane": self.padded,
                  "q_index": lanes * self.tile_rows, "out_index": lanes * self.tile_rows,
                  "page_index": lanes * self.pages_per_lane, "dead_from": lanes, "qpos": lanes * self.tile_rows}
         self._host = np.zeros(sum(sizes.values()), dtype=np.int64)
@@ -109,7 +114,8 @@ class DecodeProgram:
                                   view("page_index"), 0, self.masked, view("dead_from"), 0)
         self.inputs = RoundInputs(tokens=view("tokens"), positions=view("positions"), num_rows=self.num_rows,
                                   slots=view("slots"), spans=(), lanes=(), prefill=(), tiles=(self.tile,),
-                                  max_position=self.max_position)
+                                  max_position=self.max_position, lane_index=view("lane"))
+        self._before = getattr(model, "before_program", None)  # host bookkeeping of a family with lane state
         self._qpos = view("qpos").view(lanes, self.tile_rows)
         self.logits: torch.Tensor | None = None  # (num_rows, vocab) fp32 after each run
         self.graph = None
@@ -124,7 +130,7 @@ class DecodeProgram:
         if len(work) > self.lanes or any(len(w.tokens) > self.rows for w in work):
             raise ValueError(f"a round of {len(work)} lanes does not fit bucket ({self.lanes}, {self.rows}, ...)")
         h, at, page = self._host, self._at, self.kv.page_size
-        tokens, positions, slots = h[at["tokens"]], h[at["positions"]], h[at["slots"]]
+        tokens, positions, slots, lane = h[at["tokens"]], h[at["positions"]], h[at["slots"]], h[at["lane"]]
         q_index, out_index, qpos = h[at["q_index"]], h[at["out_index"]], h[at["qpos"]]
         page_index, dead_from = h[at["page_index"]], h[at["dead_from"]]
         scratch = self.scratch_page * page
@@ -132,6 +138,7 @@ class DecodeProgram:
         tokens[:] = 0
         positions[:] = 0
         slots[:] = scratch
+        lane[:] = self.scratch_lane  # padding rows step a lane state no lane owns
         q_index[:] = zero_row
         out_index[:] = zero_row
         qpos[:] = 0
@@ -149,6 +156,7 @@ class DecodeProgram:
             tokens[first:first + n] = w.tokens
             positions[first:first + n] = pos
             slots[first:first + n] = table[pos // page] * page + pos % page
+            lane[first:first + n] = w.lane
             q_index[i * t:i * t + n] = np.arange(first, first + n)
             out_index[i * t:i * t + n] = np.arange(first, first + n)
             qpos[i * t:i * t + n] = pos
@@ -157,6 +165,8 @@ class DecodeProgram:
             page_index[i * ppl:i * ppl + len(table)] = table
             page_index[i * ppl + len(table):(i + 1) * ppl] = table[0]
         self._ints.copy_(torch.from_numpy(h), non_blocking=False)
+        if self._before is not None:
+            self._before([w.lane for w in work])
 
     def _run(self) -> torch.Tensor:
         """The program: mask, forward, logits of every bucket row."""
@@ -198,7 +208,10 @@ class DecodePrograms:
 
     def __init__(self, model, kv: KVPool, *, num_lanes: int, scratch_page: int, capture: bool) -> None:
         self.model, self.kv, self.scratch_page = model, kv, scratch_page
+        self.scratch_lane = num_lanes  # a family with lane state has one more for padding rows
         self.lanes = tuple(sorted({n for n in BUCKET_LANES if n < num_lanes} | {min(num_lanes, BUCKET_LANES[-1])}))
+        self.rows = tuple(getattr(model, "program_rows", BUCKET_ROWS))
+        self.prefill = bool(getattr(model, "program_prefill", True))
         self.contexts = bucket_contexts(model.config.max_context)
         self.programs: dict[tuple[int, int, int], DecodeProgram] = {}
         self.captured = capture
@@ -232,7 +245,7 @@ class DecodePrograms:
 
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
-        buckets = [b for b in ((n, r, ctx) for n in self.lanes for r in BUCKET_ROWS for ctx in self.contexts)
+        buckets = [b for b in ((n, r, ctx) for n in self.lanes for r in self.rows for ctx in self.contexts)
                    if self._fits_memory(b)]
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
@@ -248,7 +261,8 @@ class DecodePrograms:
     def _program(self, bucket: tuple[int, int, int]) -> DecodeProgram:
         if bucket not in self.programs:
             self.programs[bucket] = DecodeProgram(self.model, self.kv, lanes=bucket[0], rows=bucket[1],
-                                                  context=bucket[2], scratch_page=self.scratch_page)
+                                                  context=bucket[2], scratch_page=self.scratch_page,
+                                                  scratch_lane=self.scratch_lane)
         return self.programs[bucket]
 
     def pick(self, work: Sequence[LaneWork]) -> DecodeProgram | None:
@@ -256,8 +270,10 @@ class DecodePrograms:
         holds, images, more lanes than the largest bucket, or a bucket too large to build."""
         if self.failed is not None or any(w.images for w in work):
             return None
+        if not self.prefill and any(w.prefill for w in work):
+            return None
         bucket = bucket_of([len(w.tokens) for w in work], [w.start + len(w.tokens) for w in work], self.lanes,
-                           contexts=self.contexts)
+                           self.rows, self.contexts)
         if bucket is None or not self._fits_memory(bucket) or (self.captured and bucket not in self.programs):
             return None
         return self._program(bucket)

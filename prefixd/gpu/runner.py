@@ -68,12 +68,12 @@ class ModelRunner:
         self.tokenizer = checkpoint.tokenizer
         self.config = config = checkpoint.config
         self.model = build_family(checkpoint, self.device, dtype, mode)
-        self.model.new_lane_states(num_lanes)
         if programs not in ("auto", "eager", "off"):
             raise ValueError(f"programs {programs!r}: auto, eager or off")
         # decode rounds as fixed programs (programs.py): captured as CUDA graphs under "auto"
         use_programs = self.model.decode_programs and not draft_head and (
             programs == "eager" or (programs == "auto" and self.device.type == "cuda"))
+        self.model.new_lane_states(num_lanes + 1 if use_programs else num_lanes)  # + the programs' scratch lane
         scratch = num_lanes if draft_head else 0  # a page per lane for chained MTP passes
         scratch += 1 if use_programs else 0  # the page the programs' padding rows write
         self.kv = KVPool(num_layers=self.model.num_kv_layers, num_pages=num_pages + scratch, page_size=page_size,

@@ -61,6 +61,14 @@ def eight_lanes(hybrid_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 @pytest.fixture(scope="module")
+def eight_lanes_programs(hybrid_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """CUDA's defaults, uncaptured: decode rounds as the fixed programs (gpu/programs.py) and
+    each round beside the next one's admission (overlap)."""
+    yield from serving(hybrid_dir, tmp_path_factory.mktemp("h_programs"), "--lanes", "8", *FLAGS, "--cache-budget",
+                       "64M", "--cuda-graphs", "eager", "--overlap", "on")
+
+
+@pytest.fixture(scope="module")
 def one_lane(hybrid_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     yield from serving(hybrid_dir, tmp_path_factory.mktemp("h_one"), "--lanes", "1", *FLAGS, "--cache-budget", "64M")
 
@@ -132,6 +140,14 @@ def test_eight_concurrent_streams_equal_cold(eight_lanes: DaemonProcess, cold, c
     transcript, _ = cold
     steps, most_busy = run_sync(all_at_once, eight_lanes.socket, transcript, MAX_TOKENS, cache=cache,
                                 namespace=f"concurrent-{cache}")
+    check(steps, transcript)
+    assert most_busy >= 2, "the streams shared rounds"
+
+
+def test_eight_streams_through_decode_programs_with_overlap_equal_cold(eight_lanes_programs: DaemonProcess, cold):
+    transcript, _ = cold
+    steps, most_busy = run_sync(all_at_once, eight_lanes_programs.socket, transcript, MAX_TOKENS, cache=True,
+                                namespace="programs")
     check(steps, transcript)
     assert most_busy >= 2, "the streams shared rounds"
 

@@ -39,6 +39,9 @@ class FamilyModel(Protocol):
     # True when `forward` and `logits` may run as fixed programs (gpu/programs.py: inputs in
     # static buffers, `RoundInputs.max_position` set, no device value read on the host)
     decode_programs: bool
+    # optional, for programs: `program_rows`, the rows a lane may bring to one (default: up to
+    # attention.DECODE_ROWS); `program_prefill`, whether a prefill chunk that small may run in
+    # one (default True); `before_program(lanes)`, host bookkeeping before a program's round
 
     def new_lane_states(self, num_lanes: int) -> None:
         """Allocate zeroed state for lanes 0..num_lanes-1."""

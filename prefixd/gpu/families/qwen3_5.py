@@ -54,6 +54,7 @@ class _Round:
     cos: torch.Tensor  # (rows, 1, rotary_dim / 2) fp32 (rope.RopeTable.lookup)
     sin: torch.Tensor
     tiles: tuple  # attention.AttentionTile, built once per round
+    lanes: torch.Tensor | None = None  # a decode program's round: each row's lane (no spans)
 
 
 class HybridModel:
@@ -62,7 +63,9 @@ class HybridModel:
 
     invariant_rows = False
     attention_tiles = True
-    decode_programs = False  # its lanes' recurrent steps run per lane, in Python
+    decode_programs = True  # rounds of one decode row per lane (the batched step form)
+    program_rows = (1,)  # verify rows keep per-row rollback records: they run op by op
+    program_prefill = False  # a prefill chunk runs the chunked form, not the step form
     mode = "invariant"
 
     def __init__(self, config: HybridConfig, tensors: Mapping[str, torch.Tensor], *,
@@ -116,8 +119,21 @@ class HybridModel:
         for rows_idx, rows in inputs.images:
             x.index_copy_(0, rows_idx, rows.to(self.dtype))
         cos, sin = self.rope.lookup(inputs.positions[:n], top=inputs.max_position)
-        rnd = _Round(spans, inputs.slots, cos, sin, inputs.tiles)
-        return self._keep_carry(self._layers(x, rnd, kv).float(), spans)
+        lanes = inputs.lane_index[:n] if inputs.lane_index is not None else None
+        rnd = _Round(spans, inputs.slots, cos, sin, inputs.tiles, lanes)
+        hidden = self._layers(x, rnd, kv).float()
+        if lanes is not None:  # a program: each row is its lane's last
+            carry = self.states.live.carry
+            if carry is not None:
+                carry.index_copy_(0, lanes, hidden)
+            return hidden
+        return self._keep_carry(hidden, spans)
+
+    def before_program(self, lanes: Sequence[int]) -> None:
+        """Host bookkeeping of a decode program's round (`forward` with `lane_index`): a
+        single new row on each lane makes its older rollback record stale."""
+        for lane in lanes:
+            self.states.drop_trail(lane)
 
     @torch.inference_mode()
     def forward_works(self, works: Sequence[LaneWork], kv: KVPool) -> torch.Tensor:
@@ -176,10 +192,13 @@ class HybridModel:
         if self.states is None:
             raise RuntimeError("forward before new_lane_states")
         eps = self.hybrid.rms_norm_eps
+        for s in rnd.spans:
+            if not s.prefill and s.hi - s.lo == 1:  # a newer row: older rollback records no longer apply
+                self.states.drop_trail(s.lane)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer["ln1"], eps)
             if self.hybrid.layer_types[i] == LINEAR:
-                x = x + self._linear_attention(layer, h, rnd.spans)
+                x = x + self._linear_attention(layer, h, rnd)
             else:
                 x = x + self._full_attention(layer, h, rnd, kv)
             h = rms_norm(x, layer["ln2"], eps)
@@ -191,15 +210,21 @@ class HybridModel:
         """Float32 logits (rows, vocab) of final-normed hidden rows."""
         return project(hidden.to(self.dtype), self.lm_head).float()
 
-    def _linear_attention(self, layer: dict, h: torch.Tensor, spans: Sequence[_Span]) -> torch.Tensor:
+    def _linear_attention(self, layer: dict, h: torch.Tensor, rnd: _Round) -> torch.Tensor:
         c = self.hybrid
         proj = project(h, layer["w_in"])
         mixed, z, b, a = proj.split([c.conv_dim, c.lin_value_dim, c.lin_num_v_heads,
                                      c.lin_num_v_heads], dim=-1)
         g, beta = gdn.gates(a, b, layer["a_log"], layer["dt_bias"])
+        core = torch.empty(h.shape[0], c.lin_num_v_heads, c.lin_v_dim, dtype=torch.float32,
+                           device=self.device)
+        if rnd.lanes is not None:  # a program: every row a single decode row of rnd.lanes[row]
+            q, k, v = self._qkv(self._conv_singles(layer, rnd.lanes, mixed))
+            core[:] = self._step_singles(layer, rnd.lanes, q, k, v, g, beta)
+            return self._gated_out(layer, core, z, h.shape[0])
         # one-row decode lanes run batched; prefill chunks and verify rows run per lane
-        singles = [s for s in spans if not s.prefill and s.hi - s.lo == 1]
-        others = [s for s in spans if s.prefill or s.hi - s.lo > 1]
+        singles = [s for s in rnd.spans if not s.prefill and s.hi - s.lo == 1]
+        others = [s for s in rnd.spans if s.prefill or s.hi - s.lo > 1]
         conv_out = torch.empty_like(mixed)
         if singles:
             lanes, rows = self._index(s.lane for s in singles), self._index(s.lo for s in singles)
@@ -207,20 +232,26 @@ class HybridModel:
         for s in others:
             conv_out[s.lo:s.hi] = self._conv_lane(layer, s, mixed[s.lo:s.hi])
         q, k, v = self._qkv(conv_out)
-        core = torch.empty(h.shape[0], c.lin_num_v_heads, c.lin_v_dim, dtype=torch.float32,
-                           device=self.device)
         if singles:
-            rec = self.states.live.rec[layer["slot"]]
-            out, new = gdn.step(q[rows], k[rows], v[rows], g[rows], beta[rows],
-                                rec.index_select(0, lanes))
-            core[rows] = out
-            rec.index_copy_(0, lanes, new)
+            core[rows] = self._step_singles(layer, lanes, q[rows], k[rows], v[rows], g[rows], beta[rows])
         for s in others:
             core[s.lo:s.hi] = self._recur_lane(layer, s, q[s.lo:s.hi], k[s.lo:s.hi],
                                                v[s.lo:s.hi], g[s.lo:s.hi], beta[s.lo:s.hi])
+        return self._gated_out(layer, core, z, h.shape[0])
+
+    def _gated_out(self, layer: dict, core: torch.Tensor, z: torch.Tensor, rows: int) -> torch.Tensor:
+        c = self.hybrid
         out = gated_rms_norm(core, z.view(-1, c.lin_num_v_heads, c.lin_v_dim), layer["norm"],
                              c.rms_norm_eps, self.dtype)
-        return project(out.view(h.shape[0], -1), layer["w_out"])
+        return project(out.view(rows, -1), layer["w_out"])
+
+    def _step_singles(self, layer: dict, lanes: torch.Tensor, q, k, v, g, beta) -> torch.Tensor:
+        """The recurrent step of one new row on each of several lanes (a lane's bits do not
+        depend on how many share the call: gdn.step)."""
+        rec = self.states.live.rec[layer["slot"]]
+        out, new = gdn.step(q, k, v, g, beta, rec.index_select(0, lanes))
+        rec.index_copy_(0, lanes, new)
+        return out
 
     def _index(self, values) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.long, device=self.device)
@@ -228,9 +259,6 @@ class HybridModel:
     def _conv_singles(self, layer: dict, lanes: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
         """Conv of one new row on each of several lanes: (B, C) in, (B, C) out."""
         conv = self.states.live.conv[layer["slot"]]
-        if layer["slot"] == 0:  # a newer row: older rollback records no longer apply
-            for lane in lanes.tolist():
-                self.states.drop_trail(lane)
         out, new = gdn.causal_conv(mixed.unsqueeze(1), conv.index_select(0, lanes), layer["conv"])
         conv.index_copy_(0, lanes, new)
         return out[:, 0]
