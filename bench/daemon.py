@@ -3,6 +3,7 @@
     python bench/daemon.py            # the full table (minutes; run it on an idle machine)
     python bench/daemon.py --quick    # a smoke run with small sizes
     python bench/daemon.py --overlap  # overlap on against off, on agent turns (two daemons, alternately)
+    python bench/daemon.py --device cuda --model DIR   # the same on a GPU (bench/device_check.sh)
 
 Spawns `prefixd serve` with 8 lanes and measures, through its socket:
 - the round trip of `status` (median over N calls on one connection);
@@ -192,7 +193,7 @@ async def aggregate_tok_s(handle: DaemonHandle, sizes: Sizes, vocab: int) -> flo
 class RuntimeDecode:
     """The runner's own 8-lane decode loop (bench/runtime.py) in this process, timed on demand."""
 
-    def __init__(self, model: str, sizes: Sizes) -> None:
+    def __init__(self, model: str, sizes: Sizes, device: str = "cpu") -> None:
         import torch
 
         from bench.runtime import RunnerMeasure
@@ -200,7 +201,7 @@ class RuntimeDecode:
         from prefixd.gpu.families import resolve_mode
         from prefixd.gpu.loading import load_checkpoint
 
-        device, dtype = torch.device("cpu"), torch.bfloat16
+        device, dtype = torch.device(device), torch.bfloat16
         checkpoint = load_checkpoint(model, device=device, dtype=dtype)
         self.mode = resolve_mode("auto", checkpoint.config.family, device, dtype)  # the daemon's mode
         self.vocab = checkpoint.tokenizer.vocab_size
@@ -218,7 +219,7 @@ class RuntimeDecode:
         return self.sizes.lanes * self.sizes.lane_tokens / (time.perf_counter() - t0)
 
 
-def engine_measures(model: str, sizes: Sizes, vocab: int, mode: str) -> dict[str, float]:
+def engine_measures(model: str, sizes: Sizes, vocab: int, mode: str, device: str = "cpu") -> dict[str, float]:
     """The engine's outside-forward share of an all-lanes decode round, in this process."""
     import torch
 
@@ -229,7 +230,7 @@ def engine_measures(model: str, sizes: Sizes, vocab: int, mode: str) -> dict[str
     from prefixd.scheduler.events import NullObserver
     from prefixd.scheduler.streams import StreamRequest
 
-    device, dtype = torch.device("cpu"), torch.bfloat16
+    device, dtype = torch.device(device), torch.bfloat16
     lanes = {lane: prompt(sizes.lane_context, vocab, 100 + lane) for lane in range(sizes.lanes)}
     out: dict[str, float] = {}
 
@@ -286,7 +287,7 @@ def compare_overlap(args: argparse.Namespace, sizes: Sizes) -> int:
         async with await AsyncClient.connect(handle.socket) as client:
             return int((await client.status())["model"]["vocab_size"])
 
-    flags = ["--lanes", str(sizes.lanes), "--max-context", "4096"]
+    flags = ["--lanes", str(sizes.lanes), "--max-context", "4096", "--device", args.device]
     rows = []
     with spawn_daemon([*flags, "--overlap", "off"], model=args.model) as off, \
             spawn_daemon([*flags, "--overlap", "on"], model=args.model) as on:
@@ -355,23 +356,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="default")
     parser.add_argument("--pairs", type=int, default=5, help="runtime/socket aggregate pairs, measured alternately")
     parser.add_argument("--overlap", action="store_true", help="agent turns with --overlap on against off")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: the daemon's and the in-process runtime's")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the spawned daemon is stopped too
     sizes = QUICK if args.quick else FULL
     if args.overlap:
         return compare_overlap(args, sizes)
-    runtime = RuntimeDecode(args.model, sizes)
-    flags = ["--lanes", str(sizes.lanes), "--max-context", "4096"]
+    runtime = RuntimeDecode(args.model, sizes, args.device)
+    flags = ["--lanes", str(sizes.lanes), "--max-context", "4096", "--device", args.device]
     with spawn_daemon(flags, model=args.model, metrics=True) as handle:
         sock = anyio.run(socket_measures, handle, sizes, runtime.vocab)
         pairs = alternate(handle, runtime, sizes, args.pairs)
     vocab, mode = runtime.vocab, runtime.mode
     del runtime
-    local = engine_measures(args.model, sizes, vocab, mode)
+    local = engine_measures(args.model, sizes, vocab, mode, args.device)
     sock["runtime_tok_s"] = median(r for r, _, _ in pairs)
     sock["socket_tok_s"] = median(t for _, t, _ in pairs)
     sock["pair_ratio"] = median(t / r for r, t, _ in pairs)
-    print_machine({"model": args.model, "lanes": str(sizes.lanes), "mode": mode})
+    print_machine({"model": args.model, "lanes": str(sizes.lanes), "mode": mode, "device": args.device})
     print(render(sock, local, sizes))
     print()
     print(markdown_table(["pair", "runtime tok/s", "socket tok/s", "ratio", "load avg (1 min)"],

@@ -7,8 +7,9 @@
 #   3. the exactness suites on CUDA (PREFIXD_TEST_DEVICE=cuda): chunked / one-at-a-time /
 #      beside-7-lanes / verify invariance on tiny llama, qwen2, qwen3; the hybrid family's
 #      exactness; the end-to-end daemon suites on the tiny models (resume, evict, 8 lanes);
-#   4. a page-copy micro-benchmark and the runtime table on a random model shaped like the
-#      default one (the default GGUF is not on such machines).
+#   4. a page-copy micro-benchmark, the plain-torch reference, the runtime table and the
+#      daemon's socket aggregate against the in-process runtime, on a random model shaped like
+#      the default one (the default GGUF is not on such machines).
 #
 #   bash bench/device_check.sh     # uses $PY, else the first python whose torch sees CUDA
 #
@@ -135,16 +136,20 @@ EOF
 step "plain-torch reference, same shape (eager SDPA prefill, decode in one CUDA graph)" 120 \
   "$PYTHON" bench/torch_reference.py --repeats 3
 
-step "runtime table on cuda (random model shaped like the default)" 240 bash -c '
-  set -e
-  dir=$(mktemp -d)/smollm2-shaped
-  '"$PYTHON"' - "$dir" <<EOF
+SHAPED=$(mktemp -d)/smollm2-shaped  # a random model shaped like the default one
+step "random model shaped like the default" 60 "$PYTHON" - "$SHAPED" <<'EOF'
 import sys
 from tests.helpers.tiny_models import make_tiny_hf_dir
 make_tiny_hf_dir(sys.argv[1], "llama", seed=0, dtype="bfloat16", hidden_size=576, intermediate_size=1536,
                  num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                  max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)
 EOF
-  '"$PYTHON"' bench/runtime.py --device cuda --model "$dir" --no-llama-cpp --repeats 3'
+
+step "runtime table on cuda (that model)" 240 \
+  "$PYTHON" bench/runtime.py --device cuda --model "$SHAPED" --no-llama-cpp --repeats 3
+
+# the daemon (graphs and overlap: CUDA's defaults) against the in-process runtime, 8 clients
+step "daemon on cuda: 8 socket clients against the in-process runtime (that model)" 180 \
+  "$PYTHON" bench/daemon.py --device cuda --model "$SHAPED" --pairs 3
 
 exit "$failed"
