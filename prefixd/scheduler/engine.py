@@ -210,8 +210,10 @@ class Engine:
             self.draft_costs.observe_round(plan, self.clock() - launched.t0)
             self._postprocess(launched.planned, plan, result, events)
         self._report_store()
-        busy = sum(1 for lane in self.lanes if lane.busy)
-        self.observer.on_round(self.clock() - launched.t0, forward_s, plan.num_rows, busy, len(self.admitter.waiting))
+        if plan.lanes or plan.stored or not (plan.loads or plan.exports):  # not a round of disk work alone
+            busy = sum(1 for lane in self.lanes if lane.busy)
+            self.observer.on_round(self.clock() - launched.t0, forward_s, plan.num_rows, busy,
+                                   len(self.admitter.waiting))
         return events
 
     def abort(self, note: str) -> list[Event]:

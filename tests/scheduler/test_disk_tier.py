@@ -91,3 +91,30 @@ def test_a_hybrid_state_is_restored_from_disk_at_a_cut_of_the_requests_schedule(
     tokens, done = turn(engine2, r2)
     assert done.usage.cached_tokens == 12
     assert tokens == cold(r2, **kw)
+
+
+def test_a_kept_entry_is_exported_by_the_next_round_and_an_idle_engine_runs_one_for_it(tmp_path):
+    """The last keep of a turn is exported in a round of its own after the stream ended: the
+    engine is not idle until then, that round carries only the export, and it is not counted as
+    a lane round (the round-time histogram describes lane rounds)."""
+    from prefixd.scheduler.events import NullObserver
+
+    class Rounds(NullObserver):
+        def __init__(self):
+            self.rows = []
+
+        def on_round(self, duration_s, forward_s, num_rows, lanes_busy, waiting):
+            self.rows.append(num_rows)
+
+    engine, device, tier = disk_engine(tmp_path)
+    engine.observer = observer = Rounds()
+    engine.submit(req(1, SYSTEM, max_tokens=1))
+    events = []
+    while not any(getattr(e, "finish_reason", None) for e in events):
+        events += engine.step()
+    assert not engine.idle and tier.has_work  # the turn's last keep waits for a round
+    lane_rounds = len(observer.rows)
+    assert engine.step() == [] and engine.idle
+    assert device.plans[-1].exports and not device.plans[-1].lanes and len(observer.rows) == lane_rounds
+    tier.flush()
+    assert tier.stats().written_bytes == tier.stats().bytes > 0
