@@ -121,8 +121,7 @@ class DiskTier:
                                parts_of((payload.kv, payload.state, payload.logits)), w.entry.nbytes)
                 if not self.writer.submit_write(job):
                     self.skipped += 1
-                    for e in self.index.subtree(w.entry):
-                        self.index.remove(e)
+                    self.index.remove_subtree(w.entry)
         finally:
             for w in writes:
                 self.allocator.decref(w.pages)
@@ -135,8 +134,7 @@ class DiskTier:
         leave the index unwritten) and let their pages go."""
         for w in self._exports_in_flight + self._exports:
             if self.index.entries.get(w.entry.digest) is w.entry:
-                for e in self.index.subtree(w.entry):
-                    self.index.remove(e)
+                self.index.remove_subtree(w.entry)
             self.allocator.decref(w.pages)
         for _, pages in self._loads_in_flight + self._loads:
             self.allocator.decref(pages)
@@ -268,8 +266,7 @@ class DiskTier:
                 if entry is not None:
                     entry.durable = True
             elif r.kind == FAILED and entry is not None:
-                for e in self.index.subtree(entry):
-                    self.index.remove(e)
+                self.index.remove_subtree(entry)
             elif r.kind == OFF:
                 self.off = r.message
         if results:
@@ -368,8 +365,7 @@ class DiskTier:
         """A file failed its check on read: it and the entries chaining on it leave."""
         self.corrupt += 1
         log.warning("disk cache: %s not served: %s", entry.name[:12], why)
-        for e in self.index.subtree(entry):
-            self.index.remove(e)
+        for e in self.index.remove_subtree(entry):
             self.writer.submit_delete(e.digest)
         self._report()
 

@@ -188,13 +188,8 @@ class Engine:
         export), which goes into the next plan. Returns how many streams were seated."""
         if launched.plan.empty:
             return 0
-        seatings = self.admitter.admit()
-        if seatings:
-            self._ahead = self._ahead or PlanBuilder()
-            for seating in seatings:
-                self._store_touched = True
-                self._seat(seating, self._ahead)
-        return len(seatings)
+        self._ahead = self._ahead or PlanBuilder()
+        return self._admit(self._ahead)
 
     def land(self, launched: Launched, result: RoundResult | None) -> list[Event]:
         """Take the device's answer to a launched round (None for an empty plan): append tokens,
@@ -257,9 +252,7 @@ class Engine:
 
     def _schedule(self, events: list[Event], builder: PlanBuilder) -> list[PlannedWork]:
         self._drop_cancelled(events, builder)
-        for seating in self.admitter.admit():
-            self._store_touched = True
-            self._seat(seating, builder)
+        self._admit(builder)
         busy = sorted((lane for lane in self.lanes if lane.busy), key=lambda lane: lane.stream.seq)
         decoding = [lane for lane in busy if lane.stream.decoding]
         prefilling = [lane for lane in busy if lane.stream.prefilling]
@@ -281,6 +274,14 @@ class Engine:
             self._finish(decoding[-1].stream, "length", events, note=OUT_OF_PAGES_NOTE, keep=False)
             return self._schedule(events, builder)
         return planned
+
+    def _admit(self, builder: PlanBuilder) -> int:
+        """Seat what admission seats now, its device side into `builder`; returns how many."""
+        seatings = self.admitter.admit()
+        for seating in seatings:
+            self._store_touched = True
+            self._seat(seating, builder)
+        return len(seatings)
 
     def _seat(self, seating: Seating, builder: PlanBuilder) -> None:
         """Bind a seated stream to its lane; the device side goes into this round's plan."""

@@ -169,6 +169,13 @@ class DiskIndex:
             out.append(self.entries[out[-1].parent])
         return out[::-1]
 
+    def remove_subtree(self, e: DiskEntry) -> list[DiskEntry]:
+        """Drop `e` and every entry chaining on it; returns them, leaves first."""
+        gone = self.subtree(e)
+        for x in gone:
+            self.remove(x)
+        return gone
+
     def subtree(self, e: DiskEntry) -> list[DiskEntry]:
         """`e` and every entry chaining on it, leaves first (the order they can be removed)."""
         below: dict[bytes, list[DiskEntry]] = {}
