@@ -10,7 +10,6 @@ and prefills the reply again.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -34,6 +33,7 @@ from tests.e2e.agent_chat import (
 )
 from tests.e2e.daemon_proc import DaemonProcess, serving, stopping
 from tests.e2e.together import run_together
+from tests.helpers.tiny_models import make_tiny_hybrid_hf_dir
 
 MAX_TOKENS = 6
 # fp32: a prefill schedule's bits reach the logits (bf16 rounds them away on this tiny model);
@@ -44,14 +44,11 @@ EVICTING_STORE_BYTES = 500_000  # a few snapshots of this model: the alternating
 
 
 @pytest.fixture(scope="module")
-def hybrid_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny qwen3_5 model with the default model's tokenizer and chat template."""
     pytest.importorskip("transformers.models.qwen3_5")
-    from prefixd.gpu.families.qwen3_5_tiny import make_tiny_hybrid_dir
-
-    path = make_tiny_hybrid_dir(tmp_path_factory.mktemp("e2e_hybrid") / "model", seed=5, vocab_size=49152)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tiny_llama_dir / name, path / name)
+    
+    path = make_tiny_hybrid_hf_dir(tmp_path_factory.mktemp("e2e_hybrid") / "model", seed=5, vocab_size=49152)
     return path
 
 

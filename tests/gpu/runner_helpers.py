@@ -80,3 +80,19 @@ def kv_equal(a: ModelRunner, table_a: Sequence[int], b: ModelRunner, table_b: Se
         if not (torch.equal(ka, kb) and torch.equal(va, vb)):
             return False
     return True
+
+
+def run_program_refusing_host_reads(runner: ModelRunner, lanes: Sequence[LaneWork], monkeypatch) -> None:
+    """Load `lanes` into the runner's decode program for them and run it (in inference mode,
+    as run_round does) with every way of reading a tensor's value into Python refused: what a
+    CUDA graph cannot capture (a device sync)."""
+    with torch.inference_mode():
+        program = runner.programs.pick(lanes)
+        program.load(lanes)
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("a decode program read a device value on the host")
+
+        for name in ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__"):
+            monkeypatch.setattr(torch.Tensor, name, refuse)
+        program._run()

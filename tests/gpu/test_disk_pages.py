@@ -5,17 +5,16 @@ same round's restore and stored sample."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from prefixd.gpu.families.qwen3_5_tiny import make_tiny_hybrid_dir
 from prefixd.gpu.runner import ModelRunner
 from prefixd.scheduler.records import (DiskLoad, FromDisk, LaneWork, PageExport, PageLoad, Restore, RoundPlan,
                                        StoredSample)
 from tests.gpu.runner_helpers import capture, kv_equal, make_runner, prompt, start_sampler
+from tests.helpers.tiny_models import make_tiny_hybrid_hf_dir
 
 N = 40  # rows: pages 0, 1 and 8 rows of page 2
 
@@ -61,11 +60,9 @@ def test_leading_pages_of_an_export_load_alone_and_decoding_goes_on_with_the_sam
 
 
 @pytest.fixture(scope="module")
-def hybrid_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
-    path = make_tiny_hybrid_dir(tmp_path_factory.mktemp("disk_qwen3_5"), seed=9, vocab_size=49152,
+def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = make_tiny_hybrid_hf_dir(tmp_path_factory.mktemp("disk_qwen3_5"), seed=9, vocab_size=49152,
                                 initializer_range=0.1)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tiny_llama_dir / name, path / name)
     return path
 
 

@@ -3,17 +3,16 @@ of any other lane's rows."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from prefixd.gpu.families.qwen3_5_tiny import make_tiny_hybrid_dir
 from prefixd.gpu.runner import ModelRunner
 from prefixd.scheduler.records import ImageIdentity, ImageRows, LaneWork, RoundPlan, SamplerSetup, SamplingParams
 from tests.gpu.runner_helpers import lane_pages, make_runner, prompt
+from tests.helpers.tiny_models import make_tiny_hybrid_hf_dir
 
 NUM_LANES = 8
 LENGTHS = (40, 260, 17, 33, 5, 20, 9, 16)  # partial last pages; the decode tile spans 2 blocks
@@ -27,11 +26,9 @@ def llama_runner(tiny_llama_dir: Path) -> ModelRunner:
 
 
 @pytest.fixture(scope="module")
-def hybrid_runner(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> ModelRunner:
-    path = make_tiny_hybrid_dir(tmp_path_factory.mktemp("tiny_qwen3_5"), seed=9, vocab_size=49152,
+def hybrid_runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
+    path = make_tiny_hybrid_hf_dir(tmp_path_factory.mktemp("tiny_qwen3_5"), seed=9, vocab_size=49152,
                                 initializer_range=0.1)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tiny_llama_dir / name, path / name)
     return make_runner(path, torch.float32)
 
 

@@ -4,7 +4,6 @@ model as its Hugging Face directory."""
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,10 +16,10 @@ from safetensors.torch import load_file
 from prefixd.gpu.families.qwen3_5 import HybridModel
 from prefixd.gpu.families.qwen3_5_config import hybrid_config, hybrid_config_from_hf
 from prefixd.gpu.families.qwen3_5_gguf import gguf_names
-from prefixd.gpu.families.qwen3_5_tiny import make_tiny_hybrid_dir
 from prefixd.gpu.kv_pool import KVPool
 from prefixd.gpu.loading import load_checkpoint
 from prefixd.scheduler.records import LaneWork
+from tests.helpers.tiny_models import make_tiny_hybrid_hf_dir
 
 VOCAB = 49152
 K_HEADS, V_HEADS, V_DIM, K_DIM = 2, 4, 8, 16
@@ -66,11 +65,9 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path, default_gguf: Path):
-    hf_dir = make_tiny_hybrid_dir(tmp_path_factory.mktemp("hybrid_hf"), seed=4, vocab_size=VOCAB,
+def pair(tmp_path_factory: pytest.TempPathFactory, default_gguf: Path):
+    hf_dir = make_tiny_hybrid_hf_dir(tmp_path_factory.mktemp("hybrid_hf"), seed=4, vocab_size=VOCAB,
                                   initializer_range=0.1)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tiny_llama_dir / name, hf_dir / name)
     config = hybrid_config_from_hf(json.loads((hf_dir / "config.json").read_text()))
     path = tmp_path_factory.mktemp("hybrid_gguf") / "tiny-qwen35.gguf"
     writer = gguf.GGUFWriter(str(path), "qwen35")

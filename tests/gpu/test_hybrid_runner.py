@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from prefixd.gpu.families.qwen3_5_tiny import make_tiny_hybrid_dir
 from prefixd.gpu.loading import load_checkpoint
 from prefixd.gpu.runner import ModelRunner
 from prefixd.scheduler.records import (Capture, LaneWork, PageCopy, Restore, Rollback, RoundPlan, SamplerSetup,
                                        SamplingParams)
 from tests.gpu.runner_helpers import capture
 from tests.helpers.device import TEST_DEVICE
+from tests.helpers.tiny_models import make_tiny_hybrid_hf_dir
 
 PAGE = 16
 PAGES_PER_LANE = 12
@@ -22,11 +21,9 @@ VOCAB = 49152  # the tokenizer's own size
 
 
 @pytest.fixture(scope="module")
-def hybrid_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
-    path = make_tiny_hybrid_dir(tmp_path_factory.mktemp("tiny_qwen3_5"), seed=9, vocab_size=VOCAB,
+def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = make_tiny_hybrid_hf_dir(tmp_path_factory.mktemp("tiny_qwen3_5"), seed=9, vocab_size=VOCAB,
                                 initializer_range=0.1)
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # the default model's tokenizer
-        shutil.copyfile(tiny_llama_dir / name, path / name)
     return path
 
 

@@ -14,7 +14,8 @@ import torch
 
 from prefixd.gpu.programs import BUCKET_ROWS, bucket_contexts, bucket_of
 from prefixd.scheduler.records import LaneWork, RoundPlan
-from tests.gpu.runner_helpers import DEVICE, kv_equal, lane_pages, make_runner, prompt, work
+from tests.gpu.runner_helpers import (DEVICE, kv_equal, lane_pages, make_runner, prompt,
+                                      run_program_refusing_host_reads, work)
 
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -146,13 +147,4 @@ def test_a_program_reads_no_device_value_on_the_host(runners, monkeypatch):
     _prefill(runners, ctx)
     plan = RoundPlan((work(8, 25, prompt(3, seed=68), lane_pages(8), prefill=False),
                       work(9, 300, prompt(1, seed=69), lane_pages(9), prefill=False)))
-    with torch.inference_mode():  # as run_round runs it
-        program = programs.programs.pick(plan.lanes)
-        program.load(plan.lanes)
-
-        def refuse(*args, **kwargs):
-            raise AssertionError("a decode program read a device value on the host")
-
-        for name in ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__"):
-            monkeypatch.setattr(torch.Tensor, name, refuse)
-        program._run()
+    run_program_refusing_host_reads(programs, plan.lanes, monkeypatch)

@@ -6,15 +6,15 @@ lane's recurrent and conv state. Verify rows and prefill chunks stay op by op.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from prefixd.gpu.families.qwen3_5_tiny import make_tiny_hybrid_dir
 from prefixd.scheduler.records import LaneWork, RoundPlan, SamplerSetup, SamplingParams
-from tests.gpu.runner_helpers import DEVICE, capture, kv_equal, make_runner, prompt, work
+from tests.gpu.runner_helpers import (DEVICE, capture, kv_equal, make_runner, prompt,
+                                      run_program_refusing_host_reads, work)
+from tests.helpers.tiny_models import make_tiny_hybrid_hf_dir
 
 LANES = 8
 
@@ -24,11 +24,9 @@ def lane_pages(lane: int) -> tuple[int, ...]:
 
 
 @pytest.fixture(scope="module")
-def hybrid_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
-    path = make_tiny_hybrid_dir(tmp_path_factory.mktemp("programs_qwen3_5"), seed=5, vocab_size=49152,
+def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = make_tiny_hybrid_hf_dir(tmp_path_factory.mktemp("programs_qwen3_5"), seed=5, vocab_size=49152,
                                 initializer_range=0.1)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tiny_llama_dir / name, path / name)
     return path
 
 
@@ -130,15 +128,5 @@ def test_a_program_round_drops_its_lanes_stale_rollback_records(runners):
 def test_a_hybrid_program_reads_no_device_value_on_the_host(runners, monkeypatch):
     """What a CUDA graph cannot capture: no tensor value read into Python in the program."""
     _, programs = runners
-    plan = RoundPlan(tuple(LaneWork(lane, 40, prompt(1, seed=700 + lane), lane_pages(lane), False)
-                           for lane in (0, 1, 2)))
-    with torch.inference_mode():
-        program = programs.programs.pick(plan.lanes)
-        program.load(plan.lanes)
-
-        def refuse(*args, **kwargs):
-            raise AssertionError("a decode program read a device value on the host")
-
-        for name in ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__"):
-            monkeypatch.setattr(torch.Tensor, name, refuse)
-        program._run()
+    lanes = tuple(LaneWork(lane, 40, prompt(1, seed=700 + lane), lane_pages(lane), False) for lane in (0, 1, 2))
+    run_program_refusing_host_reads(programs, lanes, monkeypatch)

@@ -122,8 +122,23 @@ def make_tiny_hf_dir(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)
+    _write_tokenizer(path)
+    return path
+
+
+def make_tiny_hybrid_hf_dir(path: Path, **kwargs: Any) -> Path:
+    """`prefixd.gpu.families.qwen3_5_tiny.make_tiny_hybrid_dir(path, **kwargs)` with the
+    default model's tokenizer and chat template beside it, as `make_tiny_hf_dir` writes them."""
+    from prefixd.gpu.families.qwen3_5_tiny import make_tiny_hybrid_dir
+
+    path = make_tiny_hybrid_dir(path, **kwargs)
+    _write_tokenizer(path)
+    return path
+
+
+def _write_tokenizer(path: Path) -> None:
+    """tokenizer.json and tokenizer_config.json (with the chat template) into `path`."""
     tok_dir = _tokenizer_files()
     shutil.copyfile(tok_dir / "tokenizer.json", path / "tokenizer.json")
     template = (tok_dir / "chat_template.txt").read_text()
     (path / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(template), indent=2))
-    return path
