@@ -26,10 +26,24 @@ def llama_runner(tiny_llama_dir: Path) -> ModelRunner:
 
 
 @pytest.fixture(scope="module")
-def hybrid_runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
-    path = make_tiny_hybrid_hf_dir(tmp_path_factory.mktemp("tiny_qwen3_5"), seed=9, vocab_size=49152,
-                                initializer_range=0.1)
-    return make_runner(path, torch.float32)
+def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hybrid_hf_dir(tmp_path_factory.mktemp("tiny_qwen3_5"), seed=9, vocab_size=49152,
+                                   initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def hybrid_runner(hybrid_dir: Path) -> ModelRunner:
+    return make_runner(hybrid_dir, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def hybrid_programs_runner(hybrid_dir: Path) -> ModelRunner:
+    """Its decode rounds run as the fixed programs CUDA captures (gpu/programs.py), uncaptured:
+    a bucket's padding lanes step a scratch state and its attention reads every block up to the
+    bucket's context, the reused garbage pages included."""
+    runner = make_runner(hybrid_dir, torch.float32, programs="eager")
+    assert runner.programs is not None
+    return runner
 
 
 def fill_garbage(runner: ModelRunner) -> None:
@@ -82,7 +96,7 @@ def assert_same(got: list, want: list) -> None:
         assert tok == tok_want and torch.equal(row, row_want)
 
 
-@pytest.mark.parametrize("which", ["llama_runner", "hybrid_runner"])
+@pytest.mark.parametrize("which", ["llama_runner", "hybrid_runner", "hybrid_programs_runner"])
 def test_garbage_in_reused_pages_changes_no_bits(which, request):
     runner = request.getfixturevalue(which)
     runner.kv.storage.zero_()
@@ -94,7 +108,7 @@ def test_garbage_in_reused_pages_changes_no_bits(which, request):
         assert all(bool(torch.isfinite(row).all()) for _, row in dirty[lane])
 
 
-@pytest.mark.parametrize("which", ["llama_runner", "hybrid_runner"])
+@pytest.mark.parametrize("which", ["llama_runner", "hybrid_runner", "hybrid_programs_runner"])
 def test_a_nan_image_fails_its_lane_alone_in_an_eight_lane_round(which, request):
     runner = request.getfixturevalue(which)
     solo = {lane: run_lanes(runner, [lane], {})[lane] for lane in range(NUM_LANES) if lane != BAD_LANE}
