@@ -37,7 +37,8 @@ from typing import Sequence
 
 import torch
 
-from prefixd.gpu import kernels
+from prefixd.gpu import flash, kernels
+from prefixd.gpu.flash import uses_flash
 from prefixd.gpu.linear import invariant_rows
 
 DEFAULT_BLOCK = 256
@@ -66,10 +67,13 @@ class AttentionTile:
     out_index: torch.Tensor  # (num_lanes * rows,) into out with a scratch row appended
     page_index: torch.Tensor  # (num_lanes * num_blocks * block // page_size,)
     mask_from: int  # first block where some row of the tile has a masked key
-    masked: torch.Tensor  # (num_lanes, num_blocks - mask_from, 1, rows * group, block) bool
+    masked: torch.Tensor | None  # (num_lanes, num_blocks - mask_from, 1, rows * group, block) bool
     dead_from: torch.Tensor  # (num_lanes,) long: each lane's first key past its last row
     kv_group: int  # tiles of one group share one K/V gather: that of the group's widest tile
     index_cache: dict = field(default_factory=dict, compare=False, repr=False)  # `_head_rows`, `_key_rows`
+    # (num_lanes * rows,) long: each row's position (padding rows: their lane's last row's).
+    # Set for the flash kernel (flash.py), which masks from positions; then `masked` is None.
+    qpos: torch.Tensor | None = None
 
 
 def block_size(page_size: int) -> int:
@@ -93,9 +97,10 @@ def _padded_rows(length: int, group: int, dtype: torch.dtype) -> int:
 
 def _tile(pieces: Sequence[tuple[AttentionSpan, int, int]], *, total_rows: int, group: int,
           page_size: int, block: int, device: torch.device, dtype: torch.dtype,
-          kv_group: int) -> AttentionTile:
-    """One tile over (span, first, count): rows [first, first + count) of each span."""
-    rows = _padded_rows(max(c for _, _, c in pieces), group, dtype)
+          kv_group: int, for_flash: bool = False) -> AttentionTile:
+    """One tile over (span, first, count): rows [first, first + count) of each span; for the
+    flash kernel (`for_flash`) with positions and no mask."""
+    rows = max(c for _, _, c in pieces) if for_flash else _padded_rows(max(c for _, _, c in pieces), group, dtype)
     ends = [s.start + f + c for s, f, c in pieces]
     num_blocks = -(-max(ends) // block)
     pages_per_lane = num_blocks * block // page_size
@@ -115,9 +120,9 @@ def _tile(pieces: Sequence[tuple[AttentionSpan, int, int]], *, total_rows: int, 
     mask_from = min(qpos) // block
     qp = torch.tensor(qpos, dtype=torch.long, device=device).view(nl, rows)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    return AttentionTile(nl, rows, num_blocks, as_long(q_index), as_long(out_index),
-                         as_long(page_index), mask_from, tile_mask(qp, num_blocks, mask_from, block, group),
-                         as_long(ends), kv_group)
+    masked = None if for_flash else tile_mask(qp, num_blocks, mask_from, block, group)
+    return AttentionTile(nl, rows, num_blocks, as_long(q_index), as_long(out_index), as_long(page_index),
+                         mask_from, masked, as_long(ends), kv_group, qpos=qp.view(-1) if for_flash else None)
 
 
 def tile_mask(qpos: torch.Tensor, num_blocks: int, mask_from: int, block: int, group: int) -> torch.Tensor:
@@ -134,15 +139,22 @@ def plan_attention(spans: Sequence[AttentionSpan], *, total_rows: int, group: in
                    device: torch.device, dtype: torch.dtype, tile_rows: int = TILE_ROWS,
                    decode_rows: int = DECODE_ROWS) -> list[AttentionTile]:
     """Tiles covering every row of every span; `total_rows` is the round's row count and
-    `dtype` the KV pool's (it sets the padding of the matmuls' row count)."""
+    `dtype` the KV pool's (it sets the padding of the matmuls' row count). Where attention runs
+    the flash kernel (`flash.uses_flash`), a prefill lane is one tile of all its rows (the
+    kernel keeps no scores) and tiles carry positions instead of masks."""
     block = block_size(page_size)
+    for_flash = uses_flash(device)
     short = [(s, 0, s.length) for s in spans if 0 < s.length <= decode_rows]
     tiles = []
     if short:
         tiles.append(_tile(short, total_rows=total_rows, group=group, page_size=page_size,
-                           block=block, device=device, dtype=dtype, kv_group=0))
+                           block=block, device=device, dtype=dtype, kv_group=0, for_flash=for_flash))
     for kv_group, s in enumerate(spans, start=1):
         if s.length <= decode_rows:
+            continue
+        if for_flash:
+            tiles.append(_tile([(s, 0, s.length)], total_rows=total_rows, group=group, page_size=page_size,
+                               block=block, device=device, dtype=dtype, kv_group=kv_group, for_flash=True))
             continue
         # the widest tile first: the group's gather is made for it, the others read a prefix
         for first in reversed(range(0, s.length, tile_rows)):
@@ -306,9 +318,12 @@ def attend_into(q_ext: torch.Tensor, q_stride: int, k_pool: torch.Tensor, v_pool
     """`attend` into buffers a caller keeps for a whole round (every layer writes the same rows):
     q_ext ((R + 1) * q_stride, D) in the pool's dtype, its last round row zero (`attend_tile`),
     and out (R + 1, heads * D) fp32, whose rows no tile covers keep what they hold."""
-    block = tiles[0].masked.shape[-1] if tiles else 0
+    block = tiles[0].masked.shape[-1] if tiles and tiles[0].masked is not None else 0
     gathered: tuple[int, torch.Tensor, torch.Tensor] | None = None
     for tile in tiles:  # a group's widest tile comes first
+        if tile.masked is None:  # planned for the flash kernel
+            flash.attend_tile(q_ext, q_stride, k_pool, v_pool, tile, out)
+            continue
         if gathered is None or gathered[0] != tile.kv_group:
             gathered = (tile.kv_group, *_gather(k_pool, v_pool, tile, block))
         attend_tile(q_ext, gathered[1], gathered[2], tile, out, q_stride)

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from prefixd.gpu.attention import DECODE_ROWS, AttentionTile, _padded_rows, block_size, tile_mask
+from prefixd.gpu.flash import uses_flash
 from prefixd.gpu.kv_pool import KVPool
 from prefixd.gpu.model import RoundInputs
 from prefixd.scheduler.records import LaneWork
@@ -91,7 +92,8 @@ class DecodeProgram:
         self.num_blocks = -(-context // self.block)
         self.pages_per_lane = self.num_blocks * self.block // page
         self.group = c.num_heads // c.num_kv_heads
-        self.tile_rows = _padded_rows(rows, self.group, kv.dtype)  # a lane's rows in the tile
+        self.flash = uses_flash(device)  # the kernel masks from positions: no mask, no padded rows
+        self.tile_rows = rows if self.flash else _padded_rows(rows, self.group, kv.dtype)  # a lane's rows in the tile
         self.num_rows = lanes * rows  # the round's rows; the forward may pad more
         self.padded = model.padded_rows(self.num_rows)
         self.max_position = c.max_context - 1  # the rope table covers every position first
@@ -108,10 +110,11 @@ class DecodeProgram:
             self._at[name] = slice(at, at + n)
             at += n
         view = lambda name: self._ints[self._at[name]]  # noqa: E731
-        self.masked = torch.zeros(lanes, self.num_blocks, 1, self.tile_rows * self.group, self.block,
-                                  dtype=torch.bool, device=device)
+        self.masked = None if self.flash else torch.zeros(
+            lanes, self.num_blocks, 1, self.tile_rows * self.group, self.block, dtype=torch.bool, device=device)
         self.tile = AttentionTile(lanes, self.tile_rows, self.num_blocks, view("q_index"), view("out_index"),
-                                  view("page_index"), 0, self.masked, view("dead_from"), 0)
+                                  view("page_index"), 0, self.masked, view("dead_from"), 0,
+                                  qpos=view("qpos") if self.flash else None)
         self.inputs = RoundInputs(tokens=view("tokens"), positions=view("positions"), num_rows=self.num_rows,
                                   slots=view("slots"), spans=(), lanes=(), prefill=(), tiles=(self.tile,),
                                   max_position=self.max_position, lane_index=view("lane"))
@@ -171,7 +174,8 @@ class DecodeProgram:
     def _run(self) -> torch.Tensor:
         """The program: mask, forward, logits of every bucket row."""
         self.tile.index_cache.clear()  # its rows are recomputed from this round's indices
-        self.masked.copy_(tile_mask(self._qpos, self.num_blocks, 0, self.block, self.group))
+        if self.masked is not None:
+            self.masked.copy_(tile_mask(self._qpos, self.num_blocks, 0, self.block, self.group))
         hidden = self.model.forward(self.inputs, self.kv)
         return self.model.logits(hidden[:self.num_rows])
 
@@ -236,7 +240,10 @@ class DecodePrograms:
         return {"captured": len(self.programs), "startup_s": round(self.startup_s, 2)}
 
     def _fits_memory(self, bucket: tuple[int, int, int]) -> bool:
-        """Whether one layer's scores and probabilities of the bucket stay under MAX_ATTENTION_BYTES."""
+        """Whether one layer's scores and probabilities of the bucket stay under MAX_ATTENTION_BYTES
+        (always, with the flash kernel: it keeps none)."""
+        if uses_flash(self.kv.storage.device):
+            return True
         c, block = self.model.config, block_size(self.kv.page_size)
         group = c.num_heads // c.num_kv_heads
         lanes, rows, context = bucket
