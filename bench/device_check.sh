@@ -103,7 +103,7 @@ EOF
 step "pytest -m cuda" 240 "${PYTEST[@]}" -m cuda tests/gpu
 
 step "exactness suites on cuda" 300 env PREFIXD_TEST_DEVICE=cuda "${PYTEST[@]}" -m "not slow" \
-  tests/gpu/test_flash.py tests/gpu/test_programs.py tests/gpu/test_programs_hybrid.py tests/gpu/test_invariance.py tests/gpu/test_hybrid_exact.py tests/gpu/test_hybrid_runner.py \
+  tests/gpu/test_flash.py tests/gpu/test_fused.py tests/gpu/test_programs.py tests/gpu/test_programs_hybrid.py tests/gpu/test_invariance.py tests/gpu/test_hybrid_exact.py tests/gpu/test_hybrid_runner.py \
   tests/e2e/test_e2e_hybrid.py tests/e2e/test_e2e_concurrent.py tests/e2e/test_e2e_basic.py
 
 step "page-copy micro-benchmark" 90 "$PYTHON" - <<'EOF'

@@ -38,7 +38,6 @@ from typing import Sequence
 import torch
 
 from prefixd.gpu import flash, kernels
-from prefixd.gpu.flash import uses_flash
 from prefixd.gpu.linear import invariant_rows
 
 DEFAULT_BLOCK = 256
@@ -140,10 +139,10 @@ def plan_attention(spans: Sequence[AttentionSpan], *, total_rows: int, group: in
                    decode_rows: int = DECODE_ROWS) -> list[AttentionTile]:
     """Tiles covering every row of every span; `total_rows` is the round's row count and
     `dtype` the KV pool's (it sets the padding of the matmuls' row count). Where attention runs
-    the flash kernel (`flash.uses_flash`), a prefill lane is one tile of all its rows (the
+    the flash kernel (`kernels.triton_path`), a prefill lane is one tile of all its rows (the
     kernel keeps no scores) and tiles carry positions instead of masks."""
     block = block_size(page_size)
-    for_flash = uses_flash(device)
+    for_flash = kernels.triton_path(device)
     short = [(s, 0, s.length) for s in spans if 0 < s.length <= decode_rows]
     tiles = []
     if short:

@@ -31,7 +31,7 @@ program bucket, gets the same bits; tests/gpu/test_flash.py checks it on the dev
 
 The bits differ from attention.py's blocked form (an online max instead of one max over all
 blocks): a device uses one of the two for every round, so resumed, concurrent and drafted
-rows still equal cold ones. `uses_flash(device)`: CUDA with Triton.
+rows still equal cold ones. `kernels.triton_path(device)` says which: CUDA with Triton.
 
 Triton's interpreter (TRITON_INTERPRET=1, how the CPU tests run this kernel) computes a bf16
 `tl.dot` wrongly in Triton 3.9, so when interpreting, the products take fp32 operands in full
@@ -39,8 +39,6 @@ fp32 precision; on a GPU bf16 operands go to the tensor cores with fp32 accumula
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -55,18 +53,7 @@ else:  # pragma: no cover - depends on the install
 BLOCK_N = 64  # keys a program reads per step
 MIN_BLOCK_M = 32  # query vectors per program: (row, q head) pairs; a power of two >= the group
 NUM_WARPS = 4
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# The CPU tests set this (with Triton interpreting) to run a CPU model's attention through
-# the kernel: the CUDA path's plans, indices and kernel, checked end to end on any machine.
-ON_CPU = False
-
-
-def uses_flash(device: torch.device) -> bool:
-    """Whether attention on `device` runs this kernel: on CUDA with Triton (the CPU keeps the
-    blocked form, or mode int4's kernel), or on the CPU in the tests that ask (`ON_CPU`)."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or (ON_CPU and INTERPRETING)
+INTERPRETING = kernels.INTERPRETING
 
 
 def block_m(group: int) -> int:

@@ -41,6 +41,22 @@ def triton_available() -> bool:
     return triton is not None
 
 
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# The CPU tests set this (with Triton interpreting) to run a CPU model's attention, norms,
+# rope and SiLU through the CUDA path's Triton kernels (flash.py, fused.py): that path's
+# plans, indices and kernels, checked end to end on any machine.
+TRITON_ON_CPU = False
+
+
+def triton_path(device: torch.device) -> bool:
+    """Whether a forward on `device` runs flash.py's attention and fused.py's kernels: on
+    CUDA with Triton (the CPU keeps torch's ops and mode int4's kernels), or on the CPU in the
+    tests that ask (`TRITON_ON_CPU`, interpreted)."""
+    if triton is None:
+        return False
+    return device.type == "cuda" or (TRITON_ON_CPU and INTERPRETING)
+
+
 def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton is not None
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefixd.gpu import cpu_kernels, kernels
+from prefixd.gpu import cpu_kernels, fused, kernels
 from prefixd.gpu.attention import AttentionSpan, AttentionTile, attend_into
 from prefixd.gpu.config import ModelConfig
 from prefixd.gpu.kv_pool import KVPool
@@ -180,13 +180,27 @@ class LlamaModel:
         """Run every layer; writes K/V of the real rows; returns final-normed fp32 hidden."""
         c = self.config
         h = self.embed_rows(inputs)  # (rows, hidden) fp32, a fresh tensor: updated in place
-        rnd = _Round(self, inputs, kv.dtype, h.shape[0])
+        rnd = _Round(self, inputs, kv.dtype, h.shape[0], kv.key_pages)
+        if rnd.fused:
+            return self._forward_fused(h, rnd, kv)
         for i, layer in enumerate(self.layers):
             h += self._attention(i, layer, self._normed_product(h, layer.input_norm, layer.qkv), rnd, kv)
             gate, up = self._normed_product(h, layer.post_norm, layer.gate_up).float().chunk(2, dim=-1)
             torch.nn.functional.silu(gate, inplace=True)
             h += matmul(torch.mul(gate, up, out=rnd.act), layer.down)  # fp32 += compute dtype: exact
         return rms_norm(h, self.final_norm, c.rms_norm_eps)
+
+    def _forward_fused(self, h: torch.Tensor, rnd: "_Round", kv: KVPool) -> torch.Tensor:
+        """`forward` through fused.py's kernels (the CUDA path): each residual add rides the
+        next norm's kernel, rope and the K/V write are one kernel, SiLU times up one more."""
+        eps = self.config.rms_norm_eps
+        pending = None  # the last product, not yet added to h
+        for i, layer in enumerate(self.layers):
+            x = fused.rms_norm(h, layer.input_norm, eps, residual=pending, out_dtype=self.dtype)
+            o = self._attention(i, layer, matmul(x, layer.qkv), rnd, kv)
+            x = fused.rms_norm(h, layer.post_norm, eps, residual=o, out_dtype=self.dtype)
+            pending = matmul(fused.silu_mul(matmul(x, layer.gate_up), rnd.act), layer.down)
+        return fused.rms_norm(h, self.final_norm, eps, residual=pending)
 
     def _normed_product(self, h: torch.Tensor, norm: torch.Tensor, weight: Weight) -> torch.Tensor:
         """rms_norm(h) @ weight.T in the product's dtype; int4 normalizes inside its kernel."""
@@ -198,9 +212,14 @@ class LlamaModel:
         """o_proj of the layer's attention, in the compute dtype, from the qkv projection's output
         (the compute dtype: rope reads it as fp32 by promotion)."""
         c = self.config
+        heads = c.num_heads
+        if rnd.fused and layer.q_norm is None:  # bias, rope, q's scale and the K/V write: one kernel
+            fused.rope_write(qkv, layer.qkv_bias, rnd.positions, self.rope.cos, self.rope.sin, self.scale, rnd.qk,
+                             kv.k[i], kv.v[i], rnd.slots, heads=heads, kv_heads=c.num_kv_heads)
+            attend_into(rnd.qk.view(-1, c.head_dim), heads + c.num_kv_heads, kv.k[i], kv.v[i], rnd.tiles, rnd.attn)
+            return matmul(rnd.attn[:-1], layer.o)
         if layer.qkv_bias is not None:
             qkv = qkv.float() + layer.qkv_bias
-        heads = c.num_heads
         if rnd.cpu_index is not None and layer.q_norm is None and rnd.scaled is not None:
             # int4: rope and the K/V write in one call of the CPU kernels, the bits of _rope_and_write
             cpu_kernels.rope_kv(qkv, rnd.scaled, rnd.qk, kv.k[i], kv.v[i], rnd.slots, heads)
@@ -274,14 +293,23 @@ class _Round:
     two is exact, so (x cos + x' sin) * s has the bits of x (cos s) + x' (sin s).
     """
 
-    def __init__(self, model: "LlamaModel", inputs: RoundInputs, pool_dtype: torch.dtype, rows: int) -> None:
+    def __init__(self, model: "LlamaModel", inputs: RoundInputs, pool_dtype: torch.dtype, rows: int,
+                 kv_key_pages: bool = False) -> None:
         c = model.config
         device = inputs.tokens.device
         self.num_rows, self.slots, self.tiles = inputs.num_rows, inputs.slots, inputs.tiles
+        self.positions = inputs.positions
+        # the CUDA path's kernels (fused.py); the rope tables' lookup below covers the positions
+        self.fused = model.attention_tiles and kernels.triton_path(device) and not kv_key_pages
         self.cpu_index = cpu_kernels.attention_index(inputs.spans) if not model.attention_tiles else None
-        self.cos, self.sin = rotation_tables(*model.rope.lookup(inputs.positions, top=inputs.max_position))
         self.scaled = None
-        if not c.qk_norm and math.frexp(model.scale)[0] == 0.5:
+        if self.fused and not c.qk_norm:  # fused.rope_write reads the tables by position
+            top = inputs.max_position
+            model.rope.cover(int(inputs.positions.max()) if top is None else top)
+            self.cos = self.sin = None
+        else:
+            self.cos, self.sin = rotation_tables(*model.rope.lookup(inputs.positions, top=inputs.max_position))
+        if self.cos is not None and not c.qk_norm and math.frexp(model.scale)[0] == 0.5:
             self.scaled = tuple(scale_q_tables(t, c.num_heads, c.num_kv_heads, model.scale) for t in (self.cos, self.sin))
         heads = c.num_heads + c.num_kv_heads
         self.qk = torch.zeros(rows + 1, heads, c.head_dim, dtype=pool_dtype, device=device)

@@ -5,7 +5,9 @@ A round whose lanes each bring at most `attention.DECODE_ROWS` rows (decode rows
 lane's verify rows) runs in a *bucket* of (lanes, rows per lane, context): lane i of the round
 takes rows [i * rows, (i + 1) * rows) of the bucket, what the round does not fill is padding,
 and every lane's keys are read up to the bucket's context (`BUCKET_CONTEXTS`, capped at the
-model's max_context: a short conversation does not pay for the longest).
+model's max_context: a short conversation does not pay for the longest). With the flash
+kernel (CUDA) a lane's keys are read up to its own end whatever the bucket, so there is one
+context, max_context: a third of the graphs to capture.
 Everything the forward reads about the round lives in buffers of the bucket's fixed size:
 
     tokens, positions   padding rows: token 0 at position 0
@@ -43,8 +45,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from prefixd.gpu import kernels
 from prefixd.gpu.attention import DECODE_ROWS, AttentionTile, _padded_rows, block_size, tile_mask
-from prefixd.gpu.flash import uses_flash
 from prefixd.gpu.kv_pool import KVPool
 from prefixd.gpu.model import RoundInputs
 from prefixd.scheduler.records import LaneWork
@@ -92,7 +94,7 @@ class DecodeProgram:
         self.num_blocks = -(-context // self.block)
         self.pages_per_lane = self.num_blocks * self.block // page
         self.group = c.num_heads // c.num_kv_heads
-        self.flash = uses_flash(device)  # the kernel masks from positions: no mask, no padded rows
+        self.flash = kernels.triton_path(device)  # the kernel masks from positions: no mask, no padded rows
         self.tile_rows = rows if self.flash else _padded_rows(rows, self.group, kv.dtype)  # a lane's rows in the tile
         self.num_rows = lanes * rows  # the round's rows; the forward may pad more
         self.padded = model.padded_rows(self.num_rows)
@@ -216,7 +218,9 @@ class DecodePrograms:
         self.lanes = tuple(sorted({n for n in BUCKET_LANES if n < num_lanes} | {min(num_lanes, BUCKET_LANES[-1])}))
         self.rows = tuple(getattr(model, "program_rows", BUCKET_ROWS))
         self.prefill = bool(getattr(model, "program_prefill", True))
-        self.contexts = bucket_contexts(model.config.max_context)
+        # the flash kernel reads each lane's keys up to its own end: one context serves all
+        flash = kernels.triton_path(kv.storage.device)
+        self.contexts = (model.config.max_context,) if flash else bucket_contexts(model.config.max_context)
         self.programs: dict[tuple[int, int, int], DecodeProgram] = {}
         self.captured = capture
         self.startup_s = 0.0
@@ -242,7 +246,7 @@ class DecodePrograms:
     def _fits_memory(self, bucket: tuple[int, int, int]) -> bool:
         """Whether one layer's scores and probabilities of the bucket stay under MAX_ATTENTION_BYTES
         (always, with the flash kernel: it keeps none)."""
-        if uses_flash(self.kv.storage.device):
+        if kernels.triton_path(self.kv.storage.device):
             return True
         c, block = self.model.config, block_size(self.kv.page_size)
         group = c.num_heads // c.num_kv_heads

@@ -29,7 +29,7 @@ PAGE = 16
 
 @pytest.fixture(autouse=True)
 def _flash_planned(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(flash, "ON_CPU", True)
+    monkeypatch.setattr(flash.kernels, "TRITON_ON_CPU", True)
 
 
 class Pool:
