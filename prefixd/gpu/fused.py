@@ -55,7 +55,7 @@ if triton is not None:
         r64 = rows.to(tl.int64)[:, None]
         cols = tl.arange(0, BLOCK_C)[None, :]
         ok = (rows[:, None] < R) & (cols < C)
-        x = tl.load(h_ptr + r64 * s_h + cols, mask=ok, other=0.0)
+        x = tl.load(h_ptr + r64 * s_h + cols, mask=ok, other=0.0).to(tl.float32)
         if HAS_RES:
             x = x + tl.load(res_ptr + r64 * s_r + cols, mask=ok, other=0.0).to(tl.float32)
             tl.store(h_ptr + r64 * s_h + cols, x, mask=ok)
@@ -113,8 +113,8 @@ if triton is not None:
 
 def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """RMSNorm of fp32 rows h (R, C) times weight, in out_dtype; with `residual`, first
-    h += residual (any float dtype, added in fp32) in place: the norm reads the sum."""
+    """RMSNorm of rows h (R, C), in fp32, times weight, in out_dtype; with `residual` (h fp32),
+    first h += residual (any float dtype, added in fp32) in place: the norm reads the sum."""
     rows, width = h.shape
     if h.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("rms_norm takes rows with contiguous columns")

@@ -123,3 +123,16 @@ def test_flash_hybrid_lanes_equal_solo_and_resumed_equals_cold(dtype, monkeypatc
     if dtype == torch.float32:
         hybrid.test_resumed_at_a_cut_equals_cold(config)
     assert calls, "the hybrid's attention did not run the kernel"
+
+
+def test_flash_hybrid_decode_programs_equal_the_op_by_op_round(tmp_path, monkeypatch):
+    """The hybrid's decode programs (a padding lane stepping the scratch state) on the kernels:
+    test_programs_hybrid.py's checks, at 3 lanes of a bucket of 4."""
+    from tests.gpu import test_programs_hybrid as hybrid
+    from tests.helpers.tiny_models import make_tiny_hybrid_hf_dir
+
+    path = make_tiny_hybrid_hf_dir(tmp_path, seed=5, vocab_size=49152, initializer_range=0.1)
+    runners = tuple(make_runner(path, torch.float32, num_lanes=hybrid.LANES, num_pages=hybrid.LANES * 12,
+                                device=CPU, programs=programs) for programs in ("off", "eager"))
+    hybrid.test_decode_rounds_equal_the_op_by_op_round_with_the_same_lane_states(runners, 3)
+    hybrid.test_a_hybrid_program_reads_no_device_value_on_the_host(runners, monkeypatch)

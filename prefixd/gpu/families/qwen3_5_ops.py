@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import torch
 
-from prefixd.gpu import kernels
+from prefixd.gpu import fused, kernels
 from prefixd.gpu.families.gdn import silu
 
 
 def rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm: computed in float32, scaled by (1 + w), cast back to x's dtype."""
+    """Zero-centred RMSNorm: computed in float32, scaled by (1 + w), cast back to x's dtype
+    (on the CUDA path one kernel, fused.rms_norm)."""
+    if kernels.triton_path(x.device) and x.numel():
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return fused.rms_norm(rows, weight_plus_one, eps, out_dtype=x.dtype).view(x.shape)
     xf = x.float()
     out = xf * torch.rsqrt(kernels.mean_last(xf.pow(2)) + eps)
     return (out * weight_plus_one).to(x.dtype)
