@@ -106,6 +106,10 @@ step "exactness suites on cuda" 300 env PREFIXD_TEST_DEVICE=cuda "${PYTEST[@]}" 
   tests/gpu/test_flash.py tests/gpu/test_fused.py tests/gpu/test_programs.py tests/gpu/test_programs_hybrid.py tests/gpu/test_invariance.py tests/gpu/test_hybrid_exact.py tests/gpu/test_hybrid_runner.py \
   tests/e2e/test_e2e_hybrid.py tests/e2e/test_e2e_concurrent.py tests/e2e/test_e2e_basic.py
 
+# drafted = undrafted (n-gram on tiny llama, qwen3, qwen3_5; MTP on qwen3_5): issue 11's suites
+step "drafting suites on cuda" 180 env PREFIXD_TEST_DEVICE=cuda "${PYTEST[@]}" \
+  tests/scheduler/test_engine_drafts.py tests/scheduler/test_engine_mtp_drafts.py tests/gpu/test_hybrid_mtp_drafts.py
+
 step "page-copy micro-benchmark" 90 "$PYTHON" - <<'EOF'
 import time
 import torch

@@ -1,6 +1,7 @@
 """Drafted equals undrafted: the engine over the real ModelRunner (tiny random llama, qwen3
-and qwen3_5, CPU) emits the same token ids and the same logits bits with n-gram drafting on
-as with it off: greedy and seeded sampling (top-k, top-p, repetition penalty), several lanes
+and qwen3_5; on the CPU, or the device PREFIXD_TEST_DEVICE names, as bench/device_check.sh
+runs it) emits the same token ids and the same logits bits with n-gram drafting on as with
+it off: greedy and seeded sampling (top-k, top-p, repetition penalty), several lanes
 with some streams drafting and some not, a second turn resumed from the store, and rejected
 drafts whose verify rows cross a page boundary."""
 
@@ -21,10 +22,11 @@ from prefixd.scheduler.config import SchedulerConfig  # noqa: E402
 from prefixd.scheduler.engine import Engine  # noqa: E402
 from prefixd.scheduler.records import SamplingParams  # noqa: E402
 from prefixd.scheduler.streams import DoneEvent, StreamRequest, TokenEvent  # noqa: E402
+from tests.helpers.device import TEST_DEVICE  # noqa: E402
 from tests.helpers.tiny_models import _tokenizer_files, make_tiny_hf_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow
-CPU = torch.device("cpu")
+DEVICE = torch.device(TEST_DEVICE)
 PAGE = 8
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.3, top_k=40, top_p=0.95, repetition_penalty=1.05, seed=7)
@@ -58,8 +60,8 @@ def runner(request, tmp_path_factory) -> ModelRunner:
         shutil.copyfile(Path(_tokenizer_files()) / "tokenizer.json", path / "tokenizer.json")
     else:
         make_tiny_hf_dir(path, request.param, seed=1, tie_word_embeddings=True, num_hidden_layers=2)
-    ckpt = load_checkpoint(path, device=CPU, dtype=torch.float32)
-    return ModelRunner(ckpt, device=CPU, dtype=torch.float32, num_lanes=4, num_pages=512, page_size=PAGE)
+    ckpt = load_checkpoint(path, device=DEVICE, dtype=torch.float32)
+    return ModelRunner(ckpt, device=DEVICE, dtype=torch.float32, num_lanes=4, num_pages=512, page_size=PAGE)
 
 
 def echo_prompt(vocab: int, seed: int) -> tuple[int, ...]:
@@ -159,8 +161,8 @@ def default_runner() -> ModelRunner:
     path = default_gguf_path()
     if path is None:
         pytest.skip("the default model is not installed")
-    ckpt = load_checkpoint(path, device=CPU, dtype=torch.bfloat16)
-    return ModelRunner(ckpt, device=CPU, dtype=torch.bfloat16, num_lanes=4, num_pages=256, page_size=PAGE)
+    ckpt = load_checkpoint(path, device=DEVICE, dtype=torch.bfloat16)
+    return ModelRunner(ckpt, device=DEVICE, dtype=torch.bfloat16, num_lanes=4, num_pages=256, page_size=PAGE)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])

@@ -1,5 +1,6 @@
 """Drafted equals undrafted with the MTP head (`--draft mtp`): the engine over the real
-ModelRunner with a draft head (tiny random qwen3_5 with an MTP layer, CPU) emits the same
+ModelRunner with a draft head (tiny random qwen3_5 with an MTP layer; on the CPU, or the
+device PREFIXD_TEST_DEVICE names, as bench/device_check.sh runs it) emits the same
 token ids and logits bits as the same model undrafted: greedy and seeded sampling, four lanes
 with some streams drafting and some not, a second turn resumed from the store (the draft
 carry rides in the snapshot), and rejected verifies followed by captures of the same lane."""
@@ -17,11 +18,12 @@ from prefixd.gpu.loading import load_checkpoint  # noqa: E402
 from prefixd.gpu.runner import ModelRunner  # noqa: E402
 from prefixd.scheduler.config import SchedulerConfig  # noqa: E402
 from prefixd.scheduler.engine import Engine  # noqa: E402
+from tests.helpers.device import TEST_DEVICE  # noqa: E402
 from tests.helpers.tiny_models import _tokenizer_files  # noqa: E402
 from tests.scheduler.test_engine_drafts import GREEDY, PAGE, SAMPLED, assert_same, play, requests  # noqa: E402
 
 pytestmark = pytest.mark.slow
-CPU = torch.device("cpu")
+DEVICE = torch.device(TEST_DEVICE)
 
 
 class Recorder:
@@ -56,7 +58,7 @@ def tiny_mtp_dir(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return load_checkpoint(tiny_mtp_dir(tmp_path_factory.mktemp("mtp")), device=CPU, dtype=torch.float32)
+    return load_checkpoint(tiny_mtp_dir(tmp_path_factory.mktemp("mtp")), device=DEVICE, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +75,11 @@ def agreeing(tmp_path_factory):
         tensors[name] = torch.full_like(tensors[name], -1.0)
         tensors[name][0] = 0.0
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return load_checkpoint(path, device=CPU, dtype=torch.float32)
+    return load_checkpoint(path, device=DEVICE, dtype=torch.float32)
 
 
 def runner_of(checkpoint, draft_head: bool) -> ModelRunner:
-    return ModelRunner(checkpoint, device=CPU, dtype=torch.float32, num_lanes=4, num_pages=512, page_size=PAGE,
+    return ModelRunner(checkpoint, device=DEVICE, dtype=torch.float32, num_lanes=4, num_pages=512, page_size=PAGE,
                        draft_head=draft_head)
 
 
