@@ -139,5 +139,5 @@ def attend_tile(q_ext: torch.Tensor, q_stride: int, k_pool: torch.Tensor, v_pool
     _flash_kernel[grid](q_ext, k_pool, v_pool, out, tile.q_index, tile.out_index, tile.qpos, tile.page_index,
                         tile.dead_from, tile.rows, pages_per_lane, q_stride, out.stride(0), page_size, kv_heads,
                         GROUP=group, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK_N,
-                        BLOCK_D=max(16, 1 << (d - 1).bit_length()),
+                        BLOCK_D=kernels.block_width(d),
                         F32_DOT=INTERPRETING or k_pool.dtype == torch.float32, num_warps=NUM_WARPS)

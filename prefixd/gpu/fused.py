@@ -42,10 +42,6 @@ NORM_ELEMENTS = 4096  # the norm's rows per program: as many whole rows as fit i
 NUM_WARPS = 4
 
 
-def _pow2(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
-
-
 if triton is not None:
 
     @triton.jit
@@ -121,7 +117,7 @@ def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
     out = torch.empty((rows, width), dtype=out_dtype, device=h.device)
     if rows:
         res = residual if residual is not None else h
-        block_c = _pow2(width)
+        block_c = kernels.block_width(width)
         block_r = max(1, min(ROWS, NORM_ELEMENTS // block_c))  # a program's rows stay in registers
         _rms_norm_kernel[(triton.cdiv(rows, block_r),)](
             h, res, weight, out, rows, width, eps, h.stride(0), res.stride(0), out.stride(0),

@@ -57,6 +57,12 @@ def triton_path(device: torch.device) -> bool:
     return device.type == "cuda" or (TRITON_ON_CPU and INTERPRETING)
 
 
+def block_width(n: int) -> int:
+    """The Triton block that holds n elements: the power of two at least n, and at least 16
+    (the smallest dimension of a product)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
 def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton is not None
 

@@ -180,7 +180,7 @@ class LlamaModel:
         """Run every layer; writes K/V of the real rows; returns final-normed fp32 hidden."""
         c = self.config
         h = self.embed_rows(inputs)  # (rows, hidden) fp32, a fresh tensor: updated in place
-        rnd = _Round(self, inputs, kv.dtype, h.shape[0], kv.key_pages)
+        rnd = _Round(self, inputs, kv.dtype, h.shape[0])
         if rnd.fused:
             return self._forward_fused(h, rnd, kv)
         for i, layer in enumerate(self.layers):
@@ -216,15 +216,14 @@ class LlamaModel:
         if rnd.fused and layer.q_norm is None:  # bias, rope, q's scale and the K/V write: one kernel
             fused.rope_write(qkv, layer.qkv_bias, rnd.positions, self.rope.cos, self.rope.sin, self.scale, rnd.qk,
                              kv.k[i], kv.v[i], rnd.slots, heads=heads, kv_heads=c.num_kv_heads)
-            attend_into(rnd.qk.view(-1, c.head_dim), heads + c.num_kv_heads, kv.k[i], kv.v[i], rnd.tiles, rnd.attn)
-            return matmul(rnd.attn[:-1], layer.o)
-        if layer.qkv_bias is not None:
-            qkv = qkv.float() + layer.qkv_bias
-        if rnd.cpu_index is not None and layer.q_norm is None and rnd.scaled is not None:
-            # int4: rope and the K/V write in one call of the CPU kernels, the bits of _rope_and_write
-            cpu_kernels.rope_kv(qkv, rnd.scaled, rnd.qk, kv.k[i], kv.v[i], rnd.slots, heads)
         else:
-            self._rope_and_write(i, layer, qkv, rnd, kv)
+            if layer.qkv_bias is not None:
+                qkv = qkv.float() + layer.qkv_bias
+            if rnd.cpu_index is not None and layer.q_norm is None and rnd.scaled is not None:
+                # int4: rope and the K/V write in one call of the CPU kernels, the bits of _rope_and_write
+                cpu_kernels.rope_kv(qkv, rnd.scaled, rnd.qk, kv.k[i], kv.v[i], rnd.slots, heads)
+            else:
+                self._rope_and_write(i, layer, qkv, rnd, kv)
         if rnd.cpu_index is not None:  # int4: prefixd's CPU attention, reading the pool in place
             cpu_kernels.attend(rnd.qk.view(-1, c.head_dim), kv.k[i], kv.v[i], *rnd.cpu_index, heads,
                                heads + c.num_kv_heads, rnd.attn)
@@ -293,14 +292,14 @@ class _Round:
     two is exact, so (x cos + x' sin) * s has the bits of x (cos s) + x' (sin s).
     """
 
-    def __init__(self, model: "LlamaModel", inputs: RoundInputs, pool_dtype: torch.dtype, rows: int,
-                 kv_key_pages: bool = False) -> None:
+    def __init__(self, model: "LlamaModel", inputs: RoundInputs, pool_dtype: torch.dtype, rows: int) -> None:
         c = model.config
         device = inputs.tokens.device
         self.num_rows, self.slots, self.tiles = inputs.num_rows, inputs.slots, inputs.tiles
         self.positions = inputs.positions
-        # the CUDA path's kernels (fused.py); the rope tables' lookup below covers the positions
-        self.fused = model.attention_tiles and kernels.triton_path(device) and not kv_key_pages
+        # the CUDA path's kernels (fused.py; never mode int4, the CPU's, whose pool holds K in
+        # its own page order); the rope tables below cover the positions
+        self.fused = model.attention_tiles and kernels.triton_path(device)
         self.cpu_index = cpu_kernels.attention_index(inputs.spans) if not model.attention_tiles else None
         self.scaled = None
         if self.fused and not c.qk_norm:  # fused.rope_write reads the tables by position
