@@ -144,3 +144,25 @@ def test_flash_hybrid_decode_programs_equal_the_op_by_op_round(tmp_path, monkeyp
                                 device=CPU, programs=programs) for programs in ("off", "eager"))
     hybrid.test_decode_rounds_equal_the_op_by_op_round_with_the_same_lane_states(runners, 3)
     hybrid.test_a_hybrid_program_reads_no_device_value_on_the_host(runners, monkeypatch)
+
+
+class _Given:
+    """What test_fault_isolation.py's tests ask `request` for: the runner under test."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    def getfixturevalue(self, name: str):
+        return self.runner
+
+
+@pytest.mark.parametrize("programs", ["off", "eager"])
+def test_flash_garbage_pages_and_a_nan_lane_leave_honest_bits(tiny_llama_dir, programs):
+    """test_fault_isolation.py's checks on the kernels, op by op and through decode programs:
+    NaN/inf garbage in reused pages changes no bit, and a NaN-image lane beside seven honest
+    ones fails alone while theirs equal each alone."""
+    from tests.gpu import test_fault_isolation as fault
+
+    runner = make_runner(tiny_llama_dir, torch.float32, device=CPU, programs=programs)
+    fault.test_garbage_in_reused_pages_changes_no_bits("llama_runner", _Given(runner))
+    fault.test_a_nan_image_fails_its_lane_alone_in_an_eight_lane_round("llama_runner", _Given(runner))
