@@ -60,7 +60,7 @@ using prefixd_cpu::load_bf16;
 constexpr int LANES = 16;
 constexpr int MAX_CHUNKS = 16;  // D up to 256
 constexpr int MAX_GROUP = 16;   // q heads per kv head
-constexpr int ROW_BLOCK = 4;    // consecutive rows of a lane in one task
+constexpr int ROW_BLOCK = 8;    // consecutive rows of a lane in one task (a lane's verify rows: one task)
 constexpr int64_t KEY_CHUNK = 512;  // keys a row reduces at a time (a multiple of 16)
 
 constexpr auto bf16f = prefixd_cpu::bf16_to_float;
