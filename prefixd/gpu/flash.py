@@ -17,8 +17,8 @@ rows, but in one launch per tile and without materializing scores:
     out = acc / l
 
 Why a row's bits never depend on the call (row-invariant by construction):
-- One fixed configuration (BLOCK_M, BLOCK_N, warps) per model: no choice by row count, lane
-  count or context, and no split of a row's keys across programs.
+- One fixed configuration (BLOCK_M, BLOCK_N, warps) per model, from its head shape alone: no
+  choice by row count, lane count or context, and no split of a row's keys across programs.
 - Each row runs the same sequence of operations over key blocks 0, 1, 2, ... in order. A
   block past the row's position is skipped for that row by the select above, not added as
   zeros, so a longer lane in the same program (more blocks) cannot touch the row's m, l or acc.
@@ -50,15 +50,32 @@ if kernels.triton_available():
 else:  # pragma: no cover - depends on the install
     triton = None
 
-BLOCK_N = 64  # keys a program reads per step
+MAX_BLOCK_N = 64  # keys a program reads per step, at most
+TILE_ELEMENTS = 4096  # a step's K (and V) tile, BLOCK_N x BLOCK_D, at most
 MIN_BLOCK_M = 32  # query vectors per program: (row, q head) pairs; a power of two >= the group
-NUM_WARPS = 4
 INTERPRETING = kernels.INTERPRETING
 
 
 def block_m(group: int) -> int:
     """The program's query vectors for a model whose kv heads serve `group` q heads each."""
     return max(MIN_BLOCK_M, 1 << (group - 1).bit_length())
+
+
+def block_n(head_dim: int) -> int:
+    """Keys a program reads per step for heads `head_dim` wide: 64 up to 64-wide heads, 32 at
+    128, 16 at 256. A step's K and V tiles are gathered through the page table, so each
+    element has its own address in registers: at 64 keys and 4 warps, 128-wide heads took 222
+    registers a thread on sm_90 and 256-wide ones (the hybrid family's attention) ran out of
+    them and spilled, with 86 KB of shared memory a program; with these, 156 and 154 registers,
+    27 and 34 KB, no spill (ptxas; tests/gpu/test_kernels_compile.py holds every launch to no
+    spill)."""
+    return max(16, min(MAX_BLOCK_N, TILE_ELEMENTS // kernels.block_width(head_dim)))
+
+
+def num_warps(head_dim: int) -> int:
+    """Warps a program runs: 4 up to 64-wide heads, else 8 (the accumulator and the tiles
+    spread over twice the threads)."""
+    return 4 if kernels.block_width(head_dim) <= 64 else 8
 
 
 if triton is not None:
@@ -138,6 +155,6 @@ def attend_tile(q_ext: torch.Tensor, q_stride: int, k_pool: torch.Tensor, v_pool
     grid = (tile.num_lanes, -(-tile.rows // rows_per_program), kv_heads)
     _flash_kernel[grid](q_ext, k_pool, v_pool, out, tile.q_index, tile.out_index, tile.qpos, tile.page_index,
                         tile.dead_from, tile.rows, pages_per_lane, q_stride, out.stride(0), page_size, kv_heads,
-                        GROUP=group, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=BLOCK_N,
+                        GROUP=group, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=block_n(d),
                         BLOCK_D=kernels.block_width(d),
-                        F32_DOT=INTERPRETING or k_pool.dtype == torch.float32, num_warps=NUM_WARPS)
+                        F32_DOT=INTERPRETING or k_pool.dtype == torch.float32, num_warps=num_warps(d))

@@ -71,7 +71,8 @@ def _reference(q: torch.Tensor, pool: Pool, span: AttentionSpan, kv_heads: int) 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (2, 2, 48)], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (2, 2, 48), (4, 2, 128), (4, 1, 256)],
+                         ids=str)  # 128 and 256: blocks of 32 and 16 keys (flash.block_n)
 def test_flash_attention_matches_float64_attention(dtype: torch.dtype, heads: int, kv_heads: int,
                                                    head_dim: int) -> None:
     pool = Pool(pages=60, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)

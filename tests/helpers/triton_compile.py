@@ -11,7 +11,8 @@ which is enough to follow a round to its next launch.
 interpreter replaces its language functions in the process that interprets), through
 Triton's own argument binder, so the specializations are those a launch on that GPU picks;
 each compile runs to a cubin with the ptxas Triton ships. It reports per launch and
-architecture whether it compiled, the error otherwise, and the shared memory it asks for.
+architecture whether it compiled, the error otherwise, the shared memory it asks for, and
+(ptxas -v) the registers a thread uses and the bytes it spills.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def distinct(launches: list[dict]) -> list[dict]:
 
 
 def compile_launches(launches: list[dict], archs: tuple[int, ...] = (90,), timeout: float = 900) -> list[dict]:
-    """For each launch, {"kernel", "arch", "ok", "error", "shared", "constexprs"} per
-    architecture in `archs`, compiled in a child process."""
+    """For each launch, {"kernel", "arch", "ok", "error", "shared", "registers", "spill_bytes",
+    "constexprs"} per architecture in `archs`, compiled in a child process."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-m", "tests.helpers.triton_compile"], cwd=ROOT, env=env,
@@ -155,7 +156,25 @@ def _build(fn, signature, constexprs, attrs, target, options) -> dict:
         return {"ok": False, "error": f"{type(e).__name__}: {e}"[-3000:], "shared": None}
     if "cubin" not in compiled.asm:
         return {"ok": False, "error": "no cubin", "shared": None}
-    return {"ok": True, "error": "", "shared": int(compiled.metadata.shared)}
+    return {"ok": True, "error": "", "shared": int(compiled.metadata.shared), **_ptxas_usage(compiled, target)}
+
+
+def _ptxas_usage(compiled, target) -> dict:
+    """Registers a thread and bytes it spills to local memory: ptxas -v on the kernel's PTX."""
+    import re
+    import tempfile
+
+    import triton.backends.nvidia as nvidia
+
+    arch = f"sm_{target.arch}a" if target.arch >= 90 else f"sm_{target.arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        log = subprocess.run([str(Path(nvidia.__file__).parent / "bin" / "ptxas"), "-v", "--gpu-name", arch, str(ptx),
+                              "-o", str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True).stderr
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    return {"registers": int(registers.group(1)) if registers else None, "spill_bytes": sum(spills)}
 
 
 def main() -> None:
