@@ -256,7 +256,7 @@ def test_the_disk_tier_keys_a_mode_on_its_revision():
     from prefixd.gpu.families import mode_identity
 
     assert mode_identity("int4") == "int4@6"
-    assert mode_identity("invariant") == "invariant@4"
+    assert mode_identity("invariant") == "invariant@5"
     with pytest.raises(ValueError, match="no revision"):
         mode_identity("int3")
 

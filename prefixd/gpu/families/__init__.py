@@ -77,9 +77,11 @@ CPU_DEFAULT_MODE = "int4"
 # int4's attention reduces a row's keys in fixed chunks of 512, joined after: int4 5; its scores
 # are dim-pair fma chains (the AVX-512 BF16 dot product's steps) over K pages laid out in dim
 # pairs, q and k flushed below 2^-30: int4 6; the hybrid family's products and rope became the
-# shared ones, its rope in fp32: invariant 4), so that
+# shared ones, its rope in fp32: invariant 4; on CUDA, paged flash attention with an online
+# max and the fused norm, rope and SiLU kernels, flash's key blocks and warps by head width:
+# invariant 5), so that
 # the disk tier, which keys on `mode_identity`, never serves rows computed by an earlier revision.
-MODE_REVISIONS = {"invariant": 4, "int4": 6}
+MODE_REVISIONS = {"invariant": 5, "int4": 6}
 
 
 def mode_identity(mode: str) -> str:
