@@ -44,7 +44,9 @@ NUM_WARPS = 4
 
 if triton is not None:
 
-    @triton.jit
+    # row counts change from round to round: one compiled kernel for every count (Triton would
+    # otherwise build another, mid-serving, for a count of 1 or a multiple of 16)
+    @triton.jit(do_not_specialize=["R"])
     def _rms_norm_kernel(h_ptr, res_ptr, w_ptr, out_ptr, R, C, eps, s_h, s_r, s_o,
                          HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -59,7 +61,7 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=cols < C, other=0.0)
         tl.store(out_ptr + r64 * s_o + cols, (x * inv[:, None] * w).to(out_ptr.dtype.element_ty), mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R"])
     def _silu_mul_kernel(gu_ptr, out_ptr, R, I, s_gu, s_o, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         r64 = rows.to(tl.int64)[:, None]
@@ -69,7 +71,7 @@ if triton is not None:
         u = tl.load(gu_ptr + r64 * s_gu + I + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + r64 * s_o + cols, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R", "num_rows"])
     def _rope_write_kernel(qkv_ptr, bias_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
                            R, num_rows, s_qkv, s_q, scale, half_stride,
                            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,

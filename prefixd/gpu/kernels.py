@@ -158,7 +158,9 @@ MAX_GRID_Z = 65535  # CUDA's limit on the third grid dimension (the batch)
 
 if triton is not None:
 
-    @triton.jit
+    # a call's row count changes from round to round: one compiled kernel for every count
+    # (Triton would otherwise build another, mid-serving, for 1 or a multiple of 16)
+    @triton.jit(do_not_specialize=["M"])
     def _bmm_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
                     s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -184,7 +186,7 @@ if triton is not None:
         c_ptrs = c_ptr + batch * s_cb + rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R"])
     def _row_sum_kernel(x_ptr, out_ptr, R, C, s_r, s_c,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)

@@ -14,6 +14,7 @@ of the GPUs it may run on.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,32 @@ def test_shared_memory_fits_every_target(compiled):
             if r["ok"] and r["shared"] > min(SHARED_BUDGET, triton_compile.SHARED_LIMIT[r["arch"]])]
     assert not over, "shared memory over budget:\n" + "\n".join(over)
 
+
+
+def test_a_round_of_any_row_count_runs_kernels_already_compiled(tmp_path, monkeypatch):
+    """Triton compiles another binary for an int argument equal to 1 or a multiple of 16
+    unless told not to, and a new binary is seconds of compiling in the middle of serving.
+    Row counts change from round to round, so every kernel leaves them unspecialized: rounds
+    of 1, 16, 17 and 40 prefill rows, a decode row, and two lanes of 3 verify rows run the
+    same compiled kernels (sm_90)."""
+    monkeypatch.setattr(kernels, "TRITON_ON_CPU", True)
+    monkeypatch.setattr(kernels, "_use_triton", lambda x: True)
+    monkeypatch.setattr(kernels, "_cpu_products_checked", True)
+    monkeypatch.setattr(flash, "INTERPRETING", False)
+    runner = make_runner(MODELS["llama"](tmp_path), torch.bfloat16, device=CPU, programs="off")
+    rounds = [RoundPlan((work(0, 0, prompt(1), lane_pages(0)),)), RoundPlan((work(1, 0, prompt(16), lane_pages(1)),)),
+              RoundPlan((work(2, 0, prompt(17), lane_pages(2)),)), RoundPlan((work(3, 0, prompt(40), lane_pages(3)),)),
+              RoundPlan((work(0, 1, prompt(1), lane_pages(0), prefill=False),)),
+              RoundPlan((work(1, 16, prompt(3), lane_pages(1), prefill=False),
+                         work(2, 17, prompt(3), lane_pages(2), prefill=False)))]
+    recorded = []
+    for plan in rounds:
+        with triton_compile.record_launches() as got:
+            runner.run_round(plan)
+        recorded.append(got)
+    every = [launch for got in recorded for launch in got]
+    key = {json.dumps(launch, sort_keys=True): result["key"]
+           for launch, result in zip(triton_compile.distinct(every), triton_compile.compile_launches(every, (90,)))}
+    binaries = [{key[json.dumps(launch, sort_keys=True)] for launch in got} for got in recorded]
+    assert all(b == binaries[0] for b in binaries), \
+        f"binaries a round compiled that the first round did not, per round: {[sorted(b - binaries[0]) for b in binaries]}"

@@ -97,8 +97,10 @@ def distinct(launches: list[dict]) -> list[dict]:
 
 
 def compile_launches(launches: list[dict], archs: tuple[int, ...] = (90,), timeout: float = 900) -> list[dict]:
-    """For each launch, {"kernel", "arch", "ok", "error", "shared", "registers", "spill_bytes",
-    "constexprs"} per architecture in `archs`, compiled in a child process."""
+    """For each distinct launch (`distinct`), in order, {"kernel", "arch", "ok", "error",
+    "shared", "registers", "spill_bytes", "constexprs", "key"} per architecture in `archs`,
+    compiled in a child process; "key" names the compiled kernel (launches with one key run
+    one binary)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-m", "tests.helpers.triton_compile"], cwd=ROOT, env=env,
@@ -123,6 +125,7 @@ def _value(kind: dict) -> Any:
 
 
 def _compile_one(launch: dict, arch: int, cache: dict) -> dict:
+    import hashlib
     import importlib
 
     from triton.backends.compiler import GPUTarget
@@ -142,7 +145,7 @@ def _compile_one(launch: dict, arch: int, cache: dict) -> dict:
     key = repr((launch["module"], launch["kernel"], arch, signature, constexprs, attrs, options))
     if key not in cache:  # launches whose ints differ but specialize alike compile once
         cache[key] = _build(fn, signature, constexprs, attrs, target, options)
-    return {**result, **cache[key]}
+    return {**result, **cache[key], "key": hashlib.sha256(key.encode()).hexdigest()[:16]}
 
 
 def _build(fn, signature, constexprs, attrs, target, options) -> dict:
