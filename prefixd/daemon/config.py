@@ -15,7 +15,11 @@ DEFAULT_CUDA_LANES = 16
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_GRID = 256
 DEFAULT_GRACE_S = 10.0
-DEFAULT_DRAFT_MAX = 4
+# Most drafts a lane verifies a round: 7, so its verify rows (its last token and 7 drafts) are
+# one task of mode int4's attention (8 rows) and one rows-bucket of the decode programs (8);
+# the round's policy grants fewer where rows cost more than they return (docs/benchmarks.md,
+# *Drafting*: 1-lane echo 2.82x against 2.64x with 4, 8 lanes alike).
+DEFAULT_DRAFT_MAX = 7
 # Without --max-context a CPU daemon caps the context: each lane's KV is reserved up front.
 DEFAULT_CPU_MAX_CONTEXT = 4096
 # `--cache-budget auto`: this share of the memory left after weights, lanes and workspace.
