@@ -18,8 +18,8 @@ import torch
 
 from prefixd.gpu import flash, fused
 from prefixd.scheduler.records import RoundPlan
-from tests.gpu.runner_helpers import kv_equal, lane_pages, make_runner, prompt, run_chunks, work
-from tests.gpu.test_invariance import check_lane_beside_others, check_verify_equals_decode
+from tests.gpu.runner_helpers import kv_equal, lane_pages, make_runner, prompt, work
+from tests.gpu.test_invariance import check_chunking, check_lane_beside_others, check_verify_equals_decode
 
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA test_invariance and test_programs run the kernel"),
@@ -71,17 +71,11 @@ def _counted(calls: dict, name: str, fn):
 
 
 def test_flash_chunked_prefill_equals_one_shot(runner):
-    """test_invariance.py's chunk plans, and the last rows one a round (all 300 rows one a
+    """test_invariance.py's chunk plans, the last 24 rows one a round (all 300 rows one a
     round there: too slow interpreted)."""
     if runner.config.family != "llama" or runner.dtype != torch.bfloat16:
         pytest.skip("chunking is checked on llama in bf16 (the interpreter is slow)")
-    n = 300
-    tokens = prompt(n, seed=1)
-    one = run_chunks(runner, 0, tokens, lane_pages(0), [n])
-    plans = {"mixed": [1, 16, 33, 7, 200, n - 257], "255+rest": [255, n - 255], "singles": [n - 24] + [1] * 24}
-    for i, (name, chunks) in enumerate(plans.items(), start=1):
-        assert torch.equal(run_chunks(runner, i, tokens, lane_pages(i), chunks), one), f"chunks {name}: logits differ"
-        assert kv_equal(runner, lane_pages(0), runner, lane_pages(i), n), f"chunks {name}: KV differs"
+    check_chunking(runner, 300, fives=False, single_rows=24)
 
 
 def test_flash_lane_alone_equals_beside_seven_lanes(runner):

@@ -38,22 +38,23 @@ def default_runner(request, default_gguf):
     return make_runner(default_gguf, dtype, mode=mode)
 
 
-def check_chunking(runner, n: int, *, fives: bool = True) -> None:
+def check_chunking(runner, n: int, *, fives: bool = True, single_rows: int | None = None) -> None:
+    """n rows prefilled in one shot equal them in chunks: mixed sizes, 255 and the rest, 5s
+    (`fives`), and one row a round (the last `single_rows` rows; default all n), logits and K/V."""
     tokens = prompt(n, seed=1)
     one = run_chunks(runner, 0, tokens, lane_pages(0), [n])
+    singles = n if single_rows is None else single_rows
     plans = {
         "mixed": [1, 16, 33, 7, 200, n - 257],
         "255+rest": [255, n - 255],
     }
     if fives:
         plans["5s"] = [5] * (n // 5) + ([n % 5] if n % 5 else [])
+    plans["one row at a time"] = ([n - singles] if singles < n else []) + [1] * singles
     for i, (name, chunks) in enumerate(plans.items(), start=1):
         got = run_chunks(runner, i, tokens, lane_pages(i), chunks)
         assert torch.equal(got, one), f"chunks {name}: logits differ"
         assert kv_equal(runner, lane_pages(0), runner, lane_pages(i), n), f"chunks {name}: KV differs"
-    singles = run_chunks(runner, 5, tokens, lane_pages(5), [1] * n)
-    assert torch.equal(singles, one), "one row at a time: logits differ"
-    assert kv_equal(runner, lane_pages(0), runner, lane_pages(5), n), "one row at a time: KV differs"
 
 
 def check_lane_beside_others(runner, n: int) -> None:
