@@ -73,15 +73,20 @@ def _rounds(runner) -> None:
                                 work(2, 0, prompt(5), lane_pages(2), prefill=False))))
 
 
+def _down_the_cuda_path(mp: pytest.MonkeyPatch) -> None:
+    """A CPU runner's forward takes the CUDA path, with the launch options a GPU gets."""
+    mp.setattr(kernels, "TRITON_ON_CPU", True)
+    mp.setattr(kernels, "_use_triton", lambda x: True)  # the projections and sums too
+    mp.setattr(kernels, "_cpu_products_checked", True)  # its probe would read unrun kernels' outputs
+    mp.setattr(flash, "INTERPRETING", False)  # bf16 attention on the tensor cores, not the interpreter's form
+
+
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory) -> list[dict]:
     """Every launch of the CASES' rounds, eager and through decode programs, on the CUDA path."""
     recorded: list[dict] = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "TRITON_ON_CPU", True)
-        mp.setattr(kernels, "_use_triton", lambda x: True)  # the projections and sums too
-        mp.setattr(kernels, "_cpu_products_checked", True)  # its probe would read unrun kernels' outputs
-        mp.setattr(flash, "INTERPRETING", False)  # the launch options a GPU gets
+        _down_the_cuda_path(mp)
         dirs = {}
         for name, dtype in CASES:
             if name not in dirs:
@@ -142,10 +147,7 @@ def test_a_round_of_any_row_count_runs_kernels_already_compiled(tmp_path, monkey
     Row counts change from round to round, so every kernel leaves them unspecialized: rounds
     of 1, 16, 17 and 40 prefill rows, a decode row, and two lanes of 3 verify rows run the
     same compiled kernels (sm_90)."""
-    monkeypatch.setattr(kernels, "TRITON_ON_CPU", True)
-    monkeypatch.setattr(kernels, "_use_triton", lambda x: True)
-    monkeypatch.setattr(kernels, "_cpu_products_checked", True)
-    monkeypatch.setattr(flash, "INTERPRETING", False)
+    _down_the_cuda_path(monkeypatch)
     runner = make_runner(MODELS["llama"](tmp_path), torch.bfloat16, device=CPU, programs="off")
     rounds = [RoundPlan((work(0, 0, prompt(1), lane_pages(0)),)), RoundPlan((work(1, 0, prompt(16), lane_pages(1)),)),
               RoundPlan((work(2, 0, prompt(17), lane_pages(2)),)), RoundPlan((work(3, 0, prompt(40), lane_pages(3)),)),
