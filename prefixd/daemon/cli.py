@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 import prefixd
-from prefixd.daemon.abandon import HOLD_BASE_S, AbandonLimits
+from prefixd.front.abandon import HOLD_BASE_S, AbandonLimits
 from prefixd.daemon.config import (DEFAULT_ABANDON_GRACE, DEFAULT_ABANDON_HOLD_MAX_S, DEFAULT_CLIENT_FRAME_BURST,
                                    DEFAULT_CLIENT_FRAME_RATE, DEFAULT_CONNECT_FRAME_COST, DEFAULT_CPU_LANES,
                                    DEFAULT_CPU_MAX_CONTEXT, DEFAULT_CUDA_LANES, DEFAULT_ERROR_FRAME_COST,

@@ -40,12 +40,12 @@ AUTO_DRAFT = {
 # ... and for a model that ships MTP layers (a draft head), where bench/draft.py --mtp measured.
 AUTO_DRAFT_HEAD: dict[tuple[str, str], str] = {}
 DEFAULT_DISK_BUDGET_BYTES = 8 << 30
-# One client's frame budget (prefixd/daemon/pacing.py): far above what a normal client sends.
+# One client's frame budget (prefixd/front/pacing.py): far above what a normal client sends.
 DEFAULT_CLIENT_FRAME_RATE = 500.0
 DEFAULT_CLIENT_FRAME_BURST = 4096
 DEFAULT_ERROR_FRAME_COST = 16
 DEFAULT_CONNECT_FRAME_COST = 64
-# Holds for a client that keeps abandoning generates (prefixd/daemon/abandon.py).
+# Holds for a client that keeps abandoning generates (prefixd/front/abandon.py).
 DEFAULT_ABANDON_GRACE = 6
 DEFAULT_ABANDON_HOLD_MAX_S = 30.0
 
@@ -160,7 +160,7 @@ def _check(cfg: DaemonConfig) -> DaemonConfig:
     if cfg.log_level not in LOG_LEVELS:
         raise ConfigError(f"log level {cfg.log_level!r}: expected one of {', '.join(LOG_LEVELS)}")
     if cfg.http_addr:
-        from prefixd.daemon.http.addr import check_http_addr
+        from prefixd.front.http.addr import check_http_addr
 
         check_http_addr(cfg.http_addr, cfg.http_token_file)
     if cfg.disk_budget_bytes < 0:

@@ -21,20 +21,20 @@ import anyio
 import anyio.abc
 
 import prefixd
-from prefixd.daemon.abandon import AbandonLedger
-from prefixd.daemon.admission import AcceptErrors, refuse_connection, return_freed_memory
-from prefixd.daemon.bounds import ConnectionBounds
+from prefixd.front.abandon import AbandonLedger
+from prefixd.front.accept import AcceptErrors, refuse_connection, return_freed_memory
+from prefixd.front.bounds import ConnectionBounds
 from prefixd.daemon.config import DaemonConfig, cache_budget_warning
-from prefixd.daemon.connection import Connection, Services
-from prefixd.daemon.engine_host import EngineHost, one_malloc_arena
-from prefixd.daemon.fair import FairSeats
+from prefixd.front.connection import Connection, Services
+from prefixd.front.engine_host import EngineHost, one_malloc_arena
+from prefixd.front.fair import FairSeats
 from prefixd.daemon.host_work import HostWork
-from prefixd.daemon.http.serve import HttpServer
-from prefixd.daemon.listener import PeerCred, PeerPolicy, SocketPathError, peer_cred
-from prefixd.daemon.pacing import Pacer
+from prefixd.front.http.serve import HttpServer
+from prefixd.front.listener import PeerCred, PeerPolicy, SocketPathError, peer_cred
+from prefixd.front.pacing import Pacer
 from prefixd.daemon.render_process import RenderPool, RenderShares
-from prefixd.daemon.requests import RequestBuilder
-from prefixd.daemon.runtime import Runtime, load_runtime, run_on_own_thread
+from prefixd.front.requests import RequestBuilder
+from prefixd.engine.runtime import Runtime, load_runtime, run_on_own_thread
 from prefixd.daemon.startup import StartupError, activation_socket, bind_socket, check_device, open_exporter
 from prefixd.daemon.systemd import Notifier
 from prefixd.ipc.framing import Limits

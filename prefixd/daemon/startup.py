@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixd.daemon.config import DaemonConfig
-from prefixd.daemon.listener import SocketInUseError, SocketPathError, bind_listening_socket
+from prefixd.front.listener import SocketInUseError, SocketPathError, bind_listening_socket
 from prefixd.daemon.systemd import ActivationError, take_activation_socket
 
 

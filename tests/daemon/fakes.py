@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from prefixd.daemon.runtime import Runtime
+from prefixd.engine.runtime import Runtime
 from prefixd.scheduler.device import DeviceInfo
 from prefixd.scheduler.records import CapturedState, LaneResult, RoundPlan, RoundResult, StoredSample
 

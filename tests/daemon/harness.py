@@ -11,7 +11,7 @@ from typing import AsyncIterator
 
 import anyio
 
-from prefixd.daemon.bounds import ConnectionBounds
+from prefixd.front.bounds import ConnectionBounds
 from prefixd.daemon.config import DaemonConfig
 from prefixd.daemon.server import Server
 from tests.daemon.fakes import LetterDevice, fake_runtime_factory

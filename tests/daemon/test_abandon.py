@@ -1,4 +1,4 @@
-"""Abandoned generates (prefixd/daemon/abandon.py): a client that keeps leaving the work it
+"""Abandoned generates (prefixd/front/abandon.py): a client that keeps leaving the work it
 asked for waits, while another client is served, before its next generates are seated.
 
 Through the socket, the abandoning client is another process: its connections are opened by
@@ -15,9 +15,9 @@ import sys
 import anyio
 import pytest
 
-from prefixd.daemon.abandon import HOLD_BASE_S, POLL_S, AbandonLedger, AbandonLimits
-from prefixd.daemon.bounds import ConnectionBounds
-from prefixd.daemon.fair import FairSeats
+from prefixd.front.abandon import HOLD_BASE_S, POLL_S, AbandonLedger, AbandonLimits
+from prefixd.front.bounds import ConnectionBounds
+from prefixd.front.fair import FairSeats
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.transport import FramedStream
 from tests.daemon.fakes import LetterDevice

@@ -181,7 +181,7 @@ async def test_a_client_that_never_reads_is_disconnected_and_its_stream_cancelle
 
 
 async def test_a_bug_in_one_request_closes_only_that_connection(tmp_path, monkeypatch):
-    from prefixd.daemon.requests import RequestBuilder
+    from prefixd.front.requests import RequestBuilder
 
     def broken(self, msg):
         raise RuntimeError("planted bug")

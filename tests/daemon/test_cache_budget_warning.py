@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from prefixd.daemon.config import cache_budget_warning
-from prefixd.daemon.runtime import Runtime
+from prefixd.engine.runtime import Runtime
 from prefixd.scheduler.config import SchedulerConfig
 from tests.daemon.fakes import VOCAB, ByteDecoder, ByteTokenizer, LetterDevice
 from tests.daemon import harness

@@ -84,7 +84,7 @@ def test_bad_values_name_the_flag(flags, needle):
 
 
 def test_abandon_flags_reach_the_connection_bounds_and_zero_turns_holds_off():
-    from prefixd.daemon.bounds import ConnectionBounds
+    from prefixd.front.bounds import ConnectionBounds
 
     cfg = config_from_args(_args(abandon_grace=2, abandon_hold_max=0.0), env={})
     limits = ConnectionBounds.for_config(cfg).abandon

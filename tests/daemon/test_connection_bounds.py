@@ -12,7 +12,7 @@ import struct
 import anyio
 import msgpack
 
-from prefixd.daemon.bounds import ConnectionBounds
+from prefixd.front.bounds import ConnectionBounds
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.framing import encode_frame
 from prefixd.ipc.transport import FramedStream

@@ -14,7 +14,7 @@ BLOCK_BYTES = 48 << 20  # above glibc's largest mmap threshold: by default mappe
 
 PROBE = f"""
 import resource, sys
-from prefixd.daemon.engine_host import retain_freed_memory
+from prefixd.front.engine_host import retain_freed_memory
 if sys.argv[1] == "retain" and not retain_freed_memory():
     sys.exit(3)
 
@@ -51,7 +51,7 @@ def test_a_freed_block_is_reused_without_page_faults_once_freed_memory_is_retain
 IDLE_PROBE = f"""
 import asyncio, threading
 import anyio
-from prefixd.daemon.engine_host import EngineHost
+from prefixd.front.engine_host import EngineHost
 
 class IdleEngine:
     idle = True
@@ -100,8 +100,8 @@ def test_freed_heap_goes_back_to_the_system_once_the_engine_is_idle():
 
 ARENA_PROBE = f"""
 import sys, threading
-from prefixd.daemon.admission import return_freed_memory
-from prefixd.daemon.engine_host import one_malloc_arena, retain_freed_memory
+from prefixd.front.accept import return_freed_memory
+from prefixd.front.engine_host import one_malloc_arena, retain_freed_memory
 if sys.argv[1] == "one" and not one_malloc_arena():
     sys.exit(3)
 if not retain_freed_memory():

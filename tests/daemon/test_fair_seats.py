@@ -12,8 +12,8 @@ import threading
 import anyio
 import pytest
 
-from prefixd.daemon.fair import FairSeats
-from prefixd.daemon.requests import RequestBuilder
+from prefixd.front.fair import FairSeats
+from prefixd.front.requests import RequestBuilder
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.transport import FramedStream
 from tests.daemon.fakes import LetterDevice

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from prefixd.daemon.config import DaemonConfig
-from prefixd.daemon.requests import RequestBuilder
+from prefixd.front.requests import RequestBuilder
 from prefixd.daemon.server import Server
 from prefixd.gpu import cpu_kernels
 from prefixd.ipc.client import AsyncClient

@@ -25,7 +25,7 @@ from anyio import from_thread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixd.daemon.bounds import ConnectionBounds
+from prefixd.front.bounds import ConnectionBounds
 from prefixd.ipc.framing import Dtype, MemfdRef
 from tests.daemon.harness import open_fds, running_server, wait_idle
 

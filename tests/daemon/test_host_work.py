@@ -8,7 +8,7 @@ import threading
 
 import anyio
 
-from prefixd.daemon.bounds import ConnectionBounds
+from prefixd.front.bounds import ConnectionBounds
 from prefixd.daemon.host_work import HEAVY_MESSAGES, SLICE_S, CpuShare, is_heavy
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.transport import FramedStream

@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from prefixd.daemon.listener import (
+from prefixd.front.listener import (
     PeerCred,
     PeerPolicy,
     SocketInUseError,

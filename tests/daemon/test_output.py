@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from prefixd.daemon.engine_host import StreamTokens
-from prefixd.daemon.output import OutputProcessor
+from prefixd.front.engine_host import StreamTokens
+from prefixd.front.output import OutputProcessor
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.events import DoneEvent, TokenEvent
 from prefixd.scheduler.streams import Usage as EngineUsage

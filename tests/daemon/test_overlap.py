@@ -9,7 +9,7 @@ import threading
 import anyio
 import pytest
 
-from prefixd.daemon.engine_host import EngineHost
+from prefixd.front.engine_host import EngineHost
 from prefixd.scheduler.config import SchedulerConfig
 from prefixd.scheduler.engine import Engine
 from prefixd.scheduler.streams import DoneEvent, StreamRequest

@@ -1,4 +1,4 @@
-"""Client pacing (prefixd/daemon/pacing.py), through the socket: a client that floods the
+"""Client pacing (prefixd/front/pacing.py), through the socket: a client that floods the
 daemon with frames, errors or connections is read at its budget's pace; nothing it sent is
 dropped, and other clients are not slowed by its debt."""
 
@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import anyio
 
-from prefixd.daemon.bounds import ConnectionBounds
-from prefixd.daemon.pacing import PaceLimits
+from prefixd.front.bounds import ConnectionBounds
+from prefixd.front.pacing import PaceLimits
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.framing import encode_frame
 from prefixd.ipc.transport import FramedStream
@@ -153,7 +153,7 @@ async def test_rate_zero_turns_pacing_off(tmp_path):
 async def test_a_client_in_debt_is_let_back_in_with_a_quantum_of_its_rate():
     # Let in frame by frame, a flood would cost the loop a timer, a wake-up and a write per
     # frame; once in debt, a client waits until QUANTUM_S of its rate has refilled.
-    from prefixd.daemon.pacing import QUANTUM_S, ClientBudget
+    from prefixd.front.pacing import QUANTUM_S, ClientBudget
 
     budget = ClientBudget(PaceLimits(rate=1000.0, burst=4096), anyio.current_time())
     budget.charge(budget.credits + 1, anyio.current_time())  # one credit in debt

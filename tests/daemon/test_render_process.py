@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from prefixd.daemon.bounds import ConnectionBounds
+from prefixd.front.bounds import ConnectionBounds
 from prefixd.daemon.host_work import HEAVY_MESSAGES
 from prefixd.daemon.render_process import ClientRenderer, RenderFailed, RenderPool, RenderShares
 from prefixd.gpu.threads import CpuThreads

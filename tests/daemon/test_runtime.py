@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from prefixd.daemon.config import AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig
-from prefixd.daemon.runtime import kv_bytes_per_page, mem_available_bytes, plan_num_pages
+from prefixd.engine.runtime import kv_bytes_per_page, mem_available_bytes, plan_num_pages
 
 PAGE = 1000
 
@@ -51,7 +51,7 @@ def test_mem_available_reads_meminfo(tmp_path):
 def test_loaded_runtime_reports_the_resolved_mode_and_runs_the_thread_policy(tmp_path):
     import torch
 
-    from prefixd.daemon.runtime import load_runtime
+    from prefixd.engine.runtime import load_runtime
     from tests.helpers.tiny_models import make_tiny_hf_dir
 
     model = make_tiny_hf_dir(tmp_path / "tiny", "llama", seed=1, tie_word_embeddings=True)
@@ -91,7 +91,7 @@ def _tiny_hybrid(path, mtp_layers: int):
 def test_draft_mtp_runs_the_head_and_a_model_without_one_is_refused_at_start_up(tmp_path):
     import pytest
 
-    from prefixd.daemon.runtime import load_runtime
+    from prefixd.engine.runtime import load_runtime
     from prefixd.daemon.startup import StartupError
 
     cfg = DaemonConfig(model=str(_tiny_hybrid(tmp_path / "mtp", 1)), dtype="fp32", lanes=2, max_context=64,

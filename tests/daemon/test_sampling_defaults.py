@@ -7,7 +7,7 @@ import json
 from types import SimpleNamespace
 
 from prefixd.daemon.client_cli import CHAT_DEFAULTS, _sampling
-from prefixd.daemon.sampling_defaults import sampling_defaults
+from prefixd.engine.sampling_defaults import sampling_defaults
 
 
 def flags(**given) -> SimpleNamespace:

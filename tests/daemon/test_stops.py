@@ -6,7 +6,7 @@ from hypothesis import given, strategies as st
 
 import pytest
 
-from prefixd.daemon.stops import StopMatcher, StopSet
+from prefixd.front.stops import StopMatcher, StopSet
 
 
 def test_stop_inside_one_piece_truncates_before_it():

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from prefixd.daemon.requests import RequestBuilder  # noqa: E402
+from prefixd.front.requests import RequestBuilder  # noqa: E402
 from prefixd.gpu import runner as runner_module  # noqa: E402
 from prefixd.gpu.constrain import GrammarMask  # noqa: E402
 from prefixd.gpu.loading import load_checkpoint  # noqa: E402

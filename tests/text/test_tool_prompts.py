@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixd.daemon.requests import RequestBuilder
+from prefixd.front.requests import RequestBuilder
 from prefixd.text.tokenizer import Tokenizer
 from prefixd.ipc.framing import Limits
 

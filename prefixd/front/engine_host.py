@@ -34,7 +34,7 @@ from typing import Any, Callable, TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from prefixd.daemon.admission import return_freed_memory
+from prefixd.front.accept import return_freed_memory
 
 log = logging.getLogger("prefixd.engine")
 T = TypeVar("T")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixd.daemon.abandon import AbandonLimits
-from prefixd.daemon.pacing import PaceLimits
+from prefixd.front.abandon import AbandonLimits
+from prefixd.front.pacing import PaceLimits
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,8 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from prefixd.daemon.output import OutputProcessor
-from prefixd.daemon.stops import StopSet
+from prefixd.front.output import OutputProcessor
+from prefixd.front.stops import StopSet
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.events import HelloReply, TextReply, TokensReply
 from prefixd.ipc.framing import Limits

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from prefixd.daemon.engine_host import StreamTokens
-from prefixd.daemon.stops import StopMatcher, StopSet
+from prefixd.front.engine_host import StreamTokens
+from prefixd.front.stops import StopMatcher, StopSet
 from prefixd.ipc.events import DoneEvent, TokenEvent, Usage
 from prefixd.text.tools import ToolCallSplitter
 

@@ -16,10 +16,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from prefixd.daemon.engine_host import StreamTokens
+from prefixd.front.engine_host import StreamTokens
 from prefixd.daemon.host_work import is_heavy
-from prefixd.daemon.http.answers import SSE_DONE, Answer
-from prefixd.daemon.http.openai_map import HttpError, MappedRequest, map_chat, map_completion
+from prefixd.front.http.answers import SSE_DONE, Answer
+from prefixd.front.http.openai_map import HttpError, MappedRequest, map_chat, map_completion
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.events import DoneEvent, TokenEvent
 
@@ -182,7 +182,7 @@ async def _sse(answer: Answer, events: AsyncIterator[TokenEvent | DoneEvent], ma
 
 
 def _finish(done: DoneEvent) -> str:
-    from prefixd.daemon.http.answers import FINISH
+    from prefixd.front.http.answers import FINISH
 
     return FINISH[done.finish_reason]
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import anyio
 
 from prefixd.daemon.config import AUTO_CACHE_FRACTION, AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig, resolve_draft
-from prefixd.daemon.sampling_defaults import sampling_defaults
+from prefixd.engine.sampling_defaults import sampling_defaults
 from prefixd.daemon.startup import StartupError
 
 log = logging.getLogger("prefixd.runtime")

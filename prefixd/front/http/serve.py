@@ -14,8 +14,8 @@ from typing import Any, Iterator
 import anyio
 import uvicorn
 
-from prefixd.daemon.http.addr import read_token, split_http_addr
-from prefixd.daemon.http.app import HttpFront
+from prefixd.front.http.addr import read_token, split_http_addr
+from prefixd.front.http.app import HttpFront
 
 log = logging.getLogger("prefixd.http")
 SHUTDOWN_S = 5.0  # open HTTP connections get this long to finish once the daemon stops

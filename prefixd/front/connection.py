@@ -23,15 +23,15 @@ from typing import Any, Callable, Hashable
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from prefixd.daemon.abandon import AbandonLedger
-from prefixd.daemon.bounds import ConnectionBounds
-from prefixd.daemon.engine_host import EngineFailed, EngineHost, StreamTokens
-from prefixd.daemon.fair import FairSeats
+from prefixd.front.abandon import AbandonLedger
+from prefixd.front.bounds import ConnectionBounds
+from prefixd.front.engine_host import EngineFailed, EngineHost, StreamTokens
+from prefixd.front.fair import FairSeats
 from prefixd.daemon.host_work import HostWork, is_heavy
-from prefixd.daemon.pacing import ClientBudget
-from prefixd.daemon.peer_probe import peer_probe
+from prefixd.front.pacing import ClientBudget
+from prefixd.front.peer_probe import peer_probe
 from prefixd.daemon.render_process import ClientRenderer, RenderPool, RenderShares
-from prefixd.daemon.requests import Renderer, RequestBuilder
+from prefixd.front.requests import Renderer, RequestBuilder
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.events import ErrorReply, OkReply, StatusReply
 from prefixd.ipc.fields import request_id_of
