@@ -1,13 +1,13 @@
 """ModelRunner: the torch implementation of `prefixd.scheduler.device.Device`.
 
 `run_round` is the only call the scheduler makes. It runs a `RoundPlan` in its fixed order:
-disk loads and exports, fences, rollbacks, resets, restores, page copies, sampler set-up,
-stored-row samples, then
+disk loads and exports, resets, restores, page copies, sampler set-up, stored-row samples, then
 one batched forward (the plan's lanes concatenated into one row batch; every row's K/V goes
 into its lane's pages, attention reads only through each lane's page table, and the lm_head
 runs only on rows that are sampled, returned or digested), the samples, and the captures.
 Verify rows (a lane's `LaneWork.drafts`) are sampled up to the first rejected draft, and the
-lane's state is rolled back to the last accepted row in the same round. A runner with a draft
+lane's state is rolled back to the last accepted row in the same round, by a copy that may
+still be in flight when the round returns: every reset, restore and capture waits for it. A runner with a draft
 head (`draft_head=True`, a qwen3_5 checkpoint with MTP layers) then runs the head's rows for
 every lane and returns its proposals with the lane's result (`gpu.families.qwen3_5_draft`).
 A round of decode and verify rows may run as a fixed program instead of op by op, replayed
@@ -118,10 +118,6 @@ class ModelRunner:
 
     # Plan steps before the forward --------------------------------------------------------
     def _before_forward(self, plan: RoundPlan) -> None:
-        if plan.fences:
-            self.copies.wait_all()  # CPU and one copy stream: a lane's fence is every copy's
-        for item in plan.rollbacks:
-            self._rollback(item.lane, item.keep_rows)
         if plan.resets or plan.restores:
             self.copies.wait_all()  # a rolled-back row must never land after a reset or restore
         for lane in plan.resets:
@@ -134,9 +130,9 @@ class ModelRunner:
         self.copies.wait_all()  # a round must not read pages a copy is still writing
 
     def _rollback(self, lane: int, num_rows: int) -> int:
-        """Keep the first `num_rows` rows of the lane's last multi-row decode (a rejected draft
-        tail). KV rows past them are simply overwritten later; a family with lane state restores
-        it from its per-row record. The copy is issued on the copy engine and may still be in
+        """Keep the first `num_rows` rows of the lane's verify rows (a rejected draft tail).
+        KV rows past them are simply overwritten later; a family with lane state restores it
+        from its per-row record. The copy is issued on the copy engine and may still be in
         flight on return: every later round, capture, restore and reset waits for it.
         Returns bytes copied (0 for attention-only families)."""
         rollback_copy = getattr(self.model, "rollback_copy", None)
@@ -297,8 +293,7 @@ class ModelRunner:
         seen: set[int] = set()
         for w in plan.lanes:
             self._check_work(w, seen)
-        for lane in (*plan.fences, *(r.lane for r in plan.rollbacks), *plan.resets,
-                     *(r.lane for r in plan.restores), *(s.lane for s in plan.samplers),
+        for lane in (*plan.resets, *(r.lane for r in plan.restores), *(s.lane for s in plan.samplers),
                      *(s.lane for s in plan.stored), *(c.lane for c in plan.captures)):
             self._check_lane(lane)
         for c in plan.page_copies:

@@ -40,11 +40,11 @@ class Device(Protocol):
     info: DeviceInfo
 
     def run_round(self, plan: RoundPlan) -> RoundResult:
-        """Run `plan`: its disk loads and exports, fences, rollbacks, resets, restores and page
-        copies, sampler set-up and stored-row samples, then one batched forward (writing every
-        row's KV into its lane's pages, advancing every planned lane's recurrent state,
-        sampling where asked), then its captures. Returns tokens, logits rows and digests,
-        captured states and the exports' host bytes."""
+        """Run `plan`: its disk loads and exports, resets, restores and page copies, sampler
+        set-up and stored-row samples, then one batched forward (writing every row's KV into
+        its lane's pages, advancing every planned lane's recurrent state, sampling where asked,
+        rolling a rejected verify's lane back), then its captures. Returns tokens, logits rows
+        and digests, captured states and the exports' host bytes."""
 
     def close(self) -> None:
         """Release device resources; no round runs after it."""

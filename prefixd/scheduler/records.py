@@ -105,15 +105,6 @@ class LaneWork:
 
 
 @dataclass(frozen=True, slots=True)
-class Rollback:
-    """Keep only the first `keep_rows` rows of the lane's last multi-row decode (a rejected
-    draft tail): recurrent state goes back to that row; KV rows past it are overwritten later."""
-
-    lane: int
-    keep_rows: int
-
-
-@dataclass(frozen=True, slots=True)
 class Restore:
     """Overwrite the lane's non-page state with a captured `state` (a snapshot or a resident cut)."""
 
@@ -171,21 +162,20 @@ class PageExport:
 class RoundPlan:
     """Everything the device does in one round, run in this fixed order:
 
-        loads -> exports -> fences -> rollbacks -> resets -> restores -> page copies
-          -> sampler set-up -> stored samples -> forward (lanes) -> samples -> captures
+        loads -> exports -> resets -> restores -> page copies -> sampler set-up
+          -> stored samples -> forward (lanes) -> samples and verify rollbacks -> captures
 
     Each step runs its items in the order listed. A lane appears at most once in `lanes`,
-    `resets`/`restores` (one of them), `stored` and `captures`. A fence makes every later
-    step that touches the lane wait for its in-flight rollback copies; resets, restores and
-    captures wait for them in any case. Loads write pages nothing has read since they were
-    taken; exports read pages before anything in the round writes one.
+    `resets`/`restores` (one of them), `stored` and `captures`. A rejected verify rolls its
+    lane back inside the round (`LaneWork.drafts`), and the copy may still be in flight when
+    the round returns: resets, restores and captures, this round's or a later one's, wait
+    for every such copy before they touch the lane's state. Loads write pages nothing has
+    read since they were taken; exports read pages before anything in the round writes one.
     """
 
     lanes: tuple[LaneWork, ...] = ()
     loads: tuple[DiskLoad, ...] = ()
     exports: tuple[PageExport, ...] = ()
-    fences: tuple[int, ...] = ()
-    rollbacks: tuple[Rollback, ...] = ()
     resets: tuple[int, ...] = ()
     restores: tuple[Restore, ...] = ()
     page_copies: tuple[PageCopy, ...] = ()
@@ -199,8 +189,8 @@ class RoundPlan:
 
     @property
     def empty(self) -> bool:
-        return not any((self.lanes, self.loads, self.exports, self.fences, self.rollbacks, self.resets,
-                        self.restores, self.page_copies, self.samplers, self.stored, self.captures))
+        return not any((self.lanes, self.loads, self.exports, self.resets, self.restores, self.page_copies,
+                        self.samplers, self.stored, self.captures))
 
 
 class DeviceRows(Protocol):

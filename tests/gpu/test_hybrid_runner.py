@@ -9,7 +9,7 @@ import torch
 
 from prefixd.gpu.loading import load_checkpoint
 from prefixd.gpu.runner import ModelRunner
-from prefixd.scheduler.records import (Capture, LaneWork, PageCopy, Restore, Rollback, RoundPlan, SamplerSetup,
+from prefixd.scheduler.records import (Capture, LaneWork, PageCopy, Restore, RoundPlan, SamplerSetup,
                                        SamplingParams)
 from tests.gpu.runner_helpers import capture
 from tests.helpers.device import TEST_DEVICE
@@ -118,27 +118,32 @@ def test_runner_eight_lanes_equal_solo(hybrid_dir: Path) -> None:
 
 
 def test_runner_rollback_equals_a_run_that_only_saw_the_kept_rows(hybrid_dir: Path) -> None:
-    prompt, draft, keep = _prompt(40, seed=3), [11, 22, 33], 1
+    """A verify whose first draft is wrong keeps only its first row: the lane's next row then
+    has the logits of a lane that decoded that one row alone."""
+    prompt = _prompt(40, seed=3)
+    ref = _runner(hybrid_dir)
+    t0 = ref.run_round(RoundPlan((_prefill(0, prompt, 0, 40),))).by_lane()[0].sampled[0]
+    t1 = ref.run_round(RoundPlan((_decode(0, 40, t0),))).by_lane()[0].sampled[0]
+    want = ref.run_round(RoundPlan((_decode(0, 41, t1),))).by_lane()[0].logits
     runner = _runner(hybrid_dir)
     runner.run_round(RoundPlan((_prefill(0, prompt, 0, 40),)))
-    runner.run_round(RoundPlan((_decode_rows(0, 40, draft),)))
-    runner.run_round(RoundPlan(rollbacks=(Rollback(0, keep),)))
-    got = runner.run_round(RoundPlan((_decode(0, 40 + keep, 7),))).by_lane()[0].logits
-    ref = _runner(hybrid_dir)
-    ref.run_round(RoundPlan((_prefill(0, prompt, 0, 40),)))
-    ref.run_round(RoundPlan((_decode_rows(0, 40, draft[:keep]),)))
-    want = ref.run_round(RoundPlan((_decode(0, 40 + keep, 7),))).by_lane()[0].logits
+    out = runner.run_round(RoundPlan((_verify(0, 40, t0, [(t1 + 1) % VOCAB, 22, 33]),)))
+    assert out.by_lane()[0].sampled == (t1,)  # the first draft rejected: one row kept
+    got = runner.run_round(RoundPlan((_decode(0, 41, t1),))).by_lane()[0].logits
     assert torch.equal(got, want)
 
 
 def test_reset_waits_for_an_in_flight_rollback_copy(hybrid_dir: Path) -> None:
-    """A rejected draft's rollback copy is still in flight when the lane is reset for the next
-    request: the reset must land last (removing the runner's wait makes the held copy win)."""
+    """A rejected verify's rollback copy is still in flight when the lane is reset for the
+    next request: the reset must land last (removing the runner's wait makes the held copy win)."""
+    prompt = _prompt(40, seed=4)
     runner = _runner(hybrid_dir)
-    runner.run_round(RoundPlan((_prefill(0, _prompt(40, seed=4), 0, 40),)))
-    runner.run_round(RoundPlan((_decode_rows(0, 40, [5, 6, 7]),)))
+    t0 = runner.run_round(RoundPlan((_prefill(0, prompt, 0, 40),))).by_lane()[0].sampled[0]
     with runner.copies.defer():
-        runner.run_round(RoundPlan(rollbacks=(Rollback(0, 1),), resets=(0,)))
+        out = runner.run_round(RoundPlan((_verify(0, 40, t0, [5, 6, 7]),)))
+        assert len(out.by_lane()[0].sampled) < 4  # a draft rejected: the rollback copy is held
+        assert runner.copies.pending == 1
+        runner.run_round(RoundPlan(resets=(0,)))
     assert not bool(capture(runner, 0).data.any())
 
 
