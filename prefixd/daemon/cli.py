@@ -10,12 +10,8 @@ from pathlib import Path
 from typing import Sequence
 
 import prefixd
-from prefixd.front.abandon import HOLD_BASE_S, AbandonLimits
-from prefixd.daemon.config import (DEFAULT_ABANDON_GRACE, DEFAULT_ABANDON_HOLD_MAX_S, DEFAULT_CLIENT_FRAME_BURST,
-                                   DEFAULT_CLIENT_FRAME_RATE, DEFAULT_CONNECT_FRAME_COST, DEFAULT_CPU_LANES,
-                                   DEFAULT_CPU_MAX_CONTEXT, DEFAULT_CUDA_LANES, DEFAULT_ERROR_FRAME_COST,
-                                   DEFAULT_GRACE_S, DEFAULT_GRID, DEFAULT_METRICS_ADDR, DEFAULT_PAGE_SIZE, LOG_LEVELS,
-                                   ConfigError, config_from_args)
+from prefixd.daemon.config import ConfigError, config_from_args
+from prefixd.daemon.options import OPTIONS
 
 
 def _add_socket(p: argparse.ArgumentParser) -> None:
@@ -30,72 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the daemon in the foreground",
                            description="Flags left unset are read from PREFIXD_* variables (docs/operations.md).")
-    _add_socket(serve)
-    serve.add_argument("--model", default=None,
-                       help='"default" (SmolLM2-135M-Instruct), a FILE.gguf or a Hugging Face model dir (default: default)')
-    serve.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cpu)")
-    serve.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="compute dtype (default: bf16)")
-    serve.add_argument("--mode", default=None, choices=("auto", "invariant", "int4"),
-                       help="numeric mode: int4 = 4-bit weights (CPU bf16); auto: int4 where it exists on CPU bf16, "
-                            "else invariant (default: auto)")
-    serve.add_argument("--lanes", type=int, default=None,
-                       help=f"concurrent streams (default: {DEFAULT_CPU_LANES} on CPU, {DEFAULT_CUDA_LANES} on CUDA)")
-    serve.add_argument("--allow-group", default=None, metavar="GROUP",
-                       help="also accept peers of this group (default: only this user)")
-    serve.add_argument("--metrics-addr", default=None, metavar="HOST:PORT",
-                       help=f'Prometheus exporter (default: {DEFAULT_METRICS_ADDR}; "" disables)')
-    serve.add_argument("--cache-budget", default=None, metavar="BYTES|auto",
-                       help="prefix cache allowance, e.g. 2GiB (default: auto)")
-    serve.add_argument("--no-cache", action="store_true", help="turn the prefix cache off (default: on)")
-    serve.add_argument("--page-size", type=int, default=None, help=f"KV rows per page (default: {DEFAULT_PAGE_SIZE})")
-    serve.add_argument("--grid", type=int, default=None, help=f"prefill chunk length G (default: {DEFAULT_GRID})")
-    serve.add_argument("--max-context", type=int, default=None,
-                       help=f"context cap (default: the model's; at most {DEFAULT_CPU_MAX_CONTEXT} on CPU)")
-    serve.add_argument("--draft", default=None, choices=("auto", "mtp", "ngram", "off"),
-                       help="draft tokens to verify in each decode round: ngram (prompt lookup), mtp (the "
-                            "model's own multi-token-prediction head; qwen3_5 checkpoints that ship one), off, "
-                            "or auto: the drafter measured to pay for the model and mode, else off (default: auto)")
-    serve.add_argument("--draft-max", type=int, default=None, help="most drafted tokens per lane and round (default: 4)")
-    serve.add_argument("--cuda-graphs", default=None, choices=("auto", "eager", "off"),
-                       help="auto: decode rounds replay CUDA graphs captured at start-up (CUDA; the hybrid "
-                            "family: rounds of one decode row per lane); eager: the same fixed programs run "
-                            "uncaptured, on any device (a check of them); off: every round runs op by op "
-                            "(default: auto)")
-    serve.add_argument("--overlap", default=None, choices=("auto", "on", "off"),
-                       help="run each round's device call on a thread of its own while the engine takes new "
-                            "requests and seats them for the next round; auto: on for CUDA, off on the CPU, "
-                            "where the host work is small beside the round (default: auto)")
-    serve.add_argument("--grace", type=float, default=None, metavar="SECONDS",
-                       help=f"on SIGTERM, time in-flight streams get to finish (default: {DEFAULT_GRACE_S:g})")
-    serve.add_argument("--disk-cache", default=None, metavar="DIR",
-                       help="disk tier below the prefix cache (default: $STATE_DIRECTORY under systemd, else "
-                            '$XDG_CACHE_HOME/prefixd, else ~/.cache/prefixd; "" turns it off)')
-    serve.add_argument("--disk-budget", default=None, metavar="BYTES",
-                       help="bytes the disk tier may hold (default: 8GiB; 0 turns it off)")
-    serve.add_argument("--idle-exit", default=None, type=float, metavar="SECONDS",
-                       help="flush the disk tier and exit after this long with no client and no request "
-                            "(default: never; for socket-activated units)")
-    serve.add_argument("--log-level", default=None, choices=LOG_LEVELS, help="log verbosity (default: info)")
-    serve.add_argument("--client-frame-rate", type=float, default=None, metavar="FRAMES",
-                       help="frames a second one client (peer process, all its connections) is read at, "
-                            f"beyond its burst; 0: unpaced (default: {DEFAULT_CLIENT_FRAME_RATE:g})")
-    serve.add_argument("--client-frame-burst", type=int, default=None, metavar="FRAMES",
-                       help=f"frames a client may send at once (default: {DEFAULT_CLIENT_FRAME_BURST})")
-    serve.add_argument("--error-frame-cost", type=int, default=None, metavar="FRAMES",
-                       help=f"what a frame refused with an error costs a client (default: {DEFAULT_ERROR_FRAME_COST})")
-    serve.add_argument("--connect-frame-cost", type=int, default=None, metavar="FRAMES",
-                       help=f"what a new connection costs a client (default: {DEFAULT_CONNECT_FRAME_COST})")
-    serve.add_argument("--abandon-grace", type=int, default=None, metavar="N",
-                       help="generates a client may abandon (cancel, or hang up on) before its next "
-                            f"ones wait while other clients are served; one is forgiven every "
-                            f"{1 / AbandonLimits().drain_per_s:g} s (default: {DEFAULT_ABANDON_GRACE})")
-    serve.add_argument("--abandon-hold-max", type=float, default=None, metavar="SECONDS",
-                       help=f"the longest such wait, doubling from {HOLD_BASE_S:g} s past the grace; 0: never wait "
-                            f"(default: {DEFAULT_ABANDON_HOLD_MAX_S:g})")
-    serve.add_argument("--http", default=None, metavar="HOST:PORT",
-                       help="also serve the OpenAI-compatible HTTP API here (default: off; see docs/http.md)")
-    serve.add_argument("--http-token-file", default=None, metavar="FILE",
-                       help="bearer token HTTP clients must send; required to listen beyond loopback (default: none)")
+    _add_serve_options(serve)
 
     chat = sub.add_parser("chat", help="interactive chat (/reset, /exit)")
     _add_socket(chat)
@@ -124,6 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     units.add_argument("--exec", dest="exec_start", default=None, metavar="COMMAND",
                        help="the program ExecStart runs (default: the prefixd script beside this Python)")
     return parser
+
+
+def _add_serve_options(serve: argparse.ArgumentParser) -> None:
+    """One flag per row of OPTIONS; unset flags stay None, so config_from_args reads the variable."""
+    for opt in OPTIONS:
+        help_text = opt.help_text().replace("%", "%%")
+        if opt.is_switch:
+            serve.add_argument(opt.flag, action="store_true", default=None, help=help_text)
+            continue
+        typed = opt.parse if opt.parse in (int, float) else None  # other texts are parsed by config_from_args
+        metavar = opt.metavar or (opt.dest.upper() if opt.choices else None)
+        serve.add_argument(opt.flag, default=None, type=typed, choices=opt.choices or None, metavar=metavar,
+                           help=help_text)
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:

@@ -92,7 +92,6 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
     from prefixd.gpu.loading import load_checkpoint
     from prefixd.gpu.runner import ModelRunner
     from prefixd.gpu.threads import CpuThreads
-    from prefixd.scheduler.config import SchedulerConfig
     from prefixd.scheduler.engine import Engine
 
     device, dtype = resolve(cfg.device, cfg.dtype)
@@ -119,9 +118,7 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
     runner = ModelRunner(checkpoint, device=device, dtype=dtype, num_lanes=cfg.num_lanes,
                          num_pages=num_pages, page_size=cfg.page_size, mode=mode, draft_head=draft == "mtp",
                          programs=cfg.cuda_graphs)
-    sched = SchedulerConfig(num_lanes=cfg.num_lanes, grid=cfg.grid, max_context=max_context,
-                            cache=cfg.cache, cache_budget_bytes=cfg.cache_budget_bytes,
-                            draft=draft, draft_max=cfg.draft_max)
+    sched = cfg.scheduler_config(max_context=max_context, draft=draft)
     disk = build_disk_tier(cfg, checkpoint.path, runner, device.type, observer) if cfg.cache else None
     engine = Engine(runner, sched, observer=observer, disk=disk)
     info = runner.info

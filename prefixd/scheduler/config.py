@@ -15,6 +15,9 @@ class SchedulerConfig:
 
     `max_context` None means the device's; a larger value than the device's is clamped.
     `cache_budget_bytes` None means the store may use the whole KV pool.
+    The fields a daemon option sets (num_lanes, grid, cache, cache_budget_bytes, draft_max)
+    default to the daemon's defaults on the CPU (prefixd/daemon/options.py; a test holds them
+    equal); `DaemonConfig.scheduler_config` builds the daemon's.
     """
 
     num_lanes: int = 8
@@ -25,7 +28,7 @@ class SchedulerConfig:
     cache_budget_bytes: int | None = None
     decode_headroom_rows: int = 16  # decode rows a stream must find room for when admitted
     draft: str = "off"  # "ngram" (prompt lookup), "mtp" (the device's draft head) or "off"
-    draft_max: int = 4  # most drafted tokens a lane verifies in one round
+    draft_max: int = 7  # most drafted tokens a lane verifies in one round
 
     def __post_init__(self) -> None:
         if self.num_lanes <= 0:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixd.daemon.config import ConfigError, DaemonConfig, config_from_args, parse_size, resolve_draft
+from prefixd.daemon.config import ConfigError, DaemonConfig, config_from_args, resolve_draft
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -53,16 +53,6 @@ def test_disk_budget_and_idle_exit_flags():
         config_from_args(_args(disk_budget="lots"), env={})
     with pytest.raises(ConfigError, match="--idle-exit"):
         config_from_args(_args(idle_exit=0.0), env={})
-
-
-def test_parse_size_units():
-    assert parse_size("auto") is None
-    assert parse_size("1000") == 1000
-    assert parse_size("512M") == 512_000_000
-    assert parse_size("4GiB") == 4 << 30
-    assert parse_size("1.5Ki") == 1536
-    with pytest.raises(ConfigError, match="cache budget"):
-        parse_size("lots")
 
 
 @pytest.mark.parametrize(
