@@ -42,7 +42,6 @@ class Lane:
     num_borrowed: int = 0  # leading pages shared read-only from the store
     ids: list[int] = field(default_factory=list)
     namespace: str = ""
-    frame: int = 0
     images: tuple[ImageIdentity, ...] = ()
     prefilled_upto: int = 0  # rows [0, prefilled_upto) came from the prefill form
     starts: tuple[int, ...] = ()  # chunk starts of the pass that prefilled those rows
@@ -90,9 +89,9 @@ def check_page_refs(
         raise RuntimeError(f"page refcounts disagree with lanes + store ({store_pages} pages): {bad or extra}")
 
 
-def match_rows(lane: Lane, key: Sequence[int], namespace: str, frame: int, images: Sequence[ImageIdentity]) -> int:
+def match_rows(lane: Lane, key: Sequence[int], namespace: str, images: Sequence[ImageIdentity]) -> int:
     """How many leading rows of `lane` carry the identity a request with `key` would give them."""
-    if namespace != lane.namespace or frame != lane.frame:
+    if namespace != lane.namespace:
         return 0
     k = _common_prefix(lane.ids, key)
     for image in set(images) ^ set(lane.images):  # an image on one side only cuts the match at its start
@@ -214,7 +213,6 @@ class PageTables:
         lane.starts = ()
         lane.images = ()
         lane.namespace = ""
-        lane.frame = 0
         lane.resident = False
         lane.last_stream_id = None
         lane.restored = None
@@ -235,7 +233,7 @@ def resident_resume(lane: Lane, stream: Stream, schedule: ScheduleLike, *, invar
     """
     req = stream.req
     images = tuple(im.identity for im in req.images)
-    k = match_rows(lane, stream.key_tokens, req.namespace, req.frame, images)
+    k = match_rows(lane, stream.key_tokens, req.namespace, images)
     if k == 0 or k < lane.num_rows:
         return 0  # the prompt must extend every row the lane holds; partial matches go through the store
     limit = min(k, stream.num_prompt - 1)

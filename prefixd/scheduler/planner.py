@@ -90,12 +90,12 @@ class CutHasher:
     """
 
     def __init__(self, tokens: Sequence[int], starts: Sequence[int], grid: int, *,
-                 namespace: str = "", frame: int = 0, images: Sequence[ImageIdentity] = ()) -> None:
+                 namespace: str = "", images: Sequence[ImageIdentity] = ()) -> None:
         self.tokens = tokens
         self.starts = tuple(starts)
         self.images = tuple(sorted(images, key=lambda i: i.at))
         ns = namespace.encode()
-        self._head = struct.pack("<qqq", grid, frame, len(ns)) + ns
+        self._head = struct.pack("<qq", grid, len(ns)) + ns
         self._h = hashlib.blake2b(self._head, digest_size=16)
         self._row = 0
 
@@ -123,13 +123,12 @@ def cut_hash(
     cut: int,
     *,
     namespace: str = "",
-    frame: int = 0,
     images: Sequence[ImageIdentity] = (),
 ) -> bytes:
     """A digest of everything the schedule and the rows below `cut` depend on.
 
-    Covers the grid, namespace, frame, the token ids below the cut, the chunk starts below
+    Covers the grid, namespace, the token ids below the cut, the chunk starts below
     the cut and the identity of every image that begins below it. Two requests whose hashes
     agree at a cut computed their rows below it with the same chunks. `starts` ascend.
     """
-    return CutHasher(tokens, starts, grid, namespace=namespace, frame=frame, images=images).at(cut)
+    return CutHasher(tokens, starts, grid, namespace=namespace, images=images).at(cut)

@@ -7,7 +7,7 @@ Everything here is plain Python; device tensors travel as opaque `DeviceRows` /
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 
@@ -252,7 +252,6 @@ class TokenLogprob:
 class RoundResult:
     lanes: tuple[LaneResult, ...]  # one per RoundPlan.lanes entry
     forward_s: float = 0.0  # time spent inside the model forward
-    extra: dict[str, float] = field(default_factory=dict)
     stored: tuple[LaneResult, ...] = ()  # one per RoundPlan.stored entry
     captured: tuple[CapturedState, ...] = ()  # one per RoundPlan.captures entry
     exported: tuple[PagePayload, ...] = ()  # one per RoundPlan.exports entry

@@ -70,7 +70,6 @@ def test_digests_cover_ids_namespace_images_and_the_schedule_hash():
     assert KeyDigests(ReuseKey((1, 2, 3, 4, 9))).at(4, b"") == base  # rows past the cut do not count
     assert KeyDigests(ReuseKey((1, 2, 3, 5, 5))).at(4, b"") != base
     assert KeyDigests(ReuseKey((1, 2, 3, 4, 5), namespace="b")).at(4, b"") != base
-    assert KeyDigests(ReuseKey((1, 2, 3, 4, 5), frame=1)).at(4, b"") != base
     assert KeyDigests(ReuseKey((1, 2, 3, 4, 5), images=(im,))).at(4, b"") != base
     assert KeyDigests(ReuseKey((1, 2, 3, 4, 5))).at(4, b"h") != base
 

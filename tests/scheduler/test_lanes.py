@@ -67,14 +67,13 @@ def test_a_borrowed_tail_page_is_copied_before_the_first_write():
     assert [t.allocator.refcount(p) for p in (0, 1, 2)] == [1, 1, 0]
 
 
-def test_match_rows_compares_tokens_namespace_frame_and_images():
+def test_match_rows_compares_tokens_namespace_and_images():
     image = ImageIdentity(at=2, tokens=2, gh=1, gw=2, hash=b"a")
     other = ImageIdentity(at=2, tokens=2, gh=1, gw=2, hash=b"b")
     lane = written(Lane(0), 8)
     lane.namespace, lane.images = "ns", (image,)
     key = list(range(100, 106)) + [7, 7]
-    assert match_rows(lane, key, "ns", 0, (image,)) == 6
-    assert match_rows(lane, key, "other", 0, (image,)) == 0
-    assert match_rows(lane, key, "ns", 1, (image,)) == 0
-    assert match_rows(lane, key, "ns", 0, (other,)) == 2
-    assert match_rows(lane, key, "ns", 0, ()) == 2
+    assert match_rows(lane, key, "ns", (image,)) == 6
+    assert match_rows(lane, key, "other", (image,)) == 0
+    assert match_rows(lane, key, "ns", (other,)) == 2
+    assert match_rows(lane, key, "ns", ()) == 2

@@ -58,13 +58,12 @@ def test_cut_hash_covers_tokens_and_starts_below_the_cut_only() -> None:
     assert cut_hash(TOKS, (3,), 8, 10) != base
 
 
-def test_cut_hash_covers_namespace_frame_and_images_below_the_cut() -> None:
+def test_cut_hash_covers_namespace_and_images_below_the_cut() -> None:
     im = ImageIdentity(at=4, tokens=2, gh=1, gw=2, hash=b"a")
     base = cut_hash(TOKS, (), 4, 8, images=[im])
     assert base != cut_hash(TOKS, (), 4, 8)
     assert base != cut_hash(TOKS, (), 4, 8, images=[ImageIdentity(4, 2, 1, 2, b"b")])
     assert base != cut_hash(TOKS, (), 4, 8, images=[im], namespace="x")
-    assert base != cut_hash(TOKS, (), 4, 8, images=[im], frame=1)
     later = ImageIdentity(at=9, tokens=2, gh=1, gw=2, hash=b"z")
     assert cut_hash(TOKS, (), 4, 8, images=[im, later]) == base
 

@@ -102,6 +102,5 @@ class Rig:
         return [(v.namespace, v.cut, v.reason) for v in self.store.drain_evictions()]
 
 
-def key(tokens: Sequence[int], ns: str = "", frame: int = 0,
-        images: Sequence[ImageIdentity] = (), lookahead: int = 0) -> ReuseKey:
-    return ReuseKey(tuple(tokens), ns, frame, tuple(images), lookahead)
+def key(tokens: Sequence[int], ns: str = "", images: Sequence[ImageIdentity] = (), lookahead: int = 0) -> ReuseKey:
+    return ReuseKey(tuple(tokens), ns, tuple(images), lookahead)

@@ -17,7 +17,7 @@ from tests.scheduler.test_store_common import KVPP, LOGITS, P, Rig, image, key
 
 def rescan_observe(tree: Tree, k: ReuseKey, moved_below: int) -> None:
     """Observe `k` by walking every node with its rows, however chunked, from the root."""
-    root = tree.roots.get((k.namespace, k.frame))
+    root = tree.roots.get(k.namespace)
     nodes: list[Node] = []
     level = [] if root is None else [root]
     while level:

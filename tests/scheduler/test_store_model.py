@@ -48,7 +48,7 @@ class Model:
         imgs = tuple(im for im in key.images if im.at < stop)
         chunk_end = next(b for b in sched.boundaries if b > r)
         chunks = () if self.invariant else tuple(b for b in sched.boundaries if b <= chunk_end)
-        return (key.namespace, key.frame, key.tokens[:stop], imgs, chunks)
+        return (key.namespace, key.tokens[:stop], imgs, chunks)
 
     def take(self, n: int) -> list[int]:
         if not self.alloc.can_allocate(n):
@@ -129,7 +129,7 @@ def requests(draw: st.DrawFn) -> tuple[ReuseKey, tuple[int, ...]]:
     starts = tuple(s for s in starts if s < n)
     ns = draw(st.sampled_from(["", "x"]))
     lookahead = draw(st.sampled_from([0, 0, 1]))
-    return ReuseKey(tokens, ns, 0, images, lookahead), starts
+    return ReuseKey(tokens, ns, images, lookahead), starts
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

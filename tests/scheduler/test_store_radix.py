@@ -106,13 +106,6 @@ def test_two_namespaces_share_no_page_and_no_hit() -> None:
     assert rig.lookup(key(TEXT[:8], ns="b")).pages == (2, 3)  # type: ignore[union-attr]
 
 
-def test_another_frame_shares_nothing() -> None:
-    rig = Rig()
-    rig.serve(key(TEXT[:8], frame=1))
-    assert rig.lookup(key(TEXT[:8], frame=2)) is None
-    assert rig.lookup(key(TEXT[:8], frame=1)) is not None
-
-
 def test_a_full_prompt_hit_needs_the_logits_row() -> None:
     rig = Rig()
     sched_key = key(TEXT[:8])

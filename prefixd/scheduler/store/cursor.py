@@ -52,7 +52,7 @@ class Cursor:
             assert self.schedule is not None
             k = self.key
             self.hasher = CutHasher(k.tokens, self.schedule.starts, self.schedule.grid,
-                                    namespace=k.namespace, frame=k.frame, images=k.images)
+                                    namespace=k.namespace, images=k.images)
         return self.hasher.at(cut)
 
     def trim_path(self) -> None:

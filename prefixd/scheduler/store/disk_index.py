@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 from prefixd.scheduler.planner import CutHasher, Schedule
 from prefixd.scheduler.store.identity import ReuseKey, images_over
 
-FORMAT_VERSION = 1  # bump whenever the file layout or what decides a row's bits changes
+FORMAT_VERSION = 2  # bump whenever the file layout or what decides a row's bits changes
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +54,7 @@ class TierIdentity:
 class KeyDigests:
     """The disk digest of a key's prefix at ascending cuts, hashing each token once.
 
-    A digest covers namespace, frame, lookahead, the ids of rows [0, cut) and the lookahead
+    A digest covers namespace, lookahead, the ids of rows [0, cut) and the lookahead
     past them, every image over those rows, the cut and the schedule hash below it (b"" for a
     row-invariant family).
     """
@@ -62,7 +62,7 @@ class KeyDigests:
     def __init__(self, key: ReuseKey) -> None:
         self.key = key
         ns = key.namespace.encode()
-        self._head = struct.pack("<qqq", key.frame, key.lookahead, len(ns)) + ns
+        self._head = struct.pack("<qq", key.lookahead, len(ns)) + ns
         self._h = hashlib.blake2b(self._head, digest_size=16)
         self._stop = 0
 
@@ -85,8 +85,7 @@ def cut_hashes(key: ReuseKey, schedule: Schedule, invariant_rows: bool) -> Calla
     """The schedule hash at a cut as the RAM store records it (b"" when rows are invariant)."""
     if invariant_rows:
         return lambda cut: b""
-    hasher = CutHasher(key.tokens, schedule.starts, schedule.grid, namespace=key.namespace,
-                       frame=key.frame, images=key.images)
+    hasher = CutHasher(key.tokens, schedule.starts, schedule.grid, namespace=key.namespace, images=key.images)
     return hasher.at
 
 

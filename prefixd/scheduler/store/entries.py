@@ -55,7 +55,6 @@ class Eviction:
     """One victim, in the order evicted. trigger: "pages" | "budget" | "publish" | "clear"."""
 
     namespace: str
-    frame: int
     cut: int
     reason: str
     trigger: str
@@ -68,7 +67,6 @@ class EntryInfo:
     """One kept entry as `PrefixStore.describe()` reports it."""
 
     namespace: str
-    frame: int
     cut: int
     nbytes: int  # what it alone holds: its snapshot, and pages nothing else in the store uses
     hits: int
@@ -117,7 +115,6 @@ class Entry:
     cut_hash: bytes
     snapshot: Snapshot
     namespace: str
-    frame: int
     seq: int  # creation order, the last tie-break
     last_used: float
     hits: int = 0

@@ -1,7 +1,7 @@
 """Reuse identity: what must be equal for a cached row to be reused.
 
 A row is reused only under the same token ids, the same lookahead ids past it, the same exact
-image identities over it, the same namespace and the same frame.
+image identities over it and the same namespace.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ class ReuseKey:
 
     tokens: tuple[int, ...]
     namespace: str = ""
-    frame: int = 0
     images: tuple[ImageIdentity, ...] = ()
     lookahead: int = 0
 
@@ -58,7 +57,7 @@ def images_over(images: Sequence[ImageIdentity], start: int, stop: int) -> tuple
 
 def agrees_from(a: ReuseKey, b: ReuseKey, row: int) -> bool:
     """True when neither key diverges from the other past `row`: on their common rows the
-    ids and the images over them are equal (namespace and frame are compared by the caller)."""
+    ids and the images over them are equal (the namespace is compared by the caller)."""
     m = min(len(a.tokens), len(b.tokens))
     if row >= m:
         return True
@@ -72,7 +71,6 @@ def make_key(
     *,
     cache_key: Sequence[int] | None = None,
     namespace: str = "",
-    frame: int = 0,
     images: Sequence[ImageIdentity] = (),
     lookahead: int = 0,
 ) -> tuple[ReuseKey | None, str | None]:
@@ -86,4 +84,4 @@ def make_key(
         return None, (f"cache key has {len(ids)} tokens but the prompt has {len(prompt)}: "
                       "nothing reused or kept")
     ordered = tuple(sorted(images, key=lambda im: im.at))
-    return ReuseKey(ids, namespace, frame, ordered, lookahead), None
+    return ReuseKey(ids, namespace, ordered, lookahead), None

@@ -48,9 +48,9 @@ def check(page_size: int, tree: Tree, ledger: Ledger) -> None:
             raise RuntimeError(f"node at depth {node.depth} keeps no entry")
         return count
 
-    for (ns, frame), root in roots.items():
+    for ns, root in roots.items():
         if root.parent is not None or root.page is not None:
-            raise RuntimeError(f"root of namespace {ns!r} frame {frame} is not a root")
+            raise RuntimeError(f"root of namespace {ns!r} is not a root")
         walk(root)
     if dict(uses) != ledger.refs:
         raise RuntimeError(f"page uses {dict(uses)} but the ledger holds {ledger.refs}")

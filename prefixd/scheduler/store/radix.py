@@ -1,6 +1,6 @@
 """The prefix store: a radix tree of KV pages keyed by reuse identity, with snapshots at cuts.
 
-    root(namespace, frame)
+    root(namespace)
       └─ page 0: ids[0:P] + lookahead, images over them
            └─ page 1: ids[P:2P] + lookahead, images ──► entry at cut 2P (no tail page)
                 ├─ page 2 (branch A) ──► entry at cut 2P+5: tail page holds rows [2P, 2P+5)
@@ -33,7 +33,7 @@ REFUSED = "refused"  # cut past the prefilled rows (or its lookahead past the ke
 class PrefixStore:
     """Radix pages + snapshots under a byte allowance.
 
-    Namespace and frame select separate roots, so no page or entry is shared across them.
+    Each namespace has its own root, so no page or entry is shared across them.
     Holds one allocator reference per page it keeps; never writes a page. Single-threaded.
     """
 
@@ -257,7 +257,7 @@ class PrefixStore:
         before = self._ledger.bytes
         freed = self._tree.detach(e)
         self._evictions[reason] += 1
-        self._pending.append(Eviction(e.namespace, e.frame, e.cut, reason, trigger,
+        self._pending.append(Eviction(e.namespace, e.cut, reason, trigger,
                                       before - self._ledger.bytes, tuple(freed)))
         return freed
 
@@ -284,7 +284,7 @@ class PrefixStore:
     def describe(self) -> list[EntryInfo]:
         """Every entry in creation order, with the bytes it alone holds."""
         shadow = eviction.Shadow(self._ledger)
-        return [EntryInfo(e.namespace, e.frame, e.cut, shadow.release(e).nbytes, e.hits, e.pins > 0,
+        return [EntryInfo(e.namespace, e.cut, shadow.release(e).nbytes, e.hits, e.pins > 0,
                           e.moved_past, e.shared) for e in self._tree.entries.values()]
 
     def check_integrity(self) -> None:

@@ -4,8 +4,7 @@ A node's key is the identity of its rows and, for a family that is not row-invar
 they were chunked (`Schedule.chunk_key`): pages computed under other chunks are siblings.
 
 Every node keeps at least one entry at or below it; a node left with none is pruned and
-its page released. Namespace and frame select separate roots, so nothing is shared across
-them.
+its page released. Each namespace has its own root, so nothing is shared across them.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ class Tree:
         self.invariant_rows = invariant_rows
         self.page_size = page_size
         self.clock = clock
-        self.roots: dict[tuple[str, int], Node] = {}
+        self.roots: dict[str, Node] = {}  # by namespace
         self.entries: dict[int, Entry] = {}  # by seq, in creation order
         self.seq = 0
         self.cursors: OrderedDict[int, Cursor] = OrderedDict()  # by id(key)
@@ -72,7 +71,7 @@ class Tree:
         key's root does not exist."""
         cur.trim_path()
         if not cur.path:
-            root = self.roots.get((cur.key.namespace, cur.key.frame))
+            root = self.roots.get(cur.key.namespace)
             if root is None:
                 return []
             cur.path.append(root)
@@ -93,7 +92,7 @@ class Tree:
         path = self.path(cur, cut)
         if not path:
             root = Node(0, None, None, None)
-            self.roots[(key.namespace, key.frame)] = root
+            self.roots[key.namespace] = root
             cur.path.append(root)
             path = [root]
         node = path[-1]
@@ -115,7 +114,7 @@ class Tree:
                snapshot: Snapshot) -> Entry:
         self.seq += 1
         e = Entry(node=node, cut=slot[0], tail=slot[1], tail_page=tail_page, cut_hash=slot[2],
-                  snapshot=snapshot, namespace=key.namespace, frame=key.frame, seq=self.seq,
+                  snapshot=snapshot, namespace=key.namespace, seq=self.seq,
                   last_used=self.clock(), continuation=key)
         node.entries[slot] = e
         if tail_page is not None:
@@ -180,7 +179,7 @@ class Tree:
         if cur.log_at < self.log_base or (cur.levels and not cur.levels[0][0].alive):
             cur.observed = -1  # the log no longer reaches back, or the key's root was pruned
         if cur.observed < 0:
-            root = self.roots.get((key.namespace, key.frame))
+            root = self.roots.get(key.namespace)
             cur.levels, cur.member, cur.pending = [], set(), []
             if root is not None:
                 cur.levels.append([root])
@@ -194,8 +193,8 @@ class Tree:
                     self._treat_all((node,), key, cur.observed, treat, skip=cur.pending)
         old = cur.observed
         top = max(old, moved_below)
-        if not cur.levels and (key.namespace, key.frame) in self.roots:  # a root made since
-            root = self.roots[(key.namespace, key.frame)]
+        if not cur.levels and key.namespace in self.roots:  # a root made since
+            root = self.roots[key.namespace]
             cur.levels.append([root])
             cur.member.add(id(root))
             self._treat_all((root,), key, top, treat, skip=cur.pending)
