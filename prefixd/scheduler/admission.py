@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from prefixd.scheduler.lanes import (Lane, PageTables, ResidentMatch, best_resident, free_seat, pages_for,
                                      resident_resume, resident_victims, starts_below)
@@ -25,10 +25,6 @@ class WaitQueue:
 
     def __iter__(self) -> Iterator[Stream]:
         return iter(list(self._queue))
-
-    def ordered(self, key: Callable[[Stream], Any] | None) -> list[Stream]:
-        """The waiting streams sorted by `key` (arrival order without one; sorting is stable)."""
-        return sorted(self._queue, key=key) if key is not None else list(self._queue)
 
     def push(self, stream: Stream) -> None:
         self._queue.append(stream)
@@ -78,7 +74,6 @@ class Admitter:
         invariant_rows: bool,
         lookahead: int,
         disk: Any = None,
-        order_key: Callable[[Stream], Any] | None = None,
     ) -> None:
         self.lanes = lanes
         self.tables = tables
@@ -92,21 +87,18 @@ class Admitter:
         self.page_size = tables.page_size
         self.disk = disk  # a DiskTier (prefixd.disk.tier) or None: asked when RAM misses
         self.waiting = WaitQueue()
-        self.order_key = order_key  # the order waiting streams are seated in (None: arrival)
 
     def reuse_allowed(self, stream: Stream) -> bool:
         return self.cache and stream.req.cache and stream.key is not None
 
     def admit(self) -> list[Seating]:
-        """Seat waiting streams in `order_key`'s order (least served client first, FIFO within
-        one); a stream whose resident lane exists goes first. A stream that cannot be seated
-        stops the rest: nothing overtakes it."""
+        """Seat waiting streams FIFO; a stream whose resident lane exists goes first."""
         seated = []
-        for stream in self.waiting.ordered(self.order_key):
+        for stream in self.waiting:
             match = self._resident_match(stream)
             if match is not None:
                 seated.append(self._place(stream, match.lane, match.rows, "resident", None))
-        for stream in self.waiting.ordered(self.order_key):
+        for stream in self.waiting:
             seating = self._try_seat(stream)
             if seating is None:
                 break
