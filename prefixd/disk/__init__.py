@@ -1,2 +1,4 @@
 """The disk tier below the prefix store: entry files, their writer thread, the model's
-content hash. Torch-free; the scheduler's `DiskIndex` decides, this package does the I/O."""
+content hash and the index of what the directory holds (`index.DiskIndex`). Torch-free; it
+implements the scheduler's `LowerTier` (prefixd/scheduler/device.py) and the scheduler never
+imports it."""

@@ -22,7 +22,7 @@ from typing import BinaryIO, Sequence
 
 import msgpack
 
-from prefixd.scheduler.store.disk_index import FORMAT_VERSION
+from prefixd.disk.index import FORMAT_VERSION
 
 MAGIC = b"PXDC"
 SUFFIX = ".pxc"

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from prefixd.disk.format import SUFFIX, TEMP_SUFFIX, BadFile, FileMeta, encode_head, file_bytes, read_body, read_head
+from prefixd.disk.index import DiskEntry, DiskIndex, KeyDigests, TierIdentity, cut_hashes
 from prefixd.disk.writer import FAILED, OFF, WRITTEN, DiskWriter, WriteJob, parts_of
+from prefixd.scheduler.pages import PageAllocator
 from prefixd.scheduler.planner import Schedule
 from prefixd.scheduler.records import DiskLoad, FromDisk, PageExport, PageLoad, PagePayload
-from prefixd.scheduler.store import PRESENT, REPLACED, SAVED, ReuseKey, Snapshot
-from prefixd.scheduler.store.disk_index import DiskEntry, DiskIndex, KeyDigests, TierIdentity, cut_hashes
+from prefixd.scheduler.store import PRESENT, REPLACED, SAVED, PrefixStore, ReuseKey, Snapshot
 
 log = logging.getLogger("prefixd.disk")
 LOCK_FILE = "lock"
@@ -64,6 +65,8 @@ class DiskObserver:
 
 
 class DiskTier:
+    """The scheduler's `LowerTier` (prefixd/scheduler/device.py) over one cache directory."""
+
     def __init__(self, directory: Path, identity: TierIdentity, *, budget_bytes: int,
                  writer: DiskWriter | None = None, observer: Any = None,
                  clock: Callable[[], float] = time.time) -> None:
@@ -76,8 +79,8 @@ class DiskTier:
         self.clock = clock
         self.off: str | None = None
         self.written_bytes = self.corrupt = self.skipped = self.hit_tokens = 0
-        self.store: Any = None
-        self.allocator: Any = None
+        self.store: PrefixStore | None = None  # set by attach, before any other call
+        self.allocator: PageAllocator | None = None
         self._lock_fd: int | None = None
         # device work for the next round (`take_work`), then in flight until `landed`
         self._loads: list[tuple[DiskLoad, list[int]]] = []  # (load, its pages, held)
@@ -88,7 +91,7 @@ class DiskTier:
         self.writer = writer if writer is not None else DiskWriter(self.directory)
         self._report()
 
-    def attach(self, *, store: Any, allocator: Any) -> None:
+    def attach(self, *, store: PrefixStore, allocator: PageAllocator) -> None:
         """Wire to the engine's RAM store and page allocator; the store's keeps come here."""
         self.store, self.allocator = store, allocator
         store.on_keep = self.offer

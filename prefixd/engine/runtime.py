@@ -165,7 +165,7 @@ def build_disk_tier(cfg: DaemonConfig, model_path: Any, runner: Any, device_kind
     from prefixd.disk.identity import model_content_hash
     from prefixd.disk.tier import DiskTier
     from prefixd.gpu.families import mode_identity
-    from prefixd.scheduler.store.disk_index import TierIdentity
+    from prefixd.disk.index import TierIdentity
 
     info = runner.info
     try:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
+from prefixd.scheduler.device import LowerTier
 from prefixd.scheduler.lanes import (Lane, PageTables, ResidentMatch, best_resident, free_seat, pages_for,
                                      resident_resume, resident_victims, starts_below)
 from prefixd.scheduler.planner import plan_schedule
@@ -73,7 +74,7 @@ class Admitter:
         cache: bool,
         invariant_rows: bool,
         lookahead: int,
-        disk: Any = None,
+        disk: LowerTier | None = None,
     ) -> None:
         self.lanes = lanes
         self.tables = tables
@@ -85,7 +86,7 @@ class Admitter:
         self.invariant_rows = invariant_rows
         self.lookahead = lookahead
         self.page_size = tables.page_size
-        self.disk = disk  # a DiskTier (prefixd.disk.tier) or None: asked when RAM misses
+        self.disk = disk  # asked when RAM misses (None: no lower tier)
         self.waiting = WaitQueue()
 
     def reuse_allowed(self, stream: Stream) -> bool:

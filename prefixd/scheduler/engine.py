@@ -20,12 +20,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from prefixd.scheduler.admission import Admitter, Seating
 from prefixd.scheduler.config import SchedulerConfig, store_budget_bytes
 from prefixd.scheduler.cuts import CutKeeper
-from prefixd.scheduler.device import Device
+from prefixd.scheduler.device import Device, LowerTier
 from prefixd.scheduler.draftpolicy import RoundCosts
 from prefixd.scheduler.drafting import new_drafter
 from prefixd.scheduler.mtp import ask_proposals, offer_proposals
@@ -61,8 +61,8 @@ class Engine:
 
     `store_factory(allocator=, page_size=, kv_bytes_per_page=, budget_bytes=, invariant_rows=,
     clock=)` builds the prefix store when `config.cache` (default `PrefixStore`); returning None
-    leaves only resident lanes. `disk` (a `prefixd.disk.tier.DiskTier`, used only with a
-    store) is written through on every keep and asked when a lookup misses RAM; its loads and
+    leaves only resident lanes. `disk` (a `LowerTier`: `prefixd.disk.tier.DiskTier`, used only
+    with a store) is written through on every keep and asked when a lookup misses RAM; its loads and
     exports are items of the next round's plan.
     """
 
@@ -74,7 +74,7 @@ class Engine:
         observer: EngineObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         store_factory: Callable[..., PrefixStore | None] | None = None,
-        disk: Any = None,
+        disk: LowerTier | None = None,
     ) -> None:
         info = device.info
         config.check_device(info)
@@ -92,7 +92,7 @@ class Engine:
             self.store = (store_factory or PrefixStore)(
                 allocator=self.allocator, page_size=info.page_size, kv_bytes_per_page=info.kv_bytes_per_page,
                 budget_bytes=store_budget_bytes(info, config), invariant_rows=info.invariant_rows, clock=clock)
-        self.disk = disk if self.store is not None else None
+        self.disk: LowerTier | None = disk if self.store is not None else None
         if self.disk is not None:
             self.disk.attach(store=self.store, allocator=self.allocator)
         self._streams: dict[int, Stream] = {}

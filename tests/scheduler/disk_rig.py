@@ -8,7 +8,7 @@ from prefixd.disk.tier import DiskTier
 from prefixd.disk.writer import DiskWriter
 from prefixd.scheduler.config import SchedulerConfig
 from prefixd.scheduler.engine import Engine
-from prefixd.scheduler.store.disk_index import TierIdentity
+from prefixd.disk.index import TierIdentity
 from tests.scheduler.engines import ENGINES
 from tests.scheduler.fake_device import FakeDevice, make_info
 

@@ -8,7 +8,7 @@ import pytest
 from prefixd.scheduler.planner import plan_schedule
 from prefixd.scheduler.records import ImageIdentity
 from prefixd.scheduler.store import ReuseKey
-from prefixd.scheduler.store.disk_index import DiskEntry, DiskIndex, KeyDigests, cut_hashes
+from prefixd.disk.index import DiskEntry, DiskIndex, KeyDigests, cut_hashes
 from tests.scheduler.disk_rig import disk_engine
 from tests.scheduler.engines import req, turn
 

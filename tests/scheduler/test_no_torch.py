@@ -31,5 +31,5 @@ def test_the_disk_tier_imports_no_torch_or_cupy():
     probe = PROBE.replace("prefixd.scheduler as pkg", "prefixd.disk as pkg")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     count, heavy = out.stdout.strip().split(" ", 1)
-    assert int(count) >= 4  # format, identity, tier, writer
+    assert int(count) >= 5  # format, identity, index, tier, writer
     assert heavy == "[]"

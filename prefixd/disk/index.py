@@ -1,5 +1,6 @@
 """The disk tier's index: which entries the cache directory holds, how they chain, and the
-order they leave in. Torch-free and file-free (prefixd/disk/ reads and writes the files).
+order they leave in. Torch-free and file-free (tier.py reads and writes the files); it
+reads the scheduler's identity and schedule records, and the scheduler imports nothing here.
 
 An entry on disk is a snapshot at a cut, like an entry in RAM. Its file holds only the pages
 its parent entry does not: the parent is the deepest entry on disk whose rows are a prefix of
