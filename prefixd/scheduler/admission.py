@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from prefixd.scheduler.device import LowerTier
 from prefixd.scheduler.lanes import (Lane, PageTables, ResidentMatch, best_resident, free_seat, pages_for,
@@ -26,6 +26,10 @@ class WaitQueue:
 
     def __iter__(self) -> Iterator[Stream]:
         return iter(list(self._queue))
+
+    def ordered(self, key: Callable[[Stream], Any] | None) -> list[Stream]:
+        """The waiting streams sorted by `key` (arrival order without one; sorting is stable)."""
+        return sorted(self._queue, key=key) if key is not None else list(self._queue)
 
     def push(self, stream: Stream) -> None:
         self._queue.append(stream)
@@ -75,6 +79,7 @@ class Admitter:
         invariant_rows: bool,
         lookahead: int,
         disk: LowerTier | None = None,
+        order_key: Callable[[Stream], Any] | None = None,
     ) -> None:
         self.lanes = lanes
         self.tables = tables
@@ -88,18 +93,21 @@ class Admitter:
         self.page_size = tables.page_size
         self.disk = disk  # asked when RAM misses (None: no lower tier)
         self.waiting = WaitQueue()
+        self.order_key = order_key  # the order waiting streams are seated in (None: arrival)
 
     def reuse_allowed(self, stream: Stream) -> bool:
         return self.cache and stream.req.cache and stream.key is not None
 
     def admit(self) -> list[Seating]:
-        """Seat waiting streams FIFO; a stream whose resident lane exists goes first."""
+        """Seat waiting streams in `order_key`'s order (least served client first, FIFO within
+        one); a stream whose resident lane exists goes first. A stream that cannot be seated
+        stops the rest: nothing overtakes it."""
         seated = []
-        for stream in self.waiting:
+        for stream in self.waiting.ordered(self.order_key):
             match = self._resident_match(stream)
             if match is not None:
                 seated.append(self._place(stream, match.lane, match.rows, "resident", None))
-        for stream in self.waiting:
+        for stream in self.waiting.ordered(self.order_key):
             seating = self._try_seat(stream)
             if seating is None:
                 break

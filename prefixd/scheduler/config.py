@@ -15,6 +15,7 @@ class SchedulerConfig:
 
     `max_context` None means the device's; a larger value than the device's is clamped.
     `cache_budget_bytes` None means the store may use the whole KV pool.
+    `busy_prefill_rows` and `short_prefill_rows` are the round policy's (docs/store.md, *Round policy*).
     The fields a daemon option sets (num_lanes, grid, cache, cache_budget_bytes, draft_max)
     default to the daemon's defaults on the CPU (prefixd/daemon/options.py; a test holds them
     equal); `DaemonConfig.scheduler_config` builds the daemon's.
@@ -22,7 +23,9 @@ class SchedulerConfig:
 
     num_lanes: int = 8
     grid: int = 256  # prefill chunk length G
-    round_row_budget: int = 512
+    round_row_budget: int = 512  # most rows a round runs (decode, verify and prefill)
+    busy_prefill_rows: int = 32  # rows long prefills share in a round that carries short work
+    short_prefill_rows: int = 64  # a stream prefilling at most this many rows is a short prefill
     max_context: int | None = None
     cache: bool = True
     cache_budget_bytes: int | None = None
@@ -37,6 +40,10 @@ class SchedulerConfig:
             raise ValueError(f"grid must be positive, got {self.grid}")
         if self.round_row_budget <= 0:
             raise ValueError(f"round_row_budget must be positive, got {self.round_row_budget}")
+        if self.busy_prefill_rows <= 0:
+            raise ValueError(f"busy_prefill_rows must be positive, got {self.busy_prefill_rows}")
+        if self.short_prefill_rows < 0:
+            raise ValueError(f"short_prefill_rows must be >= 0, got {self.short_prefill_rows}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {self.max_context}")
         if self.cache_budget_bytes is not None and self.cache_budget_bytes < 0:

@@ -31,12 +31,13 @@ from prefixd.scheduler.drafting import new_drafter
 from prefixd.scheduler.mtp import ask_proposals, offer_proposals
 from prefixd.scheduler.events import EngineObserver, NullObserver
 from prefixd.scheduler.engine_state import check_engine, engine_status
+from prefixd.scheduler.fairness import RoundPolicy
 from prefixd.scheduler.lanes import Lane, PageTables
 from prefixd.scheduler.pages import PageAllocator
 from prefixd.scheduler.planner import plan_schedule
 from prefixd.scheduler.program import PlanBuilder
 from prefixd.scheduler.records import LaneResult, LaneWork, RoundPlan, RoundResult, TokenLogprob
-from prefixd.scheduler.rounds import PlannedWork, plan_round
+from prefixd.scheduler.rounds import PlannedWork, RoundBudget, plan_round
 from prefixd.scheduler.store import PrefixStore, make_key
 from prefixd.scheduler.streams import (DoneEvent, Stream, StreamRequest, TokenEvent, context_full_note,
                                        validate_request)
@@ -101,11 +102,15 @@ class Engine:
         self._store_touched = True
         self._ahead: PlanBuilder | None = None  # the next round's seatings made by admit_ahead
         self.draft_costs = RoundCosts()  # round time by rows, learned for the drafters' policy
+        self.policy = RoundPolicy()  # client shares and busy rounds (docs/store.md, *Round policy*)
+        # A run may end inside a chunk or span chunks only where no row's bits depend on the
+        # chunking and a cut keeps nothing the round must capture.
+        self._split_runs = info.invariant_rows and not info.lane_state_bytes and not info.lookahead
         self.admitter = Admitter(
             lanes=self.lanes, tables=self.tables, store=self.store, grid=config.grid,
             headroom_rows=config.decode_headroom_rows, max_context=self.max_context, cache=config.cache,
             invariant_rows=info.invariant_rows, lookahead=info.lookahead,
-            disk=self.disk,
+            disk=self.disk, order_key=self.policy.shares.order_key,
         )
         self.verifies = Verifies(tables=self.tables, free_pages=lambda n: self.admitter.free_pages(n, spare=()),
                                  observer=self.observer, max_context=self.max_context,
@@ -255,13 +260,17 @@ class Engine:
         self._admit(builder)
         busy = sorted((lane for lane in self.lanes if lane.busy), key=lambda lane: lane.stream.seq)
         decoding = [lane for lane in busy if lane.stream.decoding]
-        prefilling = [lane for lane in busy if lane.stream.prefilling]
+        order = self.policy.shares.order_key
+        prefilling = sorted((lane for lane in busy if lane.stream.prefilling), key=lambda lane: order(lane.stream))
         self.verifies.offer_round(decoding)
-        _, planned = plan_round(
+        budget = RoundBudget(row_budget=self.config.round_row_budget, busy_rows=self.config.busy_prefill_rows,
+                             short_rows=self.config.short_prefill_rows, grid=self.config.grid,
+                             split=self._split_runs, lingering=self.policy.lingering)
+        planned, short_work = plan_round(
             decoding,
             prefilling,
             page_size=self.info.page_size,
-            row_budget=self.config.round_row_budget,
+            budget=budget,
             room_for_row=self._room_for_row,
             cuts_of=lambda s: s.schedule.cuts,
             keep_cuts_of=self.cuts.publishes,
@@ -273,6 +282,7 @@ class Engine:
                 return self._schedule(events, builder)
             self._finish(decoding[-1].stream, "length", events, note=OUT_OF_PAGES_NOTE, keep=False)
             return self._schedule(events, builder)
+        self.policy.planned(((p.stream, len(p.work.tokens)) for p in planned), short_work)
         return planned
 
     def _admit(self, builder: PlanBuilder) -> int:
@@ -347,10 +357,13 @@ class Engine:
             if work.prefill:
                 lane.ids.extend(stream.key_tokens[work.start : end])
                 lane.prefilled_upto = end
-                stream.next_chunk += 1
-                if p.cut is not None and self.cuts.keeps(stream):
-                    logits = res.logits if res is not None else None
-                    self._store_touched |= self.cuts.keep(lane, stream, p.cut, logits, captured.get(lane.index))
+                stream.advance(end)
+                if self.cuts.keeps(stream):
+                    for cut in p.passed:  # spanned by the run: pages only (a family that splits runs has no state)
+                        self._store_touched |= self.cuts.keep(lane, stream, cut, None, None)
+                    if p.cut is not None:
+                        logits = res.logits if res is not None else None
+                        self._store_touched |= self.cuts.keep(lane, stream, p.cut, logits, captured.get(lane.index))
             else:
                 self._postprocess_decode(lane, stream, work, res, events)
                 offer_proposals(stream, res)

@@ -1,8 +1,16 @@
-"""Building one lane round: decode rows of every decoding lane, then prefill chunks in
-admission order while the round's rows stay within the row budget."""
+"""Building one lane round: decode rows of every decoding lane, then prefill runs, least
+served client first, within the round's row budget (docs/store.md, *Round policy*).
+
+A lane's prefill run is a stretch of its schedule's rows: where the family may cut rows
+anywhere (`RoundBudget.split`) it may end inside a chunk or span several whole chunks;
+elsewhere it is exactly one whole chunk. Either way the chunk boundaries are the schedule's,
+a pure function of the prompt, its starts and the grid; the budget only decides how many of
+those rows a lane runs this round.
+"""
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -12,13 +20,33 @@ from prefixd.scheduler.streams import Stream
 
 
 @dataclass(frozen=True, slots=True)
+class RoundBudget:
+    """How many rows a round gives prefills (`SchedulerConfig` holds the numbers).
+
+    `row_budget` bounds the round's rows; `grid` one lane's run. A round is *busy* when it
+    carries decode rows or a short prefill (a stream prefilling at most `short_rows` rows), or
+    `lingering` says a recent round did: long prefills then share `busy_rows` rows. `split`:
+    the family's rows are invariant at every row and nothing but pages is kept at a cut, so a
+    run may end inside a chunk or span chunks.
+    """
+
+    row_budget: int
+    busy_rows: int
+    short_rows: int
+    grid: int
+    split: bool
+    lingering: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class PlannedWork:
     """A lane's work in the round and whether it ends at a cut the store may keep."""
 
     lane: Lane
     stream: Stream
     work: LaneWork
-    cut: int | None  # the schedule cut this prefill chunk ends at, if any
+    cut: int | None  # the schedule cut this prefill run ends at, if any
+    passed: tuple[int, ...] = ()  # cuts strictly inside the run (only where runs span chunks)
 
 
 def images_over(images: Sequence[ImageRows], start: int, end: int) -> tuple[ImageRows, ...]:
@@ -43,19 +71,37 @@ def decode_work(lane: Lane, stream: Stream, page_size: int, drafts: tuple[int, .
     )
 
 
-def prefill_work(lane: Lane, stream: Stream, page_size: int, cuts: Sequence[int], keep_cuts: bool) -> PlannedWork:
-    """The stream's next prefill chunk; the last chunk samples the first token.
+def run_end(stream: Stream, room: int, grid: int, *, span: bool, split: bool) -> int | None:
+    """Where the stream's next prefill run ends if it may take `room` rows (at most `grid`):
+    at the end of its next chunk, with `span` of the last whole chunk that fits; when not even
+    the next chunk fits, with `split` inside it, else None."""
+    start, end = stream.chunks[stream.next_chunk]
+    limit = start + min(room, grid)
+    if end > limit:
+        return limit if split and limit > start else None
+    if span:
+        for _, later in stream.chunks[stream.next_chunk + 1:]:
+            if later > limit:
+                break
+            end = later
+    return end
 
-    With `keep_cuts`, the last chunk also returns its logits row for the snapshot at the
+
+def prefill_work(lane: Lane, stream: Stream, end: int, page_size: int, cuts: Sequence[int],
+                 keep_cuts: bool) -> PlannedWork:
+    """The stream's prefill rows [its next row, `end`); a run ending the prompt samples the first token.
+
+    With `keep_cuts`, the last run also returns its logits row for the snapshot at the
     prompt's end; with `want_logits`, the digest of the row it samples from. Earlier cuts keep no logits row: a chat prompt ends with its generation
     prompt, never at a message start, so only a request repeating the whole prompt can use one.
     """
-    start, end = stream.chunks[stream.next_chunk]
+    start = stream.chunks[stream.next_chunk][0]
     if start != lane.num_rows:
         raise RuntimeError(f"lane {lane.index}: chunk starts at {start} but {lane.num_rows} rows are written")
     last = end - start - 1
-    final = stream.next_chunk == len(stream.chunks) - 1
+    final = end == stream.num_prompt
     cut = end if end in cuts else None
+    passed = tuple(cuts[bisect.bisect_right(cuts, start):bisect.bisect_left(cuts, end)])
     sample_rows = (last,) if final else ()
     work = LaneWork(
         lane=lane.index,
@@ -68,7 +114,12 @@ def prefill_work(lane: Lane, stream: Stream, page_size: int, cuts: Sequence[int]
         images=images_over(stream.req.images, start, end),
         digest_rows=sample_rows if stream.req.want_logits else (),
     )
-    return PlannedWork(lane, stream, work, cut)
+    return PlannedWork(lane, stream, work, cut, passed)
+
+
+def is_short(stream: Stream, short_rows: int) -> bool:
+    """A short prefill: the stream prefills at most `short_rows` rows in all."""
+    return stream.num_prompt - stream.cached_tokens <= short_rows
 
 
 def plan_round(
@@ -76,18 +127,23 @@ def plan_round(
     prefilling: Sequence[Lane],
     *,
     page_size: int,
-    row_budget: int,
+    budget: RoundBudget,
     room_for_row: Callable[[Lane], bool],
     cuts_of: Callable[[Stream], Sequence[int]],
     keep_cuts_of: Callable[[Stream], bool],
     drafts_of: Callable[[Lane], tuple[int, ...]] = lambda lane: (),
-) -> tuple[RoundPlan, list[PlannedWork]]:
-    """Plan one round.
+) -> tuple[list[PlannedWork], bool]:
+    """Plan one round; returns its lane work and whether it carried decode rows or a short
+    prefill (what makes the rounds after it busy too, `RoundPolicy`).
 
     `decoding` lanes each add one row when `room_for_row(lane)` finds a page for it (a lane
     without room sits this round out), plus a verify row per token `drafts_of(lane)` drafts
-    (it finds pages for them itself, or drafts nothing). `prefilling` lanes, in admission order, each add their
-    next whole chunk while rows stay within `row_budget`; the first chunk always goes.
+    (it finds pages for them itself, or drafts nothing). `prefilling` lanes come in the order
+    they are served (least served client first, FIFO within one). Short prefills go first,
+    each its whole next run while the round's rows stay within `row_budget`; then long ones,
+    within `busy_rows` of them in a busy round. However full the round, one short prefill (if
+    no short one ran, one long prefill) still runs: a whole chunk, or where runs split, at
+    most `busy_rows` rows of it.
     """
     planned: list[PlannedWork] = []
     rows = 0
@@ -97,14 +153,37 @@ def plan_round(
             drafts = drafts_of(lane)
             planned.append(PlannedWork(lane, lane.stream, decode_work(lane, lane.stream, page_size, drafts), None))
             rows += 1 + len(drafts)
-    num_chunks = 0
-    for lane in prefilling:
-        assert lane.stream is not None, f"lane {lane.index} prefills without a stream"
-        stream = lane.stream
-        start, end = stream.chunks[stream.next_chunk]
-        if num_chunks > 0 and rows + (end - start) > row_budget:
-            break  # whole chunks only, in admission order
-        planned.append(prefill_work(lane, stream, page_size, cuts_of(stream), keep_cuts_of(stream)))
-        rows += end - start
-        num_chunks += 1
-    return RoundPlan(tuple(p.work for p in planned)), planned
+    shorts = [lane for lane in prefilling if is_short(lane.stream, budget.short_rows)]
+    longs = [lane for lane in prefilling if not is_short(lane.stream, budget.short_rows)]
+    short_work = bool(planned) or bool(shorts)
+    long_left = budget.busy_rows if short_work or budget.lingering else budget.row_budget
+    for group, is_long in ((shorts, False), (longs, True)):
+        ran = False
+        for lane in group:
+            stream = lane.stream
+            assert stream is not None, f"lane {lane.index} prefills without a stream"
+            room = budget.row_budget - rows
+            if is_long:
+                room = min(room, long_left)
+            end = run_end(stream, room, budget.grid, span=budget.split, split=budget.split and is_long)
+            if end is None and not ran:
+                end = _forced_end(stream, budget, is_long)
+            if end is None:
+                break  # in serving order: a later lane does not overtake one that waits
+            p = prefill_work(lane, stream, end, page_size, cuts_of(stream), keep_cuts_of(stream))
+            planned.append(p)
+            num = len(p.work.tokens)
+            rows += num
+            if is_long:
+                long_left -= num
+            ran = True
+    return planned, short_work
+
+
+def _forced_end(stream: Stream, budget: RoundBudget, is_long: bool) -> int:
+    """The run a prefill gets however full the round: its next whole chunk, or for a long
+    prefill where runs split, at most `busy_rows` rows of it."""
+    start, end = stream.chunks[stream.next_chunk]
+    if budget.split and is_long:
+        return min(end, start + budget.busy_rows)
+    return end

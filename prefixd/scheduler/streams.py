@@ -27,6 +27,9 @@ class StreamRequest:
     A sampled id in `stop_ids` ends the stream ("stop") and is the last id emitted.
     `chunk_starts` ascend inside [0, n); a start at 0 (a first message) is implied and dropped.
     `cache_key`, when given, replaces `tokens` as the reuse identity.
+    `client` names who sent it (the front's identity of the peer: its process on the socket,
+    its address or namespace over HTTP; "" unknown, one client for all): seating and the
+    round's rows go first to the client served least lately (docs/store.md, *Round policy*).
     """
 
     stream_id: int
@@ -41,6 +44,7 @@ class StreamRequest:
     images: tuple[ImageRows, ...] = ()
     want_logits: bool = False
     draft: bool = True  # False: this stream never drafts (the request's `draft: "off"`)
+    client: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +158,14 @@ class Stream:
     @property
     def prefilling(self) -> bool:
         return self.next_chunk < len(self.chunks)
+
+    def advance(self, end: int) -> None:
+        """Rows up to `end` are prefilled: chunks below it are done; a chunk `end` lies inside
+        keeps its end and now starts at `end` (its boundaries stay the schedule's)."""
+        while self.next_chunk < len(self.chunks) and self.chunks[self.next_chunk][1] <= end:
+            self.next_chunk += 1
+        if self.next_chunk < len(self.chunks) and self.chunks[self.next_chunk][0] < end:
+            self.chunks[self.next_chunk] = (end, self.chunks[self.next_chunk][1])
 
     @property
     def decoding(self) -> bool:
