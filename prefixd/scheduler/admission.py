@@ -10,7 +10,7 @@ from prefixd.scheduler.device import LowerTier
 from prefixd.scheduler.lanes import (Lane, PageTables, ResidentMatch, best_resident, free_seat, pages_for,
                                      resident_resume, resident_victims, starts_below)
 from prefixd.scheduler.planner import plan_schedule
-from prefixd.scheduler.records import DeviceRows, DeviceState, PageCopy
+from prefixd.scheduler.records import CacheResult, DeviceRows, DeviceState, PageCopy
 from prefixd.scheduler.store import Hit, PrefixStore, Snapshot, make_key
 from prefixd.scheduler.streams import Stream
 
@@ -52,7 +52,7 @@ class Seating:
     stream: Stream
     lane: int
     resume: int  # rows reused: the lane's own (resident) or a hit's borrowed pages
-    result: str  # "resident" | "hit" | "miss" | "off"
+    result: CacheResult
     reset: bool = False  # zero the lane's non-page state
     restore: DeviceState | None = None  # or put this state on it (a snapshot or a resident cut)
     page_copies: tuple[PageCopy, ...] = ()  # copy-on-write of the page holding row `resume`
@@ -217,7 +217,7 @@ class Admitter:
                 self.store.publish(key, schedule, n, lane.pages, Snapshot(), prefilled_upto=n)
         self.tables.release(lane)
 
-    def _place(self, stream: Stream, lane: Lane, resume: int, result: str, hit: Hit | None) -> Seating:
+    def _place(self, stream: Stream, lane: Lane, resume: int, result: CacheResult, hit: Hit | None) -> Seating:
         """Bind `stream` to `lane`, reusing `resume` rows (the lane's own, or `hit`'s pages)."""
         req = stream.req
         self.waiting.remove(stream)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 from prefixd.scheduler.device import DeviceInfo
+from prefixd.scheduler.records import DraftMode
 
-DRAFT_MODES = frozenset({"mtp", "ngram", "off"})
+DRAFT_MODES = frozenset(get_args(DraftMode))
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +32,7 @@ class SchedulerConfig:
     cache: bool = True
     cache_budget_bytes: int | None = None
     decode_headroom_rows: int = 16  # decode rows a stream must find room for when admitted
-    draft: str = "off"  # "ngram" (prompt lookup), "mtp" (the device's draft head) or "off"
+    draft: DraftMode = "off"
     draft_max: int = 7  # most drafted tokens a lane verifies in one round
 
     def __post_init__(self) -> None:

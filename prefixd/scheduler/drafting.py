@@ -13,6 +13,7 @@ from typing import Sequence
 from prefixd.scheduler.draftpolicy import DraftPolicy, Offer
 from prefixd.scheduler.mtp import MtpDrafter
 from prefixd.scheduler.ngram import NgramIndex
+from prefixd.scheduler.records import DraftMode
 
 
 class StreamDrafter:
@@ -54,7 +55,7 @@ class StreamDrafter:
 MAX_MATCH = 4  # longest suffix the index matches
 
 
-def new_drafter(mode: str, prompt: Sequence[int], max_k: int) -> StreamDrafter | MtpDrafter | None:
+def new_drafter(mode: DraftMode, prompt: Sequence[int], max_k: int) -> StreamDrafter | MtpDrafter | None:
     """The drafter for `mode` ("off" or a max of 0: none). Every drafter has `offer`, `take`
     and `record`: "ngram" looks up the stream's own tokens, "mtp" passes on what the device's
     draft head proposed (`scheduler.mtp`)."""

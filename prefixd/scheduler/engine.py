@@ -36,7 +36,7 @@ from prefixd.scheduler.lanes import Lane, PageTables
 from prefixd.scheduler.pages import PageAllocator
 from prefixd.scheduler.planner import plan_schedule
 from prefixd.scheduler.program import PlanBuilder
-from prefixd.scheduler.records import LaneResult, LaneWork, RoundPlan, RoundResult, TokenLogprob
+from prefixd.scheduler.records import FinishReason, LaneResult, LaneWork, RoundPlan, RoundResult, TokenLogprob
 from prefixd.scheduler.rounds import PlannedWork, RoundBudget, plan_round
 from prefixd.scheduler.store import PrefixStore, make_key
 from prefixd.scheduler.streams import (DoneEvent, Stream, StreamRequest, TokenEvent, context_full_note,
@@ -407,7 +407,8 @@ class Engine:
         elif stream.num_prompt + len(stream.generated) >= self.max_context:
             self._finish(stream, "length", events, note=context_full_note(stream, self.max_context))
 
-    def _finish(self, stream: Stream, reason: str, events: list[Event], note: str | None = None, keep: bool = True) -> None:
+    def _finish(self, stream: Stream, reason: FinishReason, events: list[Event], note: str | None = None,
+                keep: bool = True) -> None:
         """End a running stream; its lane stays resident when it may keep, else is freed."""
         lane = self.lanes[stream.lane]
         lane.stream = None
@@ -426,7 +427,7 @@ class Engine:
             stream.note = note
         self._done(stream, reason, events)
 
-    def _done(self, stream: Stream, reason: str, events: list[Event]) -> None:
+    def _done(self, stream: Stream, reason: FinishReason, events: list[Event]) -> None:
         del self._streams[stream.stream_id]
         usage = stream.usage(self.clock())
         events.append(DoneEvent(stream.stream_id, reason, usage, stream.note))

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from prefixd.scheduler.records import CacheResult, FinishReason
+
 
 class EngineObserver(Protocol):
     """Receives engine events; every call must be cheap and must not raise."""
 
     def on_round(self, duration_s: float, forward_s: float, num_rows: int, lanes_busy: int, waiting: int) -> None: ...
     def on_admit(self, wait_s: float) -> None: ...
-    def on_first_token(self, ttft_s: float, cache: str) -> None: ...  # cache: "miss" | "hit" | "resident" | "off"
+    def on_first_token(self, ttft_s: float, cache: CacheResult) -> None: ...
     def on_token_gap(self, itl_s: float) -> None: ...
-    def on_done(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None: ...
-    def on_lookup(self, result: str, query_tokens: int, hit_tokens: int) -> None: ...
+    def on_done(self, finish_reason: FinishReason, prompt_tokens: int, completion_tokens: int) -> None: ...
+    def on_lookup(self, result: CacheResult, query_tokens: int, hit_tokens: int) -> None: ...
     def on_eviction(self, reason: str, nbytes: int) -> None: ...
     def on_snapshot_copy(self, direction: str, nbytes: int) -> None: ...
     def on_store(self, bytes_held: int, budget_bytes: int) -> None: ...
@@ -29,16 +31,16 @@ class NullObserver:
     def on_admit(self, wait_s: float) -> None:
         return None
 
-    def on_first_token(self, ttft_s: float, cache: str) -> None:
+    def on_first_token(self, ttft_s: float, cache: CacheResult) -> None:
         return None
 
     def on_token_gap(self, itl_s: float) -> None:
         return None
 
-    def on_done(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+    def on_done(self, finish_reason: FinishReason, prompt_tokens: int, completion_tokens: int) -> None:
         return None
 
-    def on_lookup(self, result: str, query_tokens: int, hit_tokens: int) -> None:
+    def on_lookup(self, result: CacheResult, query_tokens: int, hit_tokens: int) -> None:
         return None
 
     def on_eviction(self, reason: str, nbytes: int) -> None:

@@ -8,10 +8,15 @@ Everything here is plain Python; device tensors travel as opaque `DeviceRows` /
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 
 _MAX_FLOAT = 1.7976931348623157e308
+
+# Enumerations that travel as these strings (the wire, the metrics' labels, the status).
+CacheResult = Literal["miss", "hit", "resident", "off"]  # what a prompt reused; "off": it may not
+FinishReason = Literal["stop", "length", "cancelled", "error"]  # why a stream ended
+DraftMode = Literal["mtp", "ngram", "off"]  # the device's draft head, prompt lookup, or no drafting
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prefixd.scheduler.planner import Schedule
-from prefixd.scheduler.records import ImageRows, SamplingParams, TokenLogprob
+from prefixd.scheduler.records import CacheResult, FinishReason, ImageRows, SamplingParams, TokenLogprob
 
 
 class RequestError(Exception):
@@ -53,7 +53,7 @@ class Usage:
     cached_tokens: int
     prefilled_tokens: int
     completion_tokens: int
-    cache: str  # "miss" | "hit" | "resident" | "off"
+    cache: CacheResult
     ttft_s: float
     total_s: float
     draft_tokens: int = 0  # drafted tokens verified
@@ -73,10 +73,10 @@ class TokenEvent:
 
 @dataclass(frozen=True, slots=True)
 class DoneEvent:
-    """A stream ended. finish_reason: "stop" | "length" | "cancelled" | "error"."""
+    """A stream ended."""
 
     stream_id: int
-    finish_reason: str
+    finish_reason: FinishReason
     usage: Usage
     note: str | None = None
 
@@ -134,7 +134,7 @@ class Stream:
     chunks: list[tuple[int, int]] = field(default_factory=list)
     next_chunk: int = 0
     generated: list[int] = field(default_factory=list)
-    cache_result: str = "off"
+    cache_result: CacheResult = "off"
     cached_tokens: int = 0
     prefilled_tokens: int = 0
     cancelled: bool = False
