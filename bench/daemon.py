@@ -227,7 +227,7 @@ def engine_measures(model: str, sizes: Sizes, vocab: int, mode: str, device: str
     from prefixd.gpu.runner import ModelRunner
     from prefixd.scheduler.config import SchedulerConfig
     from prefixd.scheduler.engine import Engine
-    from prefixd.scheduler.events import NullObserver
+    from prefixd.scheduler.observer import NullObserver
     from prefixd.scheduler.streams import StreamRequest
 
     device, dtype = torch.device(device), torch.bfloat16

@@ -11,7 +11,7 @@ from prefixd.metrics.collectors import Metrics
 
 
 class MetricsObserver:
-    """Implements `prefixd.scheduler.events.EngineObserver` (structurally); owns no logic."""
+    """Implements `prefixd.scheduler.observer.EngineObserver` (structurally); owns no logic."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics

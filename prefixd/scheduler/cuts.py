@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prefixd.scheduler.device import DeviceInfo
-from prefixd.scheduler.events import EngineObserver
+from prefixd.scheduler.observer import EngineObserver
 from prefixd.scheduler.lanes import Lane
 from prefixd.scheduler.records import DeviceRows, DeviceState
 from prefixd.scheduler.rounds import PlannedWork

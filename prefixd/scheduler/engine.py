@@ -29,7 +29,7 @@ from prefixd.scheduler.device import Device, LowerTier
 from prefixd.scheduler.draftpolicy import RoundCosts
 from prefixd.scheduler.drafting import new_drafter
 from prefixd.scheduler.mtp import ask_proposals, offer_proposals
-from prefixd.scheduler.events import EngineObserver, NullObserver
+from prefixd.scheduler.observer import EngineObserver, NullObserver
 from prefixd.scheduler.engine_state import check_engine, engine_status
 from prefixd.scheduler.fairness import RoundPolicy
 from prefixd.scheduler.lanes import Lane, PageTables

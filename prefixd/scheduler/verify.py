@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from prefixd.scheduler.draftpolicy import RoundCosts, allocate
-from prefixd.scheduler.events import EngineObserver
+from prefixd.scheduler.observer import EngineObserver
 from prefixd.scheduler.lanes import Lane, PageTables
 from prefixd.scheduler.records import LaneResult, LaneWork
 from prefixd.scheduler.streams import Stream

@@ -97,7 +97,7 @@ def test_a_kept_entry_is_exported_by_the_next_round_and_an_idle_engine_runs_one_
     """The last keep of a turn is exported in a round of its own after the stream ended: the
     engine is not idle until then, that round carries only the export, and it is not counted as
     a lane round (the round-time histogram describes lane rounds)."""
-    from prefixd.scheduler.events import NullObserver
+    from prefixd.scheduler.observer import NullObserver
 
     class Rounds(NullObserver):
         def __init__(self):

@@ -6,7 +6,7 @@ import pytest
 
 from prefixd.scheduler.config import SchedulerConfig
 from prefixd.scheduler.engine import Engine
-from prefixd.scheduler.events import NullObserver
+from prefixd.scheduler.observer import NullObserver
 from prefixd.scheduler.records import ImageIdentity, ImageRows, SamplingParams
 from prefixd.scheduler.streams import DoneEvent, RequestError, StreamRequest, TokenEvent
 from tests.scheduler import engines

@@ -8,7 +8,7 @@ import pytest
 
 from prefixd.scheduler.config import SchedulerConfig
 from prefixd.scheduler.engine import Engine
-from prefixd.scheduler.events import NullObserver
+from prefixd.scheduler.observer import NullObserver
 from prefixd.scheduler.lanes import pages_for
 from prefixd.scheduler.records import SamplingParams
 from prefixd.scheduler.streams import DoneEvent, StreamRequest, TokenEvent

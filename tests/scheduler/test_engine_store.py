@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixd.scheduler.events import NullObserver
+from prefixd.scheduler.observer import NullObserver
 from tests.scheduler.engines import make_engine, req, turn
 from tests.scheduler.fake_device import (done_by_stream, reference_tokens, run_until_idle,
                                          tokens_by_stream)

@@ -22,7 +22,7 @@ print(len(names), heavy)
 def test_scheduler_imports_no_torch_or_cupy():
     out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, check=True)
     count, heavy = out.stdout.strip().split(" ", 1)
-    assert int(count) >= 8  # engine, lanes, admission, rounds, streams, events, config, planner, store...
+    assert int(count) >= 8  # engine, lanes, admission, rounds, streams, observer, config, planner, store...
     assert heavy == "[]"
 
 
