@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import os
 import platform
+import re
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -172,3 +177,79 @@ def _quiet_llama_cpp(llama_cpp: object) -> None:
 
         _LOG_CALLBACK = llama_cpp.llama_log_callback(lambda level, text, data: None)
         llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank `q` quantile (0..1) of `values`; nan when there are none."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+class ServedDaemon:
+    """A `prefixd serve` child on a Unix socket in a temp dir (and, with `http=True`, an HTTP
+    front on a free loopback port), run from the source tree `root`, stopped on exit.
+
+        with ServedDaemon(["--disk-cache", ""], http=True) as daemon:
+            daemon.socket, daemon.http_url, daemon.log_text()
+    """
+
+    def __init__(self, flags: Sequence[str], *, model: str = "default", http: bool = False,
+                 metrics: bool = False, root: str | None = None, ready_timeout_s: float = 600.0) -> None:
+        self.flags, self.model, self.http, self.metrics = list(flags), model, http, metrics
+        self.root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.ready_timeout_s = ready_timeout_s
+        self.socket = ""
+        self.http_url: str | None = None  # http://127.0.0.1:PORT
+        self.metrics_url: str | None = None  # http://127.0.0.1:PORT/metrics
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> ServedDaemon:
+        self._tmp = tempfile.TemporaryDirectory(prefix="prefixd-bench-")
+        self.socket = os.path.join(self._tmp.name, "prefixd.sock")
+        self.log = os.path.join(self._tmp.name, "daemon.log")
+        cmd = [sys.executable, "-m", "prefixd.daemon.cli", "serve", "--model", self.model, "--socket", self.socket,
+               "--metrics-addr", "127.0.0.1:0" if self.metrics else "", *self.flags]
+        if self.http:
+            cmd += ["--http", "127.0.0.1:0"]  # the daemon binds a free port and prints it
+        env = {**os.environ, "PYTHONPATH": self.root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.root)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            text = self.log_text()
+            http = re.search(r"HTTP on (http://[^/\s]+)", text)
+            metrics = re.search(r"metrics on [^:\s]+:(\d+)", text)
+            if "prefixd: listening on" in text and (http or not self.http) and (metrics or not self.metrics):
+                self.http_url = http.group(1) if http else None
+                self.metrics_url = f"http://127.0.0.1:{metrics.group(1)}/metrics" if metrics else None
+                return
+            assert self.proc is not None, "__enter__ started it"
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prefixd exited with {self.proc.returncode}:\n{text[-2000:]}")
+            time.sleep(0.1)
+        raise RuntimeError(f"prefixd did not listen within {self.ready_timeout_s:.0f} s")
+
+    def log_text(self) -> str:
+        with open(self.log, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def __exit__(self, *exc_info: object) -> None:
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._tmp.cleanup()
