@@ -1,6 +1,6 @@
 """Flood: one honest client's short generates, alone and beside six clients flooding prefills.
 
-    python bench/flood.py                  # the measurement, ~2 min (run it on an idle machine)
+    python bench/flood.py                  # the measurement, ~2 min: three 25 s phases (run it on an idle machine)
     python bench/flood.py --quick          # a smoke run (a few seconds a phase)
 
 Starts `prefixd serve` on the default model (cold: `--disk-cache ""`, metrics off, the HTTP
