@@ -122,7 +122,7 @@ def measure(fields: dict, dtype: torch.dtype, shape: TraceShape = QUICK_TRACE, r
     from bench.daemon import spawn_daemon
     from prefixd.gpu.loading import load_checkpoint
     from prefixd.gpu.runner import ModelRunner
-    from prefixd.scheduler.planner import plan_schedule
+    from prefixd.scheduler.chunks import plan_schedule
     from prefixd.scheduler.records import RoundPlan, SamplerSetup, SamplingParams
 
     with tempfile.TemporaryDirectory(prefix="prefixd-hybrid-") as tmp:

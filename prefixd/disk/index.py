@@ -24,7 +24,7 @@ from array import array
 from dataclasses import dataclass, fields
 from typing import Callable, Iterator
 
-from prefixd.scheduler.planner import CutHasher, Schedule
+from prefixd.scheduler.chunks import CutHasher, Schedule
 from prefixd.scheduler.store.identity import ReuseKey, images_over
 
 FORMAT_VERSION = 2  # bump whenever the file layout or what decides a row's bits changes

@@ -27,7 +27,7 @@ from prefixd.disk.format import SUFFIX, TEMP_SUFFIX, BadFile, FileMeta, encode_h
 from prefixd.disk.index import DiskEntry, DiskIndex, KeyDigests, TierIdentity, cut_hashes
 from prefixd.disk.writer import FAILED, OFF, WRITTEN, DiskWriter, WriteJob, parts_of
 from prefixd.scheduler.pages import PageAllocator
-from prefixd.scheduler.planner import Schedule
+from prefixd.scheduler.chunks import Schedule
 from prefixd.scheduler.records import DiskLoad, FromDisk, PageExport, PageLoad, PagePayload
 from prefixd.scheduler.store import PRESENT, REPLACED, SAVED, PrefixStore, ReuseKey, Snapshot
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator, Sequence
 from prefixd.scheduler.device import LowerTier
 from prefixd.scheduler.lanes import (Lane, PageTables, ResidentMatch, best_resident, free_seat, pages_for,
                                      resident_resume, resident_victims, starts_below)
-from prefixd.scheduler.planner import plan_schedule
+from prefixd.scheduler.chunks import plan_schedule
 from prefixd.scheduler.records import CacheResult, DeviceRows, DeviceState, PageCopy
 from prefixd.scheduler.store import Hit, PrefixStore, Snapshot, make_key
 from prefixd.scheduler.streams import Stream

@@ -17,7 +17,7 @@ from prefixd.scheduler.records import DiskLoad, PageExport, PagePayload, RoundPl
 
 if TYPE_CHECKING:
     from prefixd.scheduler.pages import PageAllocator
-    from prefixd.scheduler.planner import Schedule
+    from prefixd.scheduler.chunks import Schedule
     from prefixd.scheduler.store import PrefixStore, ReuseKey
 
 

@@ -34,8 +34,8 @@ from prefixd.scheduler.engine_state import check_engine, engine_status
 from prefixd.scheduler.fairness import RoundPolicy
 from prefixd.scheduler.lanes import Lane, PageTables
 from prefixd.scheduler.pages import PageAllocator
-from prefixd.scheduler.planner import plan_schedule
-from prefixd.scheduler.program import PlanBuilder
+from prefixd.scheduler.chunks import plan_schedule
+from prefixd.scheduler.plan_builder import PlanBuilder
 from prefixd.scheduler.records import FinishReason, LaneResult, LaneWork, RoundPlan, RoundResult, TokenLogprob
 from prefixd.scheduler.rounds import PlannedWork, RoundBudget, plan_round
 from prefixd.scheduler.store import PrefixStore, make_key

@@ -23,7 +23,7 @@ from prefixd.scheduler.streams import Stream
 
 
 class ScheduleLike(Protocol):
-    """What resident matching needs from a prefill schedule (`planner.Schedule` provides it)."""
+    """What resident matching needs from a prefill schedule (`chunks.Schedule` provides it)."""
 
     @property
     def cuts(self) -> tuple[int, ...]: ...

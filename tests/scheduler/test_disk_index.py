@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixd.scheduler.planner import plan_schedule
+from prefixd.scheduler.chunks import plan_schedule
 from prefixd.scheduler.records import ImageIdentity
 from prefixd.scheduler.store import ReuseKey
 from prefixd.disk.index import DiskEntry, DiskIndex, KeyDigests, cut_hashes

@@ -9,7 +9,7 @@ import pytest
 from prefixd.scheduler.config import SchedulerConfig
 from prefixd.scheduler.engine import Engine
 from prefixd.scheduler.fairness import BUSY_LINGER_ROUNDS, ClientShares
-from prefixd.scheduler.planner import plan_schedule
+from prefixd.scheduler.chunks import plan_schedule
 from prefixd.scheduler.streams import DoneEvent, StreamRequest, TokenEvent
 from tests.scheduler import engines
 from tests.scheduler.fake_device import FakeDevice, make_info, reference_tokens, run_until_idle, tokens_by_stream

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from prefixd.scheduler.pages import PageAllocator
-from prefixd.scheduler.planner import Schedule, plan_schedule
+from prefixd.scheduler.chunks import Schedule, plan_schedule
 from prefixd.scheduler.records import ImageIdentity
 from prefixd.scheduler.store import Hit, PrefixStore, ReuseKey, Snapshot
 

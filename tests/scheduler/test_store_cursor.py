@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixd.scheduler.planner import plan_schedule
+from prefixd.scheduler.chunks import plan_schedule
 from prefixd.scheduler.store import Hit, ReuseKey
 from prefixd.scheduler.store.entries import Node
 from prefixd.scheduler.store.identity import agrees_from

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixd.scheduler.pages import PageAllocator
-from prefixd.scheduler.planner import Schedule, plan_schedule
+from prefixd.scheduler.chunks import Schedule, plan_schedule
 from prefixd.scheduler.records import ImageIdentity
 from prefixd.scheduler.store import PrefixStore, ReuseKey, Snapshot
 

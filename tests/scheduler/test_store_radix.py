@@ -43,7 +43,7 @@ def test_publishing_an_equal_snapshot_again_keeps_one_entry_and_clear_frees_ever
     assert again.results == []  # a full hit prefills nothing, so it keeps nothing new
     lane = rig.alloc.allocate(3)
     assert lane == [3, 4, 5]
-    from prefixd.scheduler.planner import plan_schedule
+    from prefixd.scheduler.chunks import plan_schedule
     res = rig.store.publish(key(TEXT[:10]), plan_schedule(10, (), 4), 8, lane,
                             Snapshot(), prefilled_upto=8)
     assert res == PRESENT
@@ -113,7 +113,7 @@ def test_a_full_prompt_hit_needs_the_logits_row() -> None:
     hit = rig.lookup(sched_key)
     assert hit is not None and hit.snapshot is not None and hit.snapshot.logits == Blob(LOGITS)
     rig2 = Rig()
-    from prefixd.scheduler.planner import plan_schedule
+    from prefixd.scheduler.chunks import plan_schedule
     lane = rig2.alloc.allocate(2)
     rig2.store.publish(sched_key, plan_schedule(8, (), 4), 8, lane, Snapshot(), prefilled_upto=8)
     rig2.store.publish(sched_key, plan_schedule(8, (), 4), 4, lane, Snapshot(), prefilled_upto=8)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from tests.scheduler.test_store_common import Rig, key
 
-from prefixd.scheduler.planner import plan_schedule
+from prefixd.scheduler.chunks import plan_schedule
 from prefixd.scheduler.store import REFUSED, SAVED, Snapshot, make_key
 
 TEXT = tuple(range(200, 230))

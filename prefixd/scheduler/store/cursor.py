@@ -9,7 +9,7 @@ The tree logs the nodes other keys change; a cursor replays that log when it is 
 
 from __future__ import annotations
 
-from prefixd.scheduler.planner import CutHasher, Schedule
+from prefixd.scheduler.chunks import CutHasher, Schedule
 from prefixd.scheduler.store.entries import Entry, Node
 from prefixd.scheduler.store.identity import ReuseKey, RowsKey
 

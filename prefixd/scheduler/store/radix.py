@@ -13,7 +13,7 @@ import time
 from typing import Callable, Sequence
 
 from prefixd.scheduler.pages import PageAllocator
-from prefixd.scheduler.planner import Schedule
+from prefixd.scheduler.chunks import Schedule
 from prefixd.scheduler.store import eviction
 from prefixd.scheduler.store.allowance import Ledger
 from prefixd.scheduler.store.cursor import Cursor

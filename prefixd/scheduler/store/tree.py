@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Iterable, Iterator, Sequence
 
-from prefixd.scheduler.planner import Schedule
+from prefixd.scheduler.chunks import Schedule
 from prefixd.scheduler.store.allowance import Ledger
 from prefixd.scheduler.store.cursor import Cursor
 from prefixd.scheduler.store.entries import Entry, Node, Snapshot

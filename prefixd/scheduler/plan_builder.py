@@ -1,4 +1,4 @@
-"""Building one round's program: the device items the engine decides while it schedules.
+"""Building one round's plan (`RoundPlan`): the device items the engine decides while it schedules.
 
 Admission's seatings, the planner's lane work and the captures at cuts all land in one
 `RoundPlan`; `RoundPlan`'s docstring gives the order the device runs them in. Nothing here

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixd.scheduler.planner import Schedule, cut_hash, plan_schedule
+from prefixd.scheduler.chunks import Schedule, cut_hash, plan_schedule
 from prefixd.scheduler.records import ImageIdentity
 
 TOKS = tuple(range(50, 70))
