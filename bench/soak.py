@@ -18,8 +18,9 @@ Starts `prefixd serve` on the default model (Unix socket only, metrics off), the
 It prints one table: requests served, errors by code, honest p50/p99 TTFT with and without
 hostile clients and their ratio, whether honest outputs are bit-equal to the reference,
 honest failures, RSS before/peak/after, fds and pages before and after, and the CPU the
-daemon's threads used per second of each phase (the event loop's thread, the busiest other
-thread, which is the engine's, and the rest: torch's and the worker threads). Every loop is
+daemon used per second of each phase (the front process's event-loop thread, the engine
+process with all its threads, and the front's worker threads). RSS and fds are the two
+processes' together. Every loop is
 bounded by the deadline and a count; every wait by a timeout. It stops by itself.
 """
 
@@ -131,18 +132,18 @@ async def run_phase(daemon: Daemon, requests: list[dict[str, Any]], seconds: flo
         for c in range(num_honest):
             tg.start_soon(honest_client, daemon.socket, requests, c * 3, deadline, run, reference)
     run.cpu_s = _cpu_used(cpu_before, daemon.thread_cpu_s(), daemon.proc.pid)
-    run.cpu_s["children"] = daemon.children_cpu_s() - children_before
+    run.cpu_s["engine"] = daemon.children_cpu_s() - children_before  # the engine process, all its threads
     if hostile is not None:
         await anyio.to_thread.run_sync(hostile.collect, tally)
     return run
 
 
 def _cpu_used(before: dict[int, float], after: dict[int, float], loop_tid: int) -> dict[str, float]:
-    """CPU seconds of the event loop's thread, the busiest other thread (the engine's) and the rest."""
+    """CPU seconds of the front process's event-loop thread and of its other threads (workers);
+    the engine process's are added by the caller."""
     used = {tid: cpu - before.get(tid, 0.0) for tid, cpu in after.items()}
     loop = used.pop(loop_tid, 0.0)
-    engine = max(used.values(), default=0.0)
-    return {"loop": loop, "engine": engine, "other": sum(used.values()) - engine}
+    return {"loop": loop, "other": sum(used.values())}
 
 
 class Hostile:
@@ -247,10 +248,8 @@ def report(base: HonestRun, soak: HonestRun, tally: Tally, before: dict, after: 
         ("fds before / after", f"{before['fds']} / {after['fds']}"),
         ("pages used before / after", f"{before['pages_used']} / {after['pages_used']}"),
         ("lanes busy / waiting after", f"{after['lanes_busy']} / {after['waiting']}"),
-        ("daemon CPU s per s, loop / engine / other (baseline)", _cpu_text(base.cpu_s, base_seconds)),
-        ("daemon CPU s per s, loop / engine / other (soak)", _cpu_text(soak.cpu_s, seconds)),
-        ("render process CPU s per s (baseline / soak)",
-         f"{base.cpu_s.get('children', 0.0) / base_seconds:.2f} / {soak.cpu_s.get('children', 0.0) / seconds:.2f}"),
+        ("CPU s per s, front loop / engine process / front workers (baseline)", _cpu_text(base.cpu_s, base_seconds)),
+        ("CPU s per s, front loop / engine process / front workers (soak)", _cpu_text(soak.cpu_s, seconds)),
         ("hostile clients' own CPU s per s (their process)", f"{tally.cpu_s / seconds:.2f}"),
     ]
     return markdown_table(["measure", "value"], rows)

@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 import anyio
 
 from bench.daemon import stop_process
-from prefixd.front.engine_host import IDLE_TRIM_S
+from prefixd.engine.process import IDLE_TRIM_S
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.messages import HelloReply
 
@@ -65,15 +65,34 @@ class Daemon:
     def log_tail(self, chars: int = 2000) -> str:
         return self.log.read_text()[-chars:]
 
+    def pids(self) -> list[int]:
+        """The front process and its children (the engine process)."""
+        children = []
+        for pid in os.listdir("/proc"):
+            stat = _read_stat(f"/proc/{pid}/stat") if pid.isdigit() else None
+            if stat is not None and stat[0] == self.proc.pid:
+                children.append(int(pid))
+        return [self.proc.pid, *children]
+
     def rss_bytes(self) -> int:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        return 0
+        """The front's and the engine's RSS together."""
+        total = 0
+        for pid in self.pids():
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+            except OSError:
+                pass
+        return total
 
     def num_fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+        total = 0
+        for pid in self.pids():
+            try:
+                total += len(os.listdir(f"/proc/{pid}/fd"))
+            except OSError:
+                pass
+        return total
 
     def thread_cpu_s(self) -> dict[int, float]:
         """CPU seconds (user + system) each of the daemon's threads has used, by thread id;
@@ -86,7 +105,7 @@ class Daemon:
         return out
 
     def children_cpu_s(self) -> float:
-        """CPU seconds (user + system) the daemon's live child processes (the render process) used."""
+        """CPU seconds (user + system) the daemon's live child processes (the engine process) used."""
         total = 0.0
         for pid in os.listdir("/proc"):
             stat = _read_stat(f"/proc/{pid}/stat") if pid.isdigit() else None
@@ -114,7 +133,7 @@ class Daemon:
                 if (status["lanes_busy"] == 0 and status["waiting"] == 0) or time.monotonic() > deadline:
                     break
                 await anyio.sleep(0.1)
-        await anyio.sleep(IDLE_TRIM_S + 1.0)  # the engine host returns freed heap after IDLE_TRIM_S idle
+        await anyio.sleep(IDLE_TRIM_S + 1.0)  # the engine process returns freed heap after IDLE_TRIM_S idle
         self.peak_rss = max(self.peak_rss, self.rss_bytes())
         return {"rss": self.rss_bytes(), "fds": self.num_fds(), "pages_used": status["pages_used"],
                 "lanes_busy": status["lanes_busy"], "waiting": status["waiting"]}

@@ -94,7 +94,7 @@ class FloorMeter:
     def __init__(self, checkpoint: object, num_conversations: int, max_context: int, grid: int) -> None:
         import torch
 
-        from prefixd.front.engine_host import retain_freed_memory
+        from prefixd.engine.process import retain_freed_memory
         from prefixd.gpu.runner import ModelRunner
 
         retain_freed_memory()  # as the daemon does: the floor must not pay page faults it does not
@@ -107,7 +107,7 @@ class FloorMeter:
 
     def measure(self, t: TurnRecord) -> float | None:
         """Seconds to the first token from the cached rows; None when nothing was cached."""
-        from prefixd.scheduler.planner import plan_schedule
+        from prefixd.scheduler.chunks import plan_schedule
         from prefixd.scheduler.records import RoundPlan, SamplerSetup, SamplingParams
 
         ids, n = t.prompt_ids, t.context

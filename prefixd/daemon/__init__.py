@@ -1,1 +1,1 @@
-"""The daemon: configuration, CLI, serve loop, connections, the engine thread, systemd glue."""
+"""The daemon: options, configuration, CLI, the front process's serve loop, systemd glue."""

@@ -113,15 +113,11 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     from prefixd.daemon.server import serve
     from prefixd.daemon.startup import StartupError
-    from prefixd.gpu.loading import ModelLoadError
 
     try:
         return serve(cfg)
-    except StartupError as e:
+    except StartupError as e:  # the engine's too: "cannot load model: ..." where the model file is at fault
         print(f"prefixd: {e}", file=sys.stderr)
-        return 1
-    except ModelLoadError as e:
-        print(f"prefixd: cannot load model: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0

@@ -1,12 +1,14 @@
-"""The serve loop: startup() -> main_loop() -> shutdown(), anyio on uvloop.
+"""The front process's serve loop: startup() -> main_loop() -> shutdown(), anyio on uvloop.
 
-Signal handlers only set flags; every task lives in a task group; cancellation is
-re-raised; cleanup is shielded.
+The engine runs in a process of its own (prefixd.engine), started here and supervised by
+the engine link (front/engine_link.py): readiness is announced once it has loaded, and a
+death of it ends the requests in flight with `internal`, never the daemon. Signal handlers
+only set flags; every task lives in a task group; cancellation is re-raised; cleanup is
+shielded.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import logging
@@ -15,28 +17,23 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import anyio
 import anyio.abc
 
 import prefixd
-from prefixd.front.abandon import AbandonLedger
-from prefixd.front.accept import AcceptErrors, refuse_connection, return_freed_memory
-from prefixd.front.bounds import ConnectionBounds
-from prefixd.daemon.config import DaemonConfig, cache_budget_warning
-from prefixd.front.connection import Connection, Services
-from prefixd.front.engine_host import EngineHost, one_malloc_arena
-from prefixd.front.fair import FairSeats
-from prefixd.daemon.host_work import HostWork
-from prefixd.front.http.serve import HttpServer
-from prefixd.front.listener import PeerCred, PeerPolicy, SocketPathError, peer_cred
-from prefixd.front.pacing import Pacer
-from prefixd.daemon.render_process import RenderPool, RenderShares
-from prefixd.front.requests import RequestBuilder
-from prefixd.engine.runtime import Runtime, load_runtime, run_on_own_thread
+from prefixd.daemon.config import DaemonConfig
 from prefixd.daemon.startup import StartupError, activation_socket, bind_socket, check_device, open_exporter
 from prefixd.daemon.systemd import Notifier
+from prefixd.front.accept import AcceptErrors, refuse_connection, return_freed_memory
+from prefixd.front.bounds import ConnectionBounds
+from prefixd.front.connection import Connection, Services
+from prefixd.front.engine_link import EngineLink, Launcher, ProcessLauncher, RestartPolicy
+from prefixd.front.gate import Gate
+from prefixd.front.http.serve import HttpServer
+from prefixd.front.listener import PeerCred, PeerPolicy, SocketPathError, peer_cred
+from prefixd.front.requests import RequestBuilder
 from prefixd.ipc.framing import Limits
 from prefixd.ipc.transport import BufferBudget, FramedStream
 from prefixd.metrics import Metrics, MetricsExporter, MetricsObserver
@@ -44,32 +41,20 @@ from prefixd.metrics import Metrics, MetricsExporter, MetricsObserver
 log = logging.getLogger("prefixd.server")
 _TRIM_AFTER_BYTES = 1 << 20  # a connection that buffered this much hands freed heap back on close
 _CANCEL_FLUSH_S = 5.0  # after the grace period: time for cancelled streams to send their done
-DISK_FLUSH_S = 120.0  # at shutdown, time the disk tier's writer gets to finish its queue
-# The engine thread drops and retakes the GIL around every torch op; while a worker thread
-# or the loop runs Python, each retake waits up to this interval (CPython's default: 5 ms).
-GIL_SWITCH_S = 0.0005
-
-RuntimeFactory = Callable[[DaemonConfig, Any], Runtime]
-
-
-def _default_factory(cfg: DaemonConfig, observer: Any) -> Runtime:
-    from prefixd.gpu.loading import stderr_progress
-
-    return load_runtime(cfg, observer=observer, progress=stderr_progress())
 
 
 class Server:
     """One daemon. `run()` returns the process exit code."""
 
-    def __init__(self, cfg: DaemonConfig, *, runtime_factory: RuntimeFactory = _default_factory,
+    def __init__(self, cfg: DaemonConfig, *, engine: Launcher | None = None,
                  env: dict[str, str] | None = None, out: Any = None,
-                 bounds: ConnectionBounds | None = None, freeze_heap: bool = False) -> None:
+                 bounds: ConnectionBounds | None = None, freeze_heap: bool = False,
+                 restart: RestartPolicy | None = None) -> None:
         self.cfg = cfg
         self._freeze_heap = freeze_heap  # the serve process's: freeze_loaded_heap after the load
-        self._factory = runtime_factory
+        self._launcher = engine or ProcessLauncher(cfg)
+        self._restart = restart or RestartPolicy()
         self.bounds = bounds or ConnectionBounds.for_config(cfg)
-        self.pacer = Pacer(self.bounds.pace)
-        self.abandons = AbandonLedger(self.bounds.abandon)
         self.buffers = BufferBudget(self.bounds.max_buffered_bytes)
         self._env = os.environ if env is None else env
         self._out = sys.stderr if out is None else out
@@ -82,12 +67,10 @@ class Server:
         self._exporter: MetricsExporter | None = None
         self.http: HttpServer | None = None
         self._listener: anyio.abc.SocketListener | None = None
-        self._host: EngineHost | None = None
-        self._seats: FairSeats | None = None
-        self.host_work = HostWork(self.bounds.max_heavy_jobs, self.bounds.heavy_cpu_share)
-        self.renderer = RenderPool(self.bounds.heavy_cpu_share) if self.bounds.render_process else None
-        self.render_shares = RenderShares()  # heavy renders at idle priority for a client past its share
-        self._runtime: Runtime | None = None
+        self.link: EngineLink | None = None
+        self.gate: Gate | None = None
+        self._builder: RequestBuilder | None = None
+        self.model_info: dict[str, Any] = {}
         self._connections: set[Connection] = set()
         self._stream_ids = itertools.count(1)
         self._started_s = time.monotonic()
@@ -125,37 +108,31 @@ class Server:
             self.metrics_port = self._exporter.port
         self._listener = await self._open_listener()
         check_device(self.cfg)
-        if self.renderer is not None:
-            await anyio.to_thread.run_sync(self.renderer.start)  # it imports while the model loads
         self.notifier.status("loading model")
         self._out.write(f"prefixd: loading model {self.cfg.model} on {self.cfg.device} ({self.cfg.dtype})\n")
-        observer = MetricsObserver(self.metrics)
-        self._runtime = await run_on_own_thread(self._factory, self.cfg, observer)
-        if self.renderer is not None:
-            self.renderer.bind(self._runtime.tokenizer)
-            if self._runtime.cpu_threads is not None:  # a render in the child holds a core: the engine leaves it
-                self._runtime.cpu_threads.held_cores = self.renderer.cores_in_use
+        self.link = EngineLink(self._launcher, observer=MetricsObserver(self.metrics), policy=self._restart,
+                               on_restart=lambda why: self.metrics.engine_restarts.inc(), out=self._out)
+        ready = await self.link.start()
         if self._freeze_heap:
             freeze_loaded_heap()
-        warning = cache_budget_warning(self._runtime.engine.info, self._runtime.engine.config)
-        if warning is not None:
+        for warning in ready.warnings:
             log.warning("%s", warning)
             self._out.write(f"prefixd: warning: {warning}\n")
-        info = self._runtime.model_info
+        info = self.model_info = ready.model_info
         self.metrics.set_build_info(version=prefixd.__version__, model=str(info.get("name", "")), dtype=self.cfg.dtype,
                                     device=self.cfg.device, mode=str(info.get("mode", "invariant")))
-        engine = self._runtime.engine
-        self.metrics.track(lambda: len(self._connections),
-                           lambda: (engine.allocator.num_free, engine.allocator.num_used))
-        self._host = EngineHost(engine, before_round=self._runtime.before_round, overlap=self._runtime.overlap)
-        self._seats = FairSeats(len(engine.lanes))
-        await self._host.start()
+        link = self.link
+        self.metrics.track(lambda: len(self._connections), lambda: link.pages,
+                           lambda: 1 if link.serving else 0)
+        self.gate = Gate(link, self.bounds, int(info.get("lanes") or self.cfg.num_lanes))
+        self._builder = RequestBuilder(ready.tokenizer, info, self.limits)
 
     async def main_loop(self) -> None:
-        assert self._listener is not None and self._exit_event is not None and self._host is not None
+        assert self._listener is not None and self._exit_event is not None
+        assert self.link is not None
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch_signals, tg.cancel_scope)
-            tg.start_soon(self._watch_engine)
+            await tg.start(self.link.supervise)
             if self.cfg.idle_exit_s is not None:
                 tg.start_soon(self._watch_idle, self.cfg.idle_exit_s)
             async with anyio.create_task_group() as conns:
@@ -175,18 +152,12 @@ class Server:
 
     async def shutdown(self) -> None:
         await self._stop_accepting()
-        if self._host is not None:
-            await self._host.stop()
-        if getattr(self._runtime, "disk", None) is not None:
-            disk, self._runtime = self._runtime.disk, dataclasses.replace(self._runtime, disk=None)
-            await anyio.to_thread.run_sync(disk.close, DISK_FLUSH_S)  # every queued entry file is written
-            self._out.write(f"prefixd: disk cache flushed ({disk.stats().entries} entries)\n")
+        if self.link is not None:
+            await self.link.stop()  # the engine flushes the disk tier, then exits
         if self._exporter is not None:
             self._exporter.close()
             self._exporter = None
-        if self.renderer is not None:
-            await anyio.to_thread.run_sync(self.renderer.close)
-        if self._runtime is not None:
+        if self.link is not None and self.link.ready is not None:
             log.info("stopped after %.1fs: exit code %d, %d requests served", time.monotonic() - self._started_s,
                      self.exit_code, self.metrics.num_requests())
 
@@ -218,20 +189,14 @@ class Server:
             async for _ in signals:
                 log.info("SIGHUP ignored (logs go to stderr; nothing to reopen or reload)")
 
-    async def _watch_engine(self) -> None:
-        assert self._host is not None
-        await self._host.failed.wait()
-        self._out.write(f"prefixd: engine failed: {self._host.failure!r}\n")
-        self.request_exit(1)
-
     async def _watch_idle(self, idle_s: float) -> None:
         """Exit (gracefully: the disk tier is flushed) after `idle_s` with no client connected
         and no request open; a socket-activated unit is started again by the next client."""
-        assert self._host is not None
+        assert self.link is not None
         last_busy = time.monotonic()
         while not self.should_exit:
             await anyio.sleep(min(1.0, idle_s / 4))
-            if self._connections or self._host.num_open_streams:
+            if self._connections or self.link.num_open_streams:
                 last_busy = time.monotonic()
             elif time.monotonic() - last_busy >= idle_s:
                 self._out.write(f"prefixd: idle for {idle_s:g}s: exiting\n")
@@ -286,16 +251,16 @@ class Server:
     async def _serve_connection(self, stream: anyio.abc.SocketStream, cred: PeerCred) -> None:
         framed = FramedStream(stream, self.limits, send_timeout_s=self.bounds.send_timeout_s,
                               frame_deadline_s=self.bounds.frame_deadline_s, budget=self.buffers)
-        budget = self.pacer.join((cred.pid, cred.uid)) if self.bounds.pace.rate is not None else None
-        connection = Connection(framed, self._services(), self.bounds, budget, peer=(cred.pid, cred.uid))
+        assert self.gate is not None
+        client = self.gate.join((cred.pid, cred.uid))
+        connection = Connection(framed, self._services(), self.bounds, client)
         self._connections.add(connection)
         try:
             await connection.serve()
         except Exception:  # a bug met by one connection closes only that connection
             log.exception("connection failed; closed it")
         finally:
-            if budget is not None:
-                self.pacer.leave(budget)
+            self.gate.leave(client)
             self._connections.discard(connection)
             if framed.peak_buffered_bytes >= _TRIM_AFTER_BYTES:
                 return_freed_memory()
@@ -361,37 +326,33 @@ class Server:
         return [*self._connections, *([self.http.front] if self.http is not None else [])]
 
     def _services(self) -> Services:
-        assert self._host is not None and self._runtime is not None
+        assert self.gate is not None and self._builder is not None
         return Services(
-            host=self._host,
-            builder=RequestBuilder(self._runtime.tokenizer, self._runtime.model_info, self.limits,
-                                   self._runtime.decoder_factory),
+            gate=self.gate,
+            builder=self._builder,
             hello_reply=self._hello_reply,
-            status_extra=self._status_extra,
+            status=self._status,
             shutting_down=lambda: self.should_exit,
             next_stream_id=lambda: next(self._stream_ids),
-            seats=self._seats,
-            abandons=self.abandons,
-            host_work=self.host_work,
-            renderer=self.renderer,
-            render_shares=self.render_shares,
         )
 
     def _hello_reply(self) -> dict[str, Any]:
-        assert self._runtime is not None
-        return {"server": f"prefixd {prefixd.__version__}", "model": dict(self._runtime.model_info),
+        return {"server": f"prefixd {prefixd.__version__}", "model": dict(self.model_info),
                 "limits": self.limits.to_wire()}
 
-    def _status_extra(self) -> dict[str, Any]:
-        assert self._runtime is not None
+    async def _status(self, *, check: bool = False) -> dict[str, Any]:
+        """The status reply's map: the engine's own, then the front's."""
+        assert self.link is not None and self.gate is not None
+        engine = await self.link.status(check=check)
         return {
+            **engine,
             "server": f"prefixd {prefixd.__version__}",
-            "model": dict(self._runtime.model_info),
+            "model": dict(self.model_info),
             "connections": len(self._connections),
             "buffered_bytes": self.buffers.used_bytes,
-            **self.pacer.stats(),
-            **self.abandons.stats(),
-            "renders_idle": self.render_shares.idle_renders,
+            **self.gate.stats(),
+            "engine": {"pid": self.link.pid, "state": self.link.state, "restarts": self.link.restarts,
+                       "last_death": self.link.last_death},
             "uptime_s": time.monotonic() - self._started_s,
             "socket": str(self.socket_path) if self.socket_path else None,
             "shutting_down": self.should_exit,
@@ -411,7 +372,5 @@ def freeze_loaded_heap() -> None:
 def serve(cfg: DaemonConfig) -> int:
     """Run a daemon in the foreground until SIGTERM/SIGINT; returns the exit code."""
     logging.basicConfig(level=cfg.log_level.upper(), format="prefixd %(levelname)s %(name)s: %(message)s")
-    sys.setswitchinterval(GIL_SWITCH_S)  # process-wide, so set by the process's entry point only
-    one_malloc_arena()  # likewise, and before the model load starts any thread
     server = Server(cfg, freeze_heap=True)
     return anyio.run(server.run, backend="asyncio", backend_options={"use_uvloop": True})

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
-
-import anyio
 
 from prefixd.daemon.config import AUTO_CACHE_FRACTION, AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig, resolve_draft
 from prefixd.engine.sampling_defaults import sampling_defaults
@@ -32,9 +29,9 @@ class Runtime:
     model_info: dict[str, Any]
     decoder_factory: Callable[[], Any] | None = None  # None: prefixd.text.tokenizer.StreamDecoder
     disk: Any = None  # prefixd.disk.tier.DiskTier, or None when the disk tier is off
-    before_round: Callable[[], Any] | None = None  # on the engine thread: the CPU thread policy
-    cpu_threads: Any = None  # prefixd.gpu.threads.CpuThreads on the CPU, else None
-    overlap: bool = False  # rounds run on a device thread beside the engine's host work (EngineHost)
+    before_round: Callable[[], Any] | None = None  # before each round, where it runs: the CPU thread policy
+    overlap: bool = False  # rounds run on a device thread beside the engine's host work (engine/process.py)
+    device_status: Callable[[], dict[str, Any]] | None = None  # what status adds of the device, between rounds
 
 
 def plan_num_pages(cfg: DaemonConfig, *, kv_bytes_per_page: int, max_context: int,
@@ -81,6 +78,13 @@ def mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     except OSError:
         return None
     return None
+
+
+def default_factory(cfg: DaemonConfig, observer: Any) -> Runtime:
+    """The engine process's factory: `load_runtime` with the load's progress on stderr."""
+    from prefixd.gpu.loading import stderr_progress
+
+    return load_runtime(cfg, observer=observer, progress=stderr_progress())
 
 
 def load_runtime(cfg: DaemonConfig, *, observer: Any,
@@ -148,7 +152,9 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
     }
     threads = CpuThreads.up_to_current() if cfg.device == "cpu" else None
     return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info, disk=disk,
-                   before_round=None if threads is None else threads.tick, cpu_threads=threads, overlap=overlap)
+                   before_round=None if threads is None else threads.tick, overlap=overlap,
+                   device_status=lambda: {"decode_programs": len(runner.programs.programs)
+                                          if runner.programs is not None else None})
 
 
 def cpu_kernel_paths() -> dict[str, str]:
@@ -178,28 +184,3 @@ def build_disk_tier(cfg: DaemonConfig, model_path: Any, runner: Any, device_kind
     except OSError as e:
         log.warning("disk cache off: cannot use %s: %s; serving from RAM", cfg.disk_cache_dir, e)
         return None
-
-
-async def run_on_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) on a thread that ends when fn returns (the model load).
-
-    torch's OpenMP pool belongs to the thread that first ran a parallel op. A load on one of
-    anyio's worker threads, which live on, leaves a second pool beside the engine thread's;
-    with more pool threads than cores, the engine's pool sleeps between ops instead of
-    spinning and a forward runs at ~0.55x on a 2-core machine. A thread that has ended takes
-    its pool with it.
-    """
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["value"] = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the event loop below
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=target, name="prefixd-load", daemon=True)
-    thread.start()
-    await anyio.to_thread.run_sync(thread.join)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]

@@ -25,9 +25,7 @@ class ConnectionBounds:
     frame_deadline_s: float = 30.0  # an incomplete frame must complete within this, from its first byte
     max_buffered_bytes: int = 64 << 20  # incomplete frames, all connections together
     accept_backoff_s: float = 0.1  # pause after a failed accept (EMFILE...) before trying again
-    max_heavy_jobs: int = 1  # heavy renders/encodes running at once (host_work.py); one per connection
-    heavy_cpu_share: float = 0.25  # of one core, the most a heavy job's thread uses
-    render_process: bool = True  # heavy chat renders in a child process (render_process.py); False: a thread
+    max_heavy_jobs: int = 1  # heavy renders/encodes running at once (gate.py); one per client
     pace: PaceLimits = field(default_factory=PaceLimits)  # one client's frame budget (pacing.py)
     abandon: AbandonLimits = field(default_factory=AbandonLimits)  # holds for abandoned generates (abandon.py)
 
@@ -45,5 +43,3 @@ class ConnectionBounds:
             raise ValueError(f"connection bounds must be positive: {self}")
         if min(self.send_timeout_s, self.frame_deadline_s, self.accept_backoff_s) <= 0:
             raise ValueError(f"connection timeouts must be positive: {self}")
-        if not 0 < self.heavy_cpu_share <= 1:
-            raise ValueError(f"heavy_cpu_share must be in (0, 1]: {self}")

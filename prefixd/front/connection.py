@@ -18,27 +18,23 @@ import logging
 import time
 from array import array
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Awaitable, Callable, Hashable
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from prefixd.front.abandon import AbandonLedger
 from prefixd.front.bounds import ConnectionBounds
-from prefixd.front.engine_host import EngineFailed, EngineHost, StreamTokens
-from prefixd.front.fair import FairSeats
-from prefixd.daemon.host_work import HostWork, is_heavy
-from prefixd.front.pacing import ClientBudget
+from prefixd.front.engine_link import EngineLost, EngineUnavailable
+from prefixd.front.gate import Gate, GateClient, engine_error
 from prefixd.front.peer_probe import peer_probe
-from prefixd.daemon.render_process import ClientRenderer, RenderPool, RenderShares
-from prefixd.front.requests import Renderer, RequestBuilder
+from prefixd.front.requests import RequestBuilder
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.events import ErrorReply, OkReply, StatusReply
 from prefixd.ipc.fields import request_id_of
 from prefixd.ipc.framing import Frame, close_fds
 from prefixd.ipc.memfd import check_refs, resolve_payloads
 from prefixd.ipc.messages import check_before_payloads
-from prefixd.scheduler.streams import DoneEvent, Usage
+from prefixd.scheduler.streams import DoneEvent, TokenEvent, Usage
 
 log = logging.getLogger("prefixd.connection")
 
@@ -50,19 +46,15 @@ _CLOSED = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceErr
 
 @dataclass(eq=False)
 class Services:
-    """What every connection shares: the engine host, request building, daemon facts."""
+    """What every front shares: the gate (and through it the engine), request building,
+    daemon facts."""
 
-    host: EngineHost
+    gate: Gate
     builder: RequestBuilder
     hello_reply: Callable[[], dict[str, Any]]
-    status_extra: Callable[[], dict[str, Any]]
+    status: Callable[[], Awaitable[dict[str, Any]]]  # the status reply's map: the engine's and the daemon's
     shutting_down: Callable[[], bool]
     next_stream_id: Callable[[], int]
-    seats: FairSeats | None = None  # None: generates go to the engine as they come
-    abandons: AbandonLedger | None = None  # None: no client is held for abandoning generates
-    host_work: HostWork | None = None  # None: heavy renders run unbounded
-    renderer: RenderPool | None = None  # where heavy chat renders run; None: in the worker thread
-    render_shares: RenderShares | None = None  # render CPU by client; None: every render at one priority
 
     def max_context(self) -> int | None:
         """The longest prompt the model takes, as the hello reply's model map says."""
@@ -74,23 +66,24 @@ class Connection:
     """Serves one framed stream until the client leaves, breaks framing, or stops reading."""
 
     def __init__(self, framed: Any, services: Services, bounds: ConnectionBounds | None = None,
-                 budget: ClientBudget | None = None, peer: Hashable | None = None) -> None:
+                 client: GateClient | None = None) -> None:
         bounds = bounds or ConnectionBounds()
         self.framed = framed
         # the client: its peer process (pid, uid) where the socket says, else this connection
         # alone (a token, not self: a cycle would keep a closed connection's buffers until a gc)
         token = object()
-        self.peer: Hashable = peer if peer is not None else token
+        self.client = client or GateClient(token)
+        self.peer: Hashable = self.client.peer
         self._seat_owner = (self.peer, token)  # seats are fair across clients, then their connections
-        self.budget = budget  # the client's frame credits (pacing.py); None: not paced
+        self.budget = self.client.budget  # the client's frame credits (pacing.py); None: not paced
         self.max_streams = bounds.max_streams
+        self.gate = services.gate
         self.services = services
         self._out_send, self._out_receive = anyio.create_memory_object_stream[dict](bounds.out_frames)
         self._streams: dict[int, int | None] = {}  # request id -> engine stream id (None: being built)
         self._cancel_early: set[int] = set()  # generates cancelled while being built
         self._seat_waits: dict[int, anyio.CancelScope] = {}  # generates waiting for a fair seat
         self._last_turn: anyio.Event | None = None  # set once the newest generate asked for its seat
-        self._heavy_lock = anyio.Lock()  # one heavy render or encode at a time per connection
         self._writer_done = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
         self.slow = False
@@ -124,7 +117,7 @@ class Connection:
                 self._cancel_early.add(request_id)
                 self._stop_seat_wait(request_id)
             else:
-                self.services.host.cancel_nowait(stream_id)
+                self.gate.cancel(stream_id)
 
     # -- in ---------------------------------------------------------------------------------
 
@@ -204,8 +197,8 @@ class Connection:
             await handler(msg)
         except ProtocolError as e:
             await self._refuse(e.with_id(request_id))
-        except EngineFailed as e:
-            await self._send(ErrorReply(request_id, ErrorCode.INTERNAL.value, str(e)).to_wire())
+        except EngineUnavailable as e:
+            await self._send(engine_error(e).with_id(request_id).to_wire())
 
     async def _refuse(self, error: ProtocolError, charged: bool = True) -> None:
         """Reply `error`; the client pays a refused frame's cost (`charged`: its frame was
@@ -234,28 +227,15 @@ class Connection:
 
     async def _on_status(self, msg: dict[str, Any]) -> None:
         request_id = self.services.builder.status(msg)
-        status = await self.services.host.call(lambda engine: engine.status())
-        await self._send(StatusReply(request_id, {**status, **self.services.status_extra()}).to_wire())
+        await self._send(StatusReply(request_id, await self.services.status()).to_wire())
 
     async def _on_tokenize(self, msg: dict[str, Any]) -> None:
         reply = await self._off_loop(msg, self.services.builder.tokenize, msg)
         await self._send(reply.to_wire())
 
     async def _off_loop(self, msg: dict[str, Any], build: Callable[..., Any], *args: Any) -> Any:
-        """`build(*args, client_gone)` in a worker thread; heavy requests (host_work.py) wait
-        for a heavy slot, pause to leave the engine its CPU, and render their chat in the
-        render process (render_process.py)."""
-        probe = peer_probe(self.framed)
-        work = self.services.host_work
-        if work is None or not is_heavy(msg):
-            return await anyio.to_thread.run_sync(build, *args, probe)
-        async with work.heavy(self._heavy_lock, probe) as poll:
-            return await anyio.to_thread.run_sync(functools.partial(build, renderer=self._renderer()), *args, poll)
-
-    def _renderer(self) -> Renderer | None:
-        """The render process, charging this client's renders to it (render_process.py)."""
-        pool, shares = self.services.renderer, self.services.render_shares
-        return pool if pool is None or shares is None else ClientRenderer(pool, shares, self.peer)
+        """`build(*args, client_gone)` in a worker thread, through the gate's heavy-work slots."""
+        return await self.gate.build(self.client, msg, build, *args, probe=peer_probe(self.framed))
 
     async def _on_detokenize(self, msg: dict[str, Any]) -> None:
         ids = msg.get("ids")
@@ -274,14 +254,13 @@ class Connection:
             self._cancel_early.add(target)  # still being built: cancelled once submitted
             self._stop_seat_wait(target)
         else:
-            self.services.host.cancel_nowait(stream_id)
+            self.gate.cancel(stream_id)
             self._abandon(1)
         await self._send(OkReply(request_id).to_wire())
 
     def _abandon(self, count: int) -> None:
         """`count` of this client's generates that reached the engine were left (abandon.py)."""
-        if self.services.abandons is not None:
-            self.services.abandons.abandon(self.peer, count)
+        self.gate.abandon(self.client, count)
 
     def _admissible(self, msg: dict[str, Any]) -> None:
         request_id = msg.get("id")
@@ -304,47 +283,35 @@ class Connection:
         seated = await self._take_seat(built.request_id, after)
         if turn is not None:
             turn.set()
-        if not seated and self.services.seats is not None:  # cancelled before it had a seat
+        if not seated and self.gate.seats is not None:  # cancelled before it had a seat
             await self._end_unsubmitted(built, stream_id, time.monotonic() - started_s)
             return
         try:
             await self._submit_and_forward(built, stream_id)
         finally:
             if seated:
-                assert self.services.seats is not None
-                self.services.seats.give_back(self._seat_owner)
+                self.gate.unseat(self._seat_owner)
 
     async def _submit_and_forward(self, built: Any, stream_id: int) -> None:
-        try:
-            receive = await self.services.host.submit(built.request)
-        except Exception as e:
-            code = getattr(e, "code", None)
-            if code is None:
-                raise
-            raise ProtocolError(ErrorCode(code), e.message) from None
+        receive = await self.gate.submit(built.request, self.client)
         self._streams[built.request_id] = stream_id
         if built.request_id in self._cancel_early:
-            self.services.host.cancel_nowait(stream_id)
+            self.gate.cancel(stream_id)
         await self._forward(built, receive)
 
     async def _take_seat(self, request_id: int, after: anyio.Event | None = None) -> bool:
         """Wait until `after` is set, then for a fair seat (fair.py); False without one: no
         seats, or the generate was cancelled first."""
-        seats = self.services.seats
-        if seats is None or request_id in self._cancel_early:
+        if self.gate.seats is None or request_id in self._cancel_early:
             return False
         with anyio.CancelScope() as scope:
             self._seat_waits[request_id] = scope
             try:
                 if after is not None:
                     await after.wait()
-                if self.services.abandons is not None:
-                    await self.services.abandons.wait(self.peer, lambda: seats.others_active(self._seat_owner),
-                                                      lambda: seats.held_by((self.peer,)))
-                await seats.take(self._seat_owner)
+                return await self.gate.seat(self.client, self._seat_owner)
             finally:
                 self._seat_waits.pop(request_id, None)
-            return True
         return False
 
     async def _end_unsubmitted(self, built: Any, stream_id: int, total_s: float) -> None:
@@ -366,9 +333,13 @@ class Connection:
     async def _forward(self, built: Any, receive: MemoryObjectReceiveStream[Any]) -> None:
         out = self.services.builder.output(built)
         done = None
+        lost = "the engine stopped before this stream finished"
         async with receive:
             async for event in receive:
-                if not isinstance(event, StreamTokens):
+                if isinstance(event, EngineLost):
+                    lost = event.note
+                    continue
+                if not isinstance(event, TokenEvent):
                     done = event
                     continue
                 was_hit = out.stop_hit
@@ -378,11 +349,10 @@ class Connection:
                 if out.stop_hit and not was_hit:
                     keep = out.keep_generated
                     keep_rows = None if keep is None else len(built.request.tokens) + keep
-                    self.services.host.cancel_nowait(event.stream_id, keep_rows)
+                    self.gate.cancel(event.stream_id, keep_rows)
         self._streams.pop(built.request_id, None)
         if done is None:
-            await self._send(ErrorReply(built.request_id, ErrorCode.INTERNAL.value,
-                                        "the engine stopped before this stream finished").to_wire())
+            await self._send(ErrorReply(built.request_id, ErrorCode.INTERNAL.value, lost).to_wire())
             return
         for final in out.done(done):
             await self._send(final.to_wire())

@@ -1,6 +1,6 @@
 """The one output path: engine events of a stream -> protocol events (ipc/events.py).
 
-    StreamTokens ─▶ detokenize ─▶ stop strings ─▶ tool-call capture ─▶ TokenEvent
+    engine TokenEvent ─▶ detokenize ─▶ stop strings ─▶ tool-call capture ─▶ TokenEvent
     engine done  ─▶ held-back text, parsed tool calls, finish reason, usage ─▶ DoneEvent
 
 Both fronts (the socket connection, the HTTP front) take their events from here and turn
@@ -9,11 +9,12 @@ them into wire maps with `to_wire()`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
-from prefixd.front.engine_host import StreamTokens
 from prefixd.front.stops import StopMatcher, StopSet
-from prefixd.ipc.events import DoneEvent, TokenEvent, Usage
+from prefixd.ipc.events import DoneEvent, TokenEvent
+from prefixd.scheduler.streams import TokenEvent as EngineTokens
 from prefixd.text.tools import ToolCallSplitter
 
 
@@ -21,7 +22,7 @@ class OutputProcessor:
     """Turns one stream's engine events into TokenEvents and its DoneEvent.
 
     `stop_hit` turns True when a stop string matched: the caller then cancels the stream,
-    keeping `keep_generated` tokens' rows, and later StreamTokens are dropped (their text is
+    keeping `keep_generated` tokens' rows, and later token events are dropped (their text is
     past the stop).
     """
 
@@ -42,7 +43,7 @@ class OutputProcessor:
     def stop_hit(self) -> bool:
         return self._stops.stopped
 
-    def tokens(self, event: StreamTokens) -> TokenEvent | None:
+    def tokens(self, event: EngineTokens) -> TokenEvent | None:
         """The TokenEvent for one round's tokens (None once a stop string matched)."""
         if self._stops.stopped:
             return None
@@ -89,10 +90,10 @@ class OutputProcessor:
         reason = "stop" if self._stops.stopped else done.finish_reason
         return "tool_calls" if calls and reason == "stop" else reason
 
-    def _usage(self, usage: Any) -> Usage:
-        completion = self.num_sent_ids if self._stops.stopped else usage.completion_tokens
-        return Usage(usage.prompt_tokens, usage.cached_tokens, usage.prefilled_tokens, completion,
-                     usage.ttft_s, usage.total_s, usage.cache, usage.draft_tokens, usage.accepted_tokens)
+    def _usage(self, usage: Any) -> Any:
+        if not self._stops.stopped:
+            return usage
+        return dataclasses.replace(usage, completion_tokens=self.num_sent_ids)
 
 
 def _wire_logprobs(ids: tuple[int, ...], logprobs: Any) -> tuple[dict[str, Any], ...] | None:

@@ -24,7 +24,7 @@ connections until it has filled back up (a reconnect does not reset it), then is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable
 
 import anyio
 
@@ -125,10 +125,10 @@ class Pacer:
     def __init__(self, limits: PaceLimits, clock: Callable[[], float] = anyio.current_time) -> None:
         self.limits = limits
         self._clock = clock
-        self.clients: dict[tuple[int, int], ClientBudget] = {}
+        self.clients: dict[Hashable, ClientBudget] = {}
         self.totals = PaceCounts()  # over the daemon's life, forgotten clients included
 
-    def join(self, peer: tuple[int, int]) -> ClientBudget:
+    def join(self, peer: Hashable) -> ClientBudget:
         """The budget of `peer` (pid, uid), charged `connect_cost` for the new connection."""
         now = self._clock()
         self._forget_idle(now)
@@ -137,6 +137,17 @@ class Pacer:
             budget = self.clients[peer] = ClientBudget(self.limits, now, self.totals)
         budget.connections += 1
         budget.charge(self.limits.connect_cost, now)
+        return budget
+
+    def visit(self, peer: Hashable) -> ClientBudget:
+        """The budget of `peer` for one request of a connectionless front (HTTP): held like a
+        connection until `leave`, without the connect cost (an HTTP client reconnects freely)."""
+        now = self._clock()
+        self._forget_idle(now)
+        budget = self.clients.get(peer)
+        if budget is None:
+            budget = self.clients[peer] = ClientBudget(self.limits, now, self.totals)
+        budget.connections += 1
         return budget
 
     def leave(self, budget: ClientBudget) -> None:

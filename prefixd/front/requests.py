@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 
@@ -28,13 +28,6 @@ from prefixd.text.grammar import GrammarChecker, GrammarError, grammar_of, tool_
 from prefixd.text.tools import prepare_chat, template_knows_tools
 
 
-class Renderer(Protocol):
-    """Where a chat renders when not in the calling thread (render_process.RenderPool)."""
-
-    def render(self, messages: list[dict], *, should_stop: Callable[[], bool] | None = None,
-               **template_kwargs: Any) -> Any: ...
-
-
 @dataclass(frozen=True, slots=True)
 class BuiltGenerate:
     """A validated generate: the engine's request plus what the connection does itself."""
@@ -51,18 +44,17 @@ class RequestBuilder:
     Thread-safe: `generate` and `tokenize` run in worker threads (tokenizing can be long).
     """
 
-    def __init__(self, tokenizer: Any, model_info: dict[str, Any], limits: Limits,
-                 decoder_factory: Callable[[], Any] | None = None) -> None:
+    def __init__(self, tokenizer: Any, model_info: dict[str, Any], limits: Limits) -> None:
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.limits = limits
-        self._decoder_factory = decoder_factory
         self._grammars = GrammarChecker(tokenizer)
 
     def decoder(self) -> Any:
         """A fresh UTF-8-safe incremental decoder (push(ids) -> str, flush() -> str)."""
-        if self._decoder_factory is not None:
-            return self._decoder_factory()
+        own = getattr(self.tokenizer, "stream_decoder", None)  # a tokenizer with a decoder of its own
+        if own is not None:
+            return own()
         from prefixd.text.tokenizer import StreamDecoder
 
         return StreamDecoder(self.tokenizer)
@@ -94,13 +86,11 @@ class RequestBuilder:
         cancel: Cancel = self._parse(msg, Cancel)
         return cancel.id, cancel.target
 
-    def tokenize(self, msg: dict[str, Any], client_gone: Callable[[], bool] | None = None, *,
-                 renderer: Renderer | None = None) -> TokensReply:
-        """The tokens reply; a chat render stops early once `client_gone()` is true, and runs
-        in `renderer` where one is given (render_process.py)."""
+    def tokenize(self, msg: dict[str, Any], client_gone: Callable[[], bool] | None = None) -> TokensReply:
+        """The tokens reply; a chat render stops early once `client_gone()` is true."""
         req: Tokenize = self._parse(msg, Tokenize)
         if req.messages is not None:
-            rendered = self._render(req.messages, req.id, client_gone, renderer=renderer)
+            rendered = self._render(req.messages, req.id, client_gone)
             return TokensReply(req.id, tuple(rendered.ids), tuple(rendered.message_starts))
         add_special = self.tokenizer.add_bos if req.add_special is None else req.add_special
         return TokensReply(req.id, tuple(self.tokenizer.encode(req.text, add_special=add_special)))
@@ -111,14 +101,14 @@ class RequestBuilder:
         return TextReply(req.id, self.tokenizer.decode(req.ids))
 
     def generate(self, msg: dict[str, Any], stream_id: int, version: int = SUPPORTED_VERSIONS[-1],
-                 client_gone: Callable[[], bool] | None = None, *, renderer: Renderer | None = None) -> BuiltGenerate:
+                 client_gone: Callable[[], bool] | None = None) -> BuiltGenerate:
         """The validated generate of a connection speaking protocol `version`; a chat render
-        stops early once `client_gone()` is true, and runs in `renderer` where one is given."""
+        stops early once `client_gone()` is true."""
         req: Generate = self._parse(msg, Generate, version)
         grammar = self._grammar(req)
         starts: tuple[int, ...] = ()
         if req.messages is not None:
-            rendered = self._render(req.messages, req.id, client_gone, req.tools, renderer=renderer)
+            rendered = self._render(req.messages, req.id, client_gone, req.tools)
             tokens = tuple(rendered.ids)
             starts = tuple(s for s in rendered.message_starts if 0 < s < len(tokens))
         elif req.prompt is not None:
@@ -148,8 +138,7 @@ class RequestBuilder:
         return BuiltGenerate(req.id, request, StopSet(req.stop), parse_tools)
 
     def _render(self, messages: tuple[dict[str, Any], ...], request_id: int,
-                client_gone: Callable[[], bool] | None, tools: tuple[dict[str, Any], ...] | None = None, *,
-                renderer: Renderer | None = None) -> Any:
+                client_gone: Callable[[], bool] | None, tools: tuple[dict[str, Any], ...] | None = None) -> Any:
         from prefixd.text.chat import ChatTooLarge, RenderCancelled
 
         source = self._template_source(bool(tools))
@@ -157,9 +146,8 @@ class RequestBuilder:
         kwargs: dict[str, Any] = {} if client_gone is None else {"should_stop": client_gone}
         if template_tools is not None:
             kwargs["tools"] = template_tools
-        render = self.tokenizer.render_chat if renderer is None else renderer.render
         try:
-            return render(chat, **kwargs)
+            return self.tokenizer.render_chat(chat, **kwargs)
         except ProtocolError:
             raise
         except ChatTooLarge as e:

@@ -3,7 +3,7 @@
 torch's CPU ops split each op across an OpenMP team. When another process keeps a core
 busy, a team as wide as the machine waits at every op's barrier for the member the kernel
 has descheduled (and its spinning members take time from that process too). So
-`CpuThreads.tick()`, called on the engine thread before each round, re-reads the CPU time
+`CpuThreads.tick()`, called where the engine process runs its rounds, before each, re-reads the CPU time
 other processes used over the last `interval_s` (from /proc/stat minus this process) and
 sets torch's thread count to the cores they leave free, between 1 and `max_threads`. A team
 of one has no barrier to wait at. (OMP_WAIT_POLICY=PASSIVE instead halves prefill on an
@@ -82,9 +82,8 @@ def threads_for(free: float, max_threads: int) -> int:
 
 
 class CpuThreads:
-    """Adapts torch's intra-op thread count to the cores other processes leave free, less the
-    cores `held_cores()` says the daemon's own other work holds now (a render in its render
-    process), read at every tick.
+    """Adapts torch's intra-op thread count to the cores other processes leave free (the
+    daemon's front process counts as another: its renders and encodes take a core too).
 
     `tick()` may change the calling thread's torch thread count; it returns the count in use.
     `sample` and `set_threads` are injectable for tests.
@@ -104,9 +103,6 @@ class CpuThreads:
         self._last = sample()
         self.threads = max_threads
         self._applied: int | None = None
-        # cores the daemon's own other work holds right now (its render process, mid-render):
-        # the team leaves them, so none of its members waits at a barrier for one of them
-        self.held_cores: Callable[[], int] | None = None
 
     @classmethod
     def up_to_current(cls) -> CpuThreads:
@@ -124,8 +120,6 @@ class CpuThreads:
         elif self._last is None:
             self._last = now
         threads = self.threads
-        if self.held_cores is not None:
-            threads = max(1, min(threads, self.num_cores - self.held_cores()))
         if threads != self._applied:
             self._set_threads(threads)
             self._applied = threads

@@ -92,6 +92,10 @@ class Metrics:
         self.draft_rollbacks = Counter(
             "prefixd_draft_rollbacks", "Verifies that rejected a draft and rolled their lane back.", registry=r
         )
+        self.engine_restarts = Counter(
+            "prefixd_engine_restarts", "Times the engine process died and was started again.", registry=r
+        )
+        self.engine_up = Gauge("prefixd_engine_up", "1 while the engine process is loaded and serving.", registry=r)
         self._prime_labels()
 
     def _prime_labels(self) -> None:
@@ -117,11 +121,14 @@ class Metrics:
         return int(sum(self.registry.get_sample_value("prefixd_requests_total", {"finish_reason": r}) or 0
                        for r in FINISH_REASONS))
 
-    def track(self, num_connections: Callable[[], int], num_pages: Callable[[], tuple[int, int]]) -> None:
-        """Read the connections and KV pages gauges from these callables at each scrape.
+    def track(self, num_connections: Callable[[], int], num_pages: Callable[[], tuple[int, int]],
+              engine_up: Callable[[], int] = lambda: 1) -> None:
+        """Read the connections, KV pages and engine-up gauges from these callables at each scrape.
 
-        `num_pages` returns (free, used); both are plain int reads, safe from the scrape thread.
+        `num_pages` returns (free, used) as the engine last reported them; all are plain reads,
+        safe from the scrape thread.
         """
         self.connections.set_function(lambda: float(num_connections()))
+        self.engine_up.set_function(lambda: float(engine_up()))
         self.kv_pages.labels(state="free").set_function(lambda: float(num_pages()[0]))
         self.kv_pages.labels(state="used").set_function(lambda: float(num_pages()[1]))

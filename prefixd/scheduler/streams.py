@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixd.scheduler.planner import Schedule
+from prefixd.ipc.events import Usage  # the one Usage: the engine fills it, the wire carries it
+from prefixd.scheduler.chunks import Schedule
 from prefixd.scheduler.records import CacheResult, FinishReason, ImageRows, SamplingParams, TokenLogprob
 
 
@@ -45,19 +46,6 @@ class StreamRequest:
     want_logits: bool = False
     draft: bool = True  # False: this stream never drafts (the request's `draft: "off"`)
     client: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    cached_tokens: int
-    prefilled_tokens: int
-    completion_tokens: int
-    cache: CacheResult
-    ttft_s: float
-    total_s: float
-    draft_tokens: int = 0  # drafted tokens verified
-    accepted_tokens: int = 0  # of them, accepted
 
 
 @dataclass(frozen=True, slots=True)

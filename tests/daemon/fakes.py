@@ -53,6 +53,9 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
+    def stream_decoder(self) -> ByteDecoder:
+        return ByteDecoder(self)
+
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: Any = None,
                     should_stop: Any = None) -> Rendered:
         text, starts = "", []
@@ -172,8 +175,14 @@ def fake_runtime_factory(device: LetterDevice, *, cache: bool = True):
         engine = Engine(device, config, observer=observer)
         tokenizer = ByteTokenizer()
         info = {"name": "letters", "family": "fake", "vocab_size": VOCAB, "max_context": engine.max_context,
-                "hidden_size": 4}
-        return Runtime(engine=engine, tokenizer=tokenizer, model_info=info,
-                       decoder_factory=lambda: ByteDecoder(tokenizer))
+                "hidden_size": 4, "lanes": device.info.num_lanes}
+        factory.runtime = Runtime(engine=engine, tokenizer=tokenizer, model_info=info)  # type: ignore[attr-defined]
+        return factory.runtime  # type: ignore[attr-defined]
 
     return factory
+
+
+def letter_factory(*, cache: bool = True, **device_args: Any):
+    """`fake_runtime_factory` over a LetterDevice of `device_args`, by name: what an engine
+    process of its own imports ("tests.daemon.fakes:letter_factory", ProcessLauncher)."""
+    return fake_runtime_factory(LetterDevice(**device_args), cache=cache)

@@ -1,4 +1,8 @@
-"""Start a real Server in-process (real socket, real Engine, LetterDevice) for tests."""
+"""Start a real Server in-process (real socket, real Engine, LetterDevice) for tests.
+
+The engine runs in a thread of the test process (ThreadLauncher) over the same engine link
+and frames as the daemon's engine process, so a test can drive the LetterDevice directly;
+tests/daemon/test_engine_process.py runs the engine in a process of its own."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import anyio
 from prefixd.front.bounds import ConnectionBounds
 from prefixd.daemon.config import DaemonConfig
 from prefixd.daemon.server import Server
+from prefixd.front.engine_link import ThreadLauncher
 from tests.daemon.fakes import LetterDevice, fake_runtime_factory
 
 
@@ -24,7 +29,7 @@ def open_fds() -> set[int]:
 @asynccontextmanager
 async def running_server(tmp_path: Path, device: LetterDevice | None = None, **overrides) -> AsyncIterator[Server]:
     device = device or LetterDevice()
-    bounds = overrides.pop("bounds", ConnectionBounds(render_process=False))  # tests that render in it ask
+    bounds = overrides.pop("bounds", ConnectionBounds())
     if "out_frames" in overrides:
         bounds = replace(bounds, out_frames=overrides.pop("out_frames"))
     if "max_streams" in overrides:
@@ -34,9 +39,10 @@ async def running_server(tmp_path: Path, device: LetterDevice | None = None, **o
     freeze_heap = overrides.pop("freeze_heap", False)
     cfg = DaemonConfig(socket_path=tmp_path / "run" / "prefixd.sock", metrics_addr="127.0.0.1:0",
                        grace_s=overrides.pop("grace_s", 5.0), **overrides)
-    server = Server(cfg, runtime_factory=factory, env=env, out=io.StringIO(),
+    server = Server(cfg, engine=ThreadLauncher(factory, cfg), env=env, out=io.StringIO(),
                     bounds=bounds, freeze_heap=freeze_heap)
     server.device = device  # type: ignore[attr-defined]
+    server.factory = factory  # type: ignore[attr-defined]
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.run)
         await server.listening.wait()
@@ -47,15 +53,19 @@ async def running_server(tmp_path: Path, device: LetterDevice | None = None, **o
             server.request_exit(0)
 
 
-async def engine_call(server: Server, fn):
-    return await server._host.call(fn)  # noqa: SLF001 - tests look at the engine through its thread
+def idle_engine(server: Server):
+    """The engine of a harness server (its thread's), to read once `wait_idle` has returned:
+    an idle engine's thread sleeps on the link and touches nothing."""
+    return server.factory.runtime.engine  # type: ignore[attr-defined]
 
 
 async def wait_idle(server: Server) -> dict:
-    """Wait (event-driven polling, no time assertions) until no stream is left anywhere."""
+    """Wait (event-driven polling, no time assertions) until no stream is left anywhere; the
+    engine's integrity check has passed."""
     while True:
-        idle, status = await engine_call(server, lambda e: (e.idle, e.status()))
-        if idle and not any(c.num_streams for c in server._connections):
-            await engine_call(server, lambda e: e.check_integrity())
+        status = await server.link.status()
+        if status["engine_idle"] and not any(c.num_streams for c in server._connections):
+            status = await server.link.status(check=True)
+            assert status["integrity"] is None, status["integrity"]
             return status
         await anyio.sleep(0.01)

@@ -58,7 +58,7 @@ def _abandoning_server(tmp_path, device):
     # grace 0 and a ten-minute cap: twelve abandons hold the client far past the test's bounds,
     # so a held generate that finishes was let go because no other client was left
     limits = AbandonLimits(grace=0, hold_max_s=600.0)
-    return running_server(tmp_path, device, bounds=ConnectionBounds(render_process=False, abandon=limits))
+    return running_server(tmp_path, device, bounds=ConnectionBounds(abandon=limits))
 
 
 async def test_a_client_that_keeps_abandoning_waits_while_another_is_served_and_not_alone(tmp_path):
@@ -69,7 +69,7 @@ async def test_a_client_that_keeps_abandoning_waits_while_another_is_served_and_
             solo = await honest.generate(prompt="later", max_tokens=6, cache=False).collect()
             honest_solo = await honest.generate(prompt="honest", max_tokens=40, cache=False).collect()
         hostile_socks = await anyio.to_thread.run_sync(_connections_of_another_process, path, 3)
-        ledger, seats = server.abandons, server._seats  # noqa: SLF001 - the test watches the queue
+        ledger, seats = server.gate.abandons, server.gate.seats  # noqa: SLF001 - the test watches the queue
         async with await _client(hostile_socks[0]) as hostile:
             for k in range(12):  # read a token, cancel: alone on the daemon, never held
                 stream = await hostile.generate(prompt=f"left{k}", max_tokens=200).start()
@@ -108,7 +108,7 @@ async def test_a_held_generate_can_be_cancelled_and_a_hang_up_counts_its_streams
     device = LetterDevice(num_lanes=2, round_delay_s=0.02)  # a stream abandoned after a token still runs
     async with _abandoning_server(tmp_path, device) as server:
         path = str(server.socket_path)
-        ledger, seats = server.abandons, server._seats  # noqa: SLF001
+        ledger, seats = server.gate.abandons, server.gate.seats  # noqa: SLF001
         socks = await anyio.to_thread.run_sync(_connections_of_another_process, path, 2)
         framed = FramedStream(await anyio.abc.UNIXSocketStream.from_socket(socks[0]))
         async with framed:  # two generates, a token read, then a hang-up with both in flight

@@ -32,7 +32,7 @@ async def test_generates_sent_together_on_one_connection_start_in_one_round(tmp_
                     await anyio.sleep(0.01)
                 streams = [await b.generate(prompt=f"p{k}", max_tokens=2).start() for k in range(3)]
                 with anyio.fail_after(30):  # one at a time, the second would wait for the parked round
-                    while len(server._host._sinks) < 4:  # noqa: SLF001 - all three reached the engine host
+                    while len(server.link._sinks) < 4:  # noqa: SLF001 - all three reached the engine host
                         await anyio.sleep(0.01)
                 num_before = len(device.prefill_lanes)
                 device.gate.set()

@@ -42,7 +42,7 @@ async def _wait_for(predicate) -> None:
 async def test_a_connection_holding_no_lane_is_seated_before_one_holding_lanes(tmp_path):
     device = PrefillOrderDevice()
     async with running_server(tmp_path, device) as server:
-        seats = server._seats  # noqa: SLF001 - the test watches the queue it orders
+        seats = server.gate.seats  # noqa: SLF001 - the test watches the queue it orders
         async with await AsyncClient.connect(server.socket_path) as a, \
                 await AsyncClient.connect(server.socket_path) as b:
             device.gate.clear()  # the engine parks in its first round: nothing finishes yet
@@ -93,7 +93,7 @@ async def test_generates_on_one_connection_take_seats_in_the_order_sent_whicheve
 async def test_cancelling_a_generate_that_waits_for_a_seat_ends_it_at_once(tmp_path):
     device = LetterDevice(num_lanes=1)
     async with running_server(tmp_path, device) as server:
-        seats = server._seats  # noqa: SLF001
+        seats = server.gate.seats  # noqa: SLF001
         async with await AsyncClient.connect(server.socket_path) as a:
             device.gate.clear()
             held = await a.generate(prompt="held", max_tokens=2).start()
@@ -141,7 +141,7 @@ async def test_a_generate_whose_client_leaves_while_its_submit_waits_is_cancelle
     nobody while it holds a lane."""
     device = LetterDevice()
     async with running_server(tmp_path, device) as server:
-        host = server._host  # noqa: SLF001 - the test watches the streams the host routes
+        host = server.link  # noqa: SLF001 - the test watches the streams the host routes
         async with await AsyncClient.connect(server.socket_path) as holder:
             device.gate.clear()
             held = await holder.generate(prompt="hold", max_tokens=1).start()

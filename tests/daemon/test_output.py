@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from prefixd.front.engine_host import StreamTokens
 from prefixd.front.output import OutputProcessor
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.events import DoneEvent, TokenEvent
+from prefixd.scheduler.streams import TokenEvent as StreamTokens
 from prefixd.scheduler.streams import Usage as EngineUsage
 from tests.daemon.fakes import ByteDecoder, ByteTokenizer
-from tests.daemon.harness import engine_call, running_server, wait_idle
+from tests.daemon.harness import idle_engine, running_server, wait_idle
 
 TOK = ByteTokenizer()
 
@@ -16,7 +16,8 @@ TOK = ByteTokenizer()
 class _Done:
     def __init__(self, reason: str, completion: int) -> None:
         self.finish_reason = reason
-        self.usage = EngineUsage(3, 0, 3, completion, "miss", 0.5, 1.0)
+        self.usage = EngineUsage(prompt_tokens=3, cached_tokens=0, prefilled_tokens=3, completion_tokens=completion,
+                                 cache="miss", ttft_s=0.5, total_s=1.0)
         self.note = None
 
 
@@ -51,7 +52,7 @@ async def test_a_turn_cut_by_a_stop_string_leaves_only_rows_the_next_turn_repeat
             first = await client.generate(prompt="abc", max_tokens=20, stop=["ef"]).collect()
             assert (first.text, first.finish_reason) == ("cd", "stop")
             await wait_idle(server)
-            lanes = await engine_call(server, lambda e: [(lane.ids, lane.resident) for lane in e.lanes])
+            lanes = [(lane.ids, lane.resident) for lane in idle_engine(server).lanes]
             assert lanes[0] == (TOK.encode("abccd"), True)
             second = await client.generate(prompt="abccd!next", max_tokens=1).collect()
         assert (second.usage.cache, second.usage.cached_tokens) == ("resident", 5)

@@ -1,4 +1,4 @@
-"""Overlap in the engine host: while a round's device call runs on the device thread, submits
+"""Overlap in the engine loop (engine/process.py), through the engine link: while a round's device call runs on the device thread, submits
 and cancels run and the next round's streams are seated; every other call waits for the round
 to land; a device that fails mid-round still ends every stream with an error."""
 
@@ -9,11 +9,21 @@ import threading
 import anyio
 import pytest
 
-from prefixd.front.engine_host import EngineHost
+from prefixd.engine.runtime import Runtime
+from prefixd.front.engine_link import EngineLink, ThreadLauncher
 from prefixd.scheduler.config import SchedulerConfig
 from prefixd.scheduler.engine import Engine
 from prefixd.scheduler.streams import DoneEvent, StreamRequest
+from tests.daemon.fakes import ByteTokenizer
 from tests.scheduler.fake_device import FakeDevice, make_info, reference_tokens
+
+
+async def overlapped(engine: Engine) -> EngineLink:
+    """A started link to `engine` served by the engine loop with overlap on."""
+    runtime = Runtime(engine=engine, tokenizer=ByteTokenizer(), model_info={}, overlap=True)
+    link = EngineLink(ThreadLauncher(lambda cfg, observer: runtime))
+    await link.start()
+    return link
 
 
 class GatedDevice(FakeDevice):
@@ -71,8 +81,7 @@ def gated():
 
 async def test_a_request_arriving_mid_round_is_seated_before_that_round_lands(gated):
     device, engine = gated
-    host = EngineHost(engine, overlap=True, idle_trim_s=None)
-    await host.start()
+    host = await overlapped(engine)
     first = await host.submit(StreamRequest(1, tuple(range(10, 19)), 3))
     await wait_for(device.in_round)  # round 1 is on the device thread and held there
     second = await host.submit(StreamRequest(2, tuple(range(40, 47)), 3))  # runs beside it
@@ -83,7 +92,7 @@ async def test_a_request_arriving_mid_round_is_seated_before_that_round_lands(ga
 
     async def read_status() -> None:
         nonlocal status
-        status = await host.call(lambda e: e.status())  # not host-only: waits for the round to land
+        status = await host.status()  # not host-only: waits for the round to land
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(read_status)
@@ -102,8 +111,7 @@ async def test_a_request_arriving_mid_round_is_seated_before_that_round_lands(ga
 
 async def test_a_cancel_mid_round_lands_after_it_and_frees_the_lane(gated):
     device, engine = gated
-    host = EngineHost(engine, overlap=True, idle_trim_s=None)
-    await host.start()
+    host = await overlapped(engine)
     first = await host.submit(StreamRequest(1, tuple(range(10, 19)), 50))
     await wait_for(device.in_round)
     host.cancel_nowait(1)
@@ -129,13 +137,12 @@ async def test_a_device_failing_mid_round_ends_every_stream_and_the_host_serves_
         return real(plan)
 
     device.run_round = run_round
-    host = EngineHost(engine, overlap=True, idle_trim_s=None)
-    await host.start()
+    host = await overlapped(engine)
     fail.set()
     ids, done = await collect(await host.submit(StreamRequest(1, tuple(range(10, 19)), 3)))
     assert (ids, done.finish_reason) == ([], "error") and "device lost" in done.note
     ids, done = await collect(await host.submit(StreamRequest(2, tuple(range(10, 19)), 3)))
     assert (ids, done.finish_reason) == (reference_tokens(range(10, 19), 3), "length")
-    assert host.num_failed_rounds == 1
+    assert (await host.status())["failed_rounds"] == 1
     await host.stop()
     engine.check_integrity()

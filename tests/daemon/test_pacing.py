@@ -83,7 +83,7 @@ async def test_a_flooding_client_is_paced_while_an_honest_one_beside_it_is_not(t
             tg.start_soon(_run_flood, server.socket_path, 600, sent, flood)
             await sent.wait()
             beside = await _generate(server.socket_path)  # while the flood is read at its pace
-            paced = server.pacer.clients[(flood.get("pid") or _only_other_peer(server), os.getuid())]
+            paced = server.gate.pacer.clients[(flood.get("pid") or _only_other_peer(server), os.getuid())]
         assert flood["ids"] == list(range(600))  # every frame answered, in order: nothing dropped
         assert paced.counts.frames == 600 and paced.counts.waits > 0  # 550 frames past its burst waited
         assert beside == solo  # the honest stream: the same tokens and logits bits as alone
@@ -93,7 +93,7 @@ async def test_a_flooding_client_is_paced_while_an_honest_one_beside_it_is_not(t
 
 
 def _only_other_peer(server) -> int:
-    (pid,) = {pid for pid, _ in server.pacer.clients if pid != os.getpid()}
+    (pid,) = {pid for pid, _ in server.gate.pacer.clients if pid != os.getpid()}
     return pid
 
 
@@ -112,7 +112,7 @@ async def test_refused_frames_and_connections_cost_their_price_and_a_reconnect_k
                 assert {r["code"] for r in replies} == {"unknown_type"}
                 await framed.send({"type": "detokenize", "id": 99, "ids": [100]})
                 assert (await framed.receive())["text"] == "a"
-        budget = server.pacer.clients[(os.getpid(), os.getuid())]
+        budget = server.gate.pacer.clients[(os.getpid(), os.getuid())]
         assert (budget.counts.frames, budget.counts.errors) == (22, 20)
         assert round(budget.credits) == 1000 - 2 * 5 - 20 * 16 - 2  # two connects, 20 errors, 2 good frames
 
@@ -125,7 +125,7 @@ async def test_a_client_in_debt_is_answered_once_it_is_out_of_debt(tmp_path):
                                      encode_frame({"type": "detokenize", "id": 2, "ids": [100]}))
             assert (await framed.receive())["code"] == "unknown_type"
             assert (await framed.receive())["text"] == "a"  # read after the 20-credit debt was paid
-        counts = server.pacer.clients[(os.getpid(), os.getuid())].counts
+        counts = server.gate.pacer.clients[(os.getpid(), os.getuid())].counts
         assert counts.waits >= 1 and counts.frames == 2
 
 
@@ -137,7 +137,7 @@ async def test_600_frames_past_a_small_burst_are_all_answered_in_order(tmp_path)
             await framed.stream.send(data)
             replies = [await framed.receive() for _ in range(600)]
         assert [r["id"] for r in replies] == list(range(600))
-        assert server.pacer.clients[(os.getpid(), os.getuid())].counts.waits > 0
+        assert server.gate.pacer.clients[(os.getpid(), os.getuid())].counts.waits > 0
 
 
 async def test_rate_zero_turns_pacing_off(tmp_path):
@@ -147,7 +147,7 @@ async def test_rate_zero_turns_pacing_off(tmp_path):
     assert ConnectionBounds.for_config(cfg).pace.rate is None
     async with running_server(tmp_path, bounds=_paced(rate=None)) as server:
         assert (await _generate(server.socket_path))[2] == "length"
-        assert server.pacer.clients == {}
+        assert server.gate.pacer.clients == {}
 
 
 async def test_a_client_in_debt_is_let_back_in_with_a_quantum_of_its_rate():

@@ -231,28 +231,28 @@ async def test_a_failed_round_ends_its_streams_with_error_and_the_daemon_goes_on
     assert server.exit_code == 0
 
 
-async def test_the_model_loads_on_a_thread_that_has_ended_before_serving(tmp_path, monkeypatch):
-    """A load on a thread that lives on keeps a second OpenMP pool beside the engine
-    thread's, which then runs its forward at about half speed (docs/benchmarks.md, Store)."""
+async def test_the_model_loads_on_the_thread_that_runs_its_rounds(tmp_path):
+    """torch's OpenMP pool belongs to the thread that first ran a parallel op: a load on
+    another thread that lives on keeps a second pool beside the rounds' (a forward then runs
+    at about half speed on 2 cores, docs/benchmarks.md, Store). The engine loop loads and
+    runs its rounds on one thread (in the daemon: the engine process's main thread)."""
     import threading
 
-    from prefixd.daemon.server import run_on_own_thread
+    from tests.daemon.fakes import LetterDevice, fake_runtime_factory
 
-    seen: list[threading.Thread] = []
-    assert await run_on_own_thread(lambda a, b: (seen.append(threading.current_thread()), a + b)[1], 2, 3) == 5
-    assert seen[0] is not threading.main_thread() and seen[0].name == "prefixd-load"
-    assert not seen[0].is_alive()
-    with pytest.raises(ValueError, match="bad model"):
-        await run_on_own_thread(lambda: (_ for _ in ()).throw(ValueError("bad model")))
-    from tests.daemon import harness
-
-    real = harness.fake_runtime_factory
+    device = LetterDevice()
     loaded_on: list[threading.Thread] = []
+    rounds_on: set[threading.Thread] = set()
+    run_round = device.run_round
+    device.run_round = lambda plan: (rounds_on.add(threading.current_thread()), run_round(plan))[1]
+    base = fake_runtime_factory(device)
 
-    def recording(device):
-        factory = real(device)
-        return lambda cfg, observer: (loaded_on.append(threading.current_thread()), factory(cfg, observer))[1]
+    def recording(cfg, observer):
+        loaded_on.append(threading.current_thread())
+        return base(cfg, observer)
 
-    monkeypatch.setattr(harness, "fake_runtime_factory", recording)
-    async with running_server(tmp_path):
-        assert len(loaded_on) == 1 and not loaded_on[0].is_alive()
+    async with running_server(tmp_path, device, runtime_factory=recording) as server:
+        async with await AsyncClient.connect(server.socket_path) as client:
+            assert (await client.generate(prompt="abc", max_tokens=3).collect()).text == "cde"
+    assert len(loaded_on) == 1 and rounds_on == {loaded_on[0]}
+    assert loaded_on[0] is not threading.main_thread()

@@ -36,24 +36,6 @@ def test_tick_applies_a_count_once_and_remeasures_after_the_interval():
     assert applied == [2, 1, 2]
 
 
-def test_cores_the_daemon_holds_elsewhere_are_left_to_it_while_held():
-    """A render in the render process holds a core: the team shrinks to the others (at least
-    one thread) for as long as it runs, without waiting for the next measurement."""
-    samples = iter([CpuSample(0.0, 0.0, float(t)) for t in range(10)])
-    applied: list[int] = []
-    policy = CpuThreads(2, interval_s=100.0, num_cores=2, sample=lambda: next(samples), set_threads=applied.append)
-    held = [0]
-    policy.held_cores = lambda: held[0]
-    assert policy.tick() == 2
-    held[0] = 1
-    assert [policy.tick(), policy.tick()] == [1, 1]
-    held[0] = 2
-    assert policy.tick() == 1  # never below one thread
-    held[0] = 0
-    assert policy.tick() == 2
-    assert applied == [2, 1, 2]
-
-
 def test_read_sample_reads_this_machine():
     sample = read_sample()
     if sample is None:

@@ -1,31 +1,36 @@
 """The OpenAI-compatible routes (Starlette): /v1/chat/completions, /v1/completions,
-/v1/models, /health. Each generate goes the socket front's way: RequestBuilder -> engine
-host -> OutputProcessor, then answers.py spells the events the OpenAI way."""
+/v1/models, /health. Each generate goes the socket front's way: RequestBuilder -> the gate
+(pacing, heavy-work slots, a fair seat, the in-flight cap) -> the engine -> OutputProcessor,
+then answers.py spells the events the OpenAI way.
+
+An HTTP *client*, for the gate, is its namespace (the `x-prefixd-namespace` header or the
+body's `user`) where it names one, else its address: callers on one address that name no
+namespace share one client's fair share."""
 
 from __future__ import annotations
 
-import functools
 import hmac
 import json
 import time
 from typing import Any, AsyncIterator
 
-import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from prefixd.front.engine_host import StreamTokens
-from prefixd.daemon.host_work import is_heavy
+from prefixd.front.engine_link import EngineLost
+from prefixd.front.gate import GateClient
 from prefixd.front.http.answers import SSE_DONE, Answer
 from prefixd.front.http.openai_map import HttpError, MappedRequest, map_chat, map_completion
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.events import DoneEvent, TokenEvent
+from prefixd.scheduler.streams import TokenEvent as EngineTokens
 
 MAX_BODY_BYTES = 8 << 20
 NAMESPACE_HEADER = "x-prefixd-namespace"
-_STATUS = {ErrorCode.TOO_MANY_STREAMS: 429, ErrorCode.SHUTTING_DOWN: 503, ErrorCode.INTERNAL: 500}
+_STATUS = {ErrorCode.TOO_MANY_STREAMS: 429, ErrorCode.SHUTTING_DOWN: 503, ErrorCode.BUSY: 503,
+           ErrorCode.INTERNAL: 500}
 
 
 class HttpFront:
@@ -34,6 +39,7 @@ class HttpFront:
     def __init__(self, services: Any, *, token: str | None = None) -> None:
         self.services = services
         self.token = token
+        self.gate = services.gate
         self.streams: set[int] = set()  # engine stream ids in flight
         self.model = str(services.hello_reply()["model"].get("name", "prefixd"))
 
@@ -43,7 +49,7 @@ class HttpFront:
 
     def cancel_streams(self) -> None:
         for stream_id in list(self.streams):
-            self.services.host.cancel_nowait(stream_id)
+            self.gate.cancel(stream_id)
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -56,7 +62,12 @@ class HttpFront:
     # -- routes -----------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "shutting_down" if self.services.shutting_down() else "ok"})
+        """200 {"status": "ok"} while the engine serves; 503 while it restarts or the daemon stops."""
+        if self.services.shutting_down():
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        if not self.gate.link.serving:
+            return JSONResponse({"status": self.gate.link.state}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
         return await self._guard(request, self._models)
@@ -95,10 +106,12 @@ class HttpFront:
                             param="model", code="model_not_found")
         namespace = request.headers.get(NAMESPACE_HEADER) or (body.get("user") if isinstance(body.get("user"), str) else "")
         mapped = (map_chat if chat else map_completion)(body, namespace)
-        stream_id, built, receive = await self._start(mapped)
+        peer = ("http", namespace) if namespace else ("http", request.client.host if request.client else "")
+        client = self.gate.join(peer, connection=False)
+        stream_id, built, receive = await self._start(client, mapped)
         answer = Answer(f"{'chatcmpl' if chat else 'cmpl'}-{stream_id}", self.model, int(time.time()), chat,
                         self.services.builder.tokenizer.token_bytes)
-        events = self._events(stream_id, built, receive)
+        events = self._events(stream_id, built, receive, client)
         if mapped.stream:
             return StreamingResponse(_sse(answer, events, mapped), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
@@ -112,34 +125,48 @@ class HttpFront:
             raise HttpError(500, answer.done.note or "the generate failed", kind="server_error")
         return JSONResponse(answer.body(mapped.logprobs))
 
-    async def _start(self, mapped: MappedRequest) -> tuple[int, Any, Any]:
-        if self.services.shutting_down():
-            raise HttpError(503, "the daemon is shutting down and takes no new work", kind="server_error")
+    async def _start(self, client: GateClient, mapped: MappedRequest) -> tuple[int, Any, Any]:
+        """Through the gate: paced, built (heavy work in turn), seated fairly, submitted. The
+        seat, the in-flight count and the pacing visit go back when the engine ends the
+        stream (whether or not anyone still reads it), or at once if it never starts."""
         stream_id = self.services.next_stream_id()
         msg = {**mapped.generate, "id": stream_id}
+        owner = (client.peer, stream_id)
+        held = _Held(self.gate, client)
         try:
-            renderer = self.services.renderer if is_heavy(msg) else None  # no GIL shared with the engine
-            build = functools.partial(self.services.builder.generate, renderer=renderer)
-            built = await anyio.to_thread.run_sync(build, msg, stream_id, 2)
-            receive = await self.services.host.submit(built.request)
+            if self.services.shutting_down():
+                raise HttpError(503, "the daemon is shutting down and takes no new work", kind="server_error")
+            await self.gate.paced(client)
+            self.gate.reserve(client.peer)
+            held.reserved = True
+            built = await self.gate.build(client, msg, self.services.builder.generate, msg, stream_id, 2,
+                                          probe=lambda: False)
+            if await self.gate.seat(client, owner):
+                held.owner = owner
+            receive = await self.gate.submit(built.request, client, on_end=held.release)
         except ProtocolError as e:
+            held.release()
             raise _http_error(e) from None
-        except Exception as e:
-            code = getattr(e, "code", None)
-            if code is None:
-                raise
-            raise _http_error(ProtocolError(ErrorCode(code), e.message)) from None
+        except BaseException:
+            held.release()
+            raise
         return stream_id, built, receive
 
-    async def _events(self, stream_id: int, built: Any, receive: Any) -> AsyncIterator[TokenEvent | DoneEvent]:
-        """The generate's events; leaving early (a client gone) cancels it."""
+    async def _events(self, stream_id: int, built: Any, receive: Any,
+                      client: GateClient) -> AsyncIterator[TokenEvent | DoneEvent]:
+        """The generate's events; leaving early (a client gone) cancels it, and counts as
+        abandoning it (abandon.py), as a socket client's hang-up does."""
         out = self.services.builder.output(built)
         self.streams.add(stream_id)
         finished = False
+        lost = "the engine stopped before this generate finished"
         try:
             async with receive:
                 async for event in receive:
-                    if not isinstance(event, StreamTokens):
+                    if isinstance(event, EngineLost):
+                        lost = event.note
+                        continue
+                    if not isinstance(event, EngineTokens):
                         finished = True
                         for final in out.done(event):
                             yield final
@@ -150,12 +177,36 @@ class HttpFront:
                         yield token
                     if out.stop_hit and not was_hit:
                         keep = out.keep_generated
-                        self.services.host.cancel_nowait(stream_id, None if keep is None else len(built.request.tokens) + keep)
-            raise HttpError(500, "the engine stopped before this generate finished", kind="server_error")
+                        self.gate.cancel(stream_id, None if keep is None else len(built.request.tokens) + keep)
+            raise HttpError(500, lost, kind="server_error", code="internal")
         finally:
             self.streams.discard(stream_id)
             if not finished:
-                self.services.host.cancel_nowait(stream_id)
+                self.gate.cancel(stream_id)
+                if not self.services.shutting_down():
+                    self.gate.abandon(client)
+
+
+
+class _Held:
+    """What one HTTP generate holds at the gate; `release` gives it all back, once."""
+
+    def __init__(self, gate: Any, client: GateClient) -> None:
+        self.gate = gate
+        self.client = client
+        self.reserved = False
+        self.owner: Any = None
+        self._released = False
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self.reserved:
+            self.gate.release(self.client.peer)
+        if self.owner is not None:
+            self.gate.unseat(self.owner)
+        self.gate.leave(self.client)
 
 
 async def _sse(answer: Answer, events: AsyncIterator[TokenEvent | DoneEvent], mapped: MappedRequest) -> AsyncIterator[str]:

@@ -1,0 +1,379 @@
+"""The engine process: one blocking loop over the engine link, no event loop.
+
+    link ──▶ commands (submit, cancel, status, stop) ──▶ applied between rounds
+         ◀── one `round` message a round: its token and done events, its observer calls
+
+`EngineLoop.run` sleeps on the link while the engine is idle and, while it is busy, takes
+whatever commands have arrived before each round (never waiting for more). A round that
+raises ends every stream of the engine with finish_reason "error" and serving goes on; a
+lane that fails alone ends only its stream (the Engine did that). Anything else that
+escapes (a bug, out of memory) ends the process, and the front restarts it.
+
+Overlap (`Runtime.overlap`, the daemon's choice on CUDA): each round's device call runs on
+a device thread while this loop takes the submits and cancels that arrive and seats waiting
+streams for the next round (`Engine.admit_ahead`); a status waits until the round lands.
+
+While busy the process keeps freed heap for the next round (`retain_freed_memory`); after
+`idle_trim_s` with nothing to do it hands that heap back to the system, once per idle spell.
+
+`python -m prefixd.engine FD` runs it in a process of its own (`child_main`): the front
+made the socketpair and sends the start spec as the first frame.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib
+import logging
+import os
+import select
+import signal
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+from prefixd.engine.contract import OBSERVED, REFUSAL_CODES, VERSION, EngineSpec, encode, decode, message, \
+    pack_object, unpack_object
+from prefixd.engine.link import BlockingLink, LinkClosed, inherit
+
+log = logging.getLogger("prefixd.engine")
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)
+RETAINED_FREE_BYTES = 1 << 30  # free heap kept before malloc gives memory back to the kernel
+IDLE_TRIM_S = 5.0  # idle time after which the retained heap goes back to the system
+DISK_FLUSH_S = 120.0  # at stop, time the disk tier's writer gets to finish its queue
+
+
+def retain_freed_memory() -> bool:
+    """Make glibc malloc keep freed memory for reuse instead of handing it back to the kernel.
+
+    Every lane round allocates and frees the same large temporaries; memory given back (a
+    trimmed heap top, an unmapped block) is faulted in again page by page on the next round.
+    Process-wide; False, changing nothing, where the C library has no mallopt (not glibc).
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_TRIM_THRESHOLD, RETAINED_FREE_BYTES)) and bool(mallopt(_M_MMAP_MAX, 0))
+
+
+def return_idle_memory() -> None:
+    """Collect cyclic garbage, then hand freed heap back to the system (glibc's malloc_trim)."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class RecordingObserver:
+    """An EngineObserver that records its calls; the round message carries them to the front."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[Any]] = []
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        if name not in OBSERVED:
+            raise AttributeError(name)
+
+        def record(*args: Any) -> None:
+            self.calls.append([name, [_plain(a) for a in args]])
+
+        return record
+
+    def take(self) -> list[list[Any]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def _plain(value: Any) -> Any:
+    """An observer argument as msgpack data (the disk tier's stats are a dataclass)."""
+    if hasattr(value, "__dataclass_fields__"):
+        return {name: getattr(value, name) for name in value.__dataclass_fields__}
+    return value
+
+
+class EngineLoop:
+    """Serves one engine over one link until told to stop or the link closes."""
+
+    def __init__(self, link: BlockingLink, runtime: Any, observer: RecordingObserver, *,
+                 idle_trim_s: float | None = IDLE_TRIM_S, trim: Callable[[], object] = return_idle_memory) -> None:
+        self.link = link
+        self.runtime = runtime
+        self.engine = runtime.engine
+        self.observer = observer
+        self._idle_trim_s = idle_trim_s
+        self._trim = trim
+        self._trim_due = False
+        self.num_trims = 0
+        self.num_failed_rounds = 0
+        self._stopping = False
+        self._deferred: list[dict[str, Any]] = []
+        self._device = ThreadPoolExecutor(1, thread_name_prefix="prefixd-device") if runtime.overlap else None
+        self._wake_r, self._wake_w = os.pipe() if runtime.overlap else (-1, -1)
+
+    def run(self) -> None:
+        try:
+            while not self._stopping:
+                engine = self.engine
+                if engine.idle:
+                    wait = self._idle_trim_s if self._trim_due else None
+                    msgs = self.link.receive(wait)
+                    if msgs is None:
+                        self._trim_idle()
+                        continue
+                else:
+                    msgs = self.link.receive(0)
+                self._trim_due = True
+                deferred = self._apply(msgs, host_only=False)
+                assert not deferred
+                if self._stopping:
+                    break
+                events = self._step() if not engine.idle else []
+                self._report(events)
+                if self._deferred:  # commands that came while an overlapped round ran
+                    deferred, self._deferred = self._deferred, []
+                    self._apply(deferred, host_only=False)
+        except LinkClosed:
+            log.info("the front closed the engine link: stopping")
+        finally:
+            if self._device is not None:
+                self._device.shutdown()
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def _apply(self, msgs: list[dict[str, Any]], *, host_only: bool) -> list[dict[str, Any]]:
+        """Apply commands in order; with `host_only` (a round in flight), a status and all
+        after it are returned to run once it lands."""
+        for i, msg in enumerate(msgs):
+            kind = msg.get("t")
+            if kind == "submit":
+                self._submit(msg)
+            elif kind == "cancel":
+                keep = msg.get("keep")
+                if keep is None:
+                    self.engine.cancel(msg["id"])
+                else:
+                    self.engine.cancel(msg["id"], keep)
+            elif host_only:
+                return msgs[i:]
+            elif kind == "status":
+                self._status(msg)
+            elif kind == "stop":
+                self._stopping = True
+                return []
+            else:
+                log.error("engine link: unknown command %r", kind)
+        return []
+
+    def _submit(self, msg: dict[str, Any]) -> None:
+        from prefixd.scheduler.streams import RequestError
+
+        request = decode(msg["request"])
+        try:
+            self.engine.submit(request)
+        except RequestError as e:
+            code = e.code if e.code in REFUSAL_CODES else "bad_request"
+            self.link.send(message("refused", id=request.stream_id, code=code, message=e.message))
+        else:
+            self.link.send(message("accepted", id=request.stream_id))
+
+    def _status(self, msg: dict[str, Any]) -> None:
+        engine = self.engine
+        problem = None
+        if msg.get("check"):
+            try:
+                engine.check_integrity()
+            except RuntimeError as e:
+                problem = str(e)
+        device = self.runtime.device_status() if self.runtime.device_status is not None else {}
+        self.link.send(message("status", q=msg["q"], status=encode({**engine.status(), **device}), idle=engine.idle,
+                               integrity=problem, trims=self.num_trims, failed_rounds=self.num_failed_rounds))
+
+    # -- rounds -----------------------------------------------------------------------------
+
+    def _step(self) -> list[Any]:
+        """One round. A failed round, the device's own failure, ends every stream with "error"."""
+        try:
+            events = self._overlapped_round() if self._device is not None else self._round()
+        except Exception as e:
+            log.exception("lane round failed; ending every stream with finish_reason error")
+            self.num_failed_rounds += 1
+            return self.engine.abort(f"the device failed during a lane round: {e!r}")
+        for event in events:
+            if getattr(event, "finish_reason", None) == "error":
+                log.warning("stream %d ended with error: %s", event.stream_id, event.note)
+        return events
+
+    def _round(self) -> list[Any]:
+        if self.runtime.before_round is not None:
+            self.runtime.before_round()
+        return self.engine.step()
+
+    def _overlapped_round(self) -> list[Any]:
+        engine = self.engine
+        launched = engine.launch()
+        if launched.plan.empty:
+            return engine.land(launched, None)
+        assert self._device is not None
+        running: Future = self._device.submit(self._run_on_device, launched)
+        running.add_done_callback(lambda _: os.write(self._wake_w, b"."))
+        deferred: list[dict[str, Any]] = []
+        try:
+            while not running.done():
+                ready, _, _ = select.select([self.link, self._wake_r], [], [])
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 64)
+                if self.link in ready and not deferred:
+                    deferred = self._apply(self.link.receive(0) or [], host_only=True)
+                engine.admit_ahead(launched)
+        except BaseException:
+            running.exception()  # the device finishes its round before the engine gives up on it
+            raise
+        self._deferred = deferred
+        return engine.land(launched, running.result())
+
+    def _run_on_device(self, launched: Any) -> Any:
+        if self.runtime.before_round is not None:
+            self.runtime.before_round()  # torch keeps CPU thread counts per thread: set them where rounds run
+        return self.engine.run(launched)
+
+    def _report(self, events: list[Any]) -> None:
+        observed = self.observer.take()
+        if not events and not observed:
+            return
+        for event in events:
+            if hasattr(event, "usage"):
+                log_done(event)
+        allocator = self.engine.allocator
+        self.link.send(message("round", events=[encode(e) for e in events], observed=observed,
+                               pages=[allocator.num_free, allocator.num_used]))
+
+    def _trim_idle(self) -> None:
+        self._trim_due = False
+        self._trim()
+        self.num_trims += 1
+        log.debug("engine idle for %.1fs: returned freed heap to the system", self._idle_trim_s)
+
+    def close(self) -> None:
+        """Release the device and flush the disk tier (after `run` returned)."""
+        self.engine.close()
+        disk = getattr(self.runtime, "disk", None)
+        if disk is not None:
+            disk.close(DISK_FLUSH_S)  # every queued entry file is written
+            sys.stderr.write(f"prefixd: disk cache flushed ({disk.stats().entries} entries)\n")
+            sys.stderr.flush()
+
+
+def log_done(event: Any) -> None:
+    """One info line per finished request (a DoneEvent): id, tokens, cache, TTFT, finish reason."""
+    u = event.usage
+    log.info("request %d %s: prompt %d tokens, %d cached (%s), %d generated, ttft %.3fs, total %.3fs%s",
+             event.stream_id, event.finish_reason, u.prompt_tokens, u.cached_tokens, u.cache,
+             u.completion_tokens, u.ttft_s, u.total_s, f" ({event.note})" if event.note else "")
+
+
+def ready_message(runtime: Any, local: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the front needs of a loaded runtime: the model summary, the tokenizer, warnings.
+    `local`: the engine runs in the front's own process (a thread), and the tokenizer is
+    handed over there as the object itself rather than pickled."""
+    from prefixd.daemon.config import cache_budget_warning
+
+    engine = runtime.engine
+    warning = cache_budget_warning(engine.info, engine.config)
+    allocator = engine.allocator
+    if local is not None:
+        local["tokenizer"] = runtime.tokenizer
+    tokenizer = pack_object(runtime.tokenizer) if local is None else None
+    return message("ready", version=VERSION, model_info=runtime.model_info, tokenizer=tokenizer,
+                   warnings=[warning] if warning else [], pages=[allocator.num_free, allocator.num_used],
+                   pid=os.getpid())
+
+
+def freeze_loaded_heap() -> None:
+    """Collect once, then move every object alive now (modules, the model's Python side) out
+    of the cyclic collector's reach: a full collection then walks only what serving allocated
+    since. Unfrozen, a gen-2 collection walked ~200,000 objects and held the GIL for 63-81 ms,
+    and the round in flight waited for it (docs/benchmarks.md, *Soak*)."""
+    gc.collect()
+    gc.freeze()
+
+
+def _is_model_error(error: Exception) -> bool:
+    """A load that failed on the model file itself (missing, unreadable, unsupported)."""
+    try:
+        from prefixd.gpu.loading import ModelLoadError
+    except ImportError:
+        return False
+    return isinstance(error, ModelLoadError)
+
+
+def resolve_factory(spec: EngineSpec) -> Callable[[Any, Any], Any]:
+    module, _, name = spec.factory.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part)
+    return target(**spec.factory_args) if spec.factory_args is not None else target
+
+
+def serve_link(link: BlockingLink, factory: Callable[[Any, Any], Any], config: Any, *,
+               local: dict[str, Any] | None = None) -> int:
+    """Load with `factory`, say ready, serve until stopped; the process's exit code."""
+    from prefixd.daemon.startup import StartupError
+
+    observer = RecordingObserver()
+    retain_freed_memory()
+    try:
+        runtime = factory(config, observer)
+    except StartupError as e:
+        link.send(message("failed", message=str(e), startup=True))
+        return 2
+    except Exception as e:  # noqa: BLE001 - reported to the front, which says it to the user
+        if _is_model_error(e):
+            link.send(message("failed", message=f"cannot load model: {e}", startup=True))
+            return 1
+        log.exception("the engine could not load")
+        link.send(message("failed", message=f"{type(e).__name__}: {e}", startup=False))
+        return 1
+    observer.take()  # the load's own observations are not a round's
+    freeze_loaded_heap()
+    link.send(ready_message(runtime, local))
+    loop = EngineLoop(link, runtime, observer)
+    try:
+        loop.run()
+    finally:
+        loop.close()
+    return 0
+
+
+def child_main(argv: list[str]) -> int:
+    """`python -m prefixd.engine FD`: the engine process the front started."""
+    # The front decides when the engine stops (SIGTERM to the unit reaches every process of
+    # its cgroup; the engine still has to flush the disk tier when the front says so).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    link = BlockingLink(inherit(int(argv[0])))
+    try:
+        first = link.receive(None) or []
+    except LinkClosed:
+        return 1
+    if not first or first[0].get("t") != "start":
+        sys.stderr.write("prefixd-engine: the first frame was not a start\n")
+        return 1
+    spec: EngineSpec = unpack_object(first[0]["spec"])
+    logging.basicConfig(level=spec.log_level.upper(), format="prefixd %(levelname)s %(name)s: %(message)s")
+    sys.path[:0] = [p for p in spec.sys_path if p not in sys.path]
+    started = time.monotonic()
+    try:
+        factory = resolve_factory(spec)
+        return serve_link(link, factory, spec.config)
+    except LinkClosed:
+        return 0
+    finally:
+        log.debug("engine process ran %.1fs", time.monotonic() - started)
+        link.close()
