@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 import anyio
 
 from bench.daemon import stop_process
-from prefixd.engine.process import IDLE_TRIM_S
+from prefixd.engine.memory import IDLE_TRIM_S
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.messages import HelloReply
 

@@ -94,7 +94,7 @@ class FloorMeter:
     def __init__(self, checkpoint: object, num_conversations: int, max_context: int, grid: int) -> None:
         import torch
 
-        from prefixd.engine.process import retain_freed_memory
+        from prefixd.engine.memory import retain_freed_memory
         from prefixd.gpu.runner import ModelRunner
 
         retain_freed_memory()  # as the daemon does: the floor must not pay page faults it does not

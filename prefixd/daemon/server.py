@@ -26,6 +26,7 @@ import prefixd
 from prefixd.daemon.config import DaemonConfig
 from prefixd.daemon.startup import StartupError, activation_socket, bind_socket, check_device, open_exporter
 from prefixd.daemon.systemd import Notifier
+from prefixd.engine.memory import IDLE_TRIM_S, one_malloc_arena, return_idle_memory
 from prefixd.front.accept import AcceptErrors, refuse_connection, return_freed_memory
 from prefixd.front.bounds import ConnectionBounds
 from prefixd.front.connection import Connection, Services
@@ -71,6 +72,7 @@ class Server:
         self.gate: Gate | None = None
         self._builder: RequestBuilder | None = None
         self.model_info: dict[str, Any] = {}
+        self.num_trims = 0  # idle spells after which the front handed freed heap back
         self._connections: set[Connection] = set()
         self._stream_ids = itertools.count(1)
         self._started_s = time.monotonic()
@@ -133,6 +135,7 @@ class Server:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch_signals, tg.cancel_scope)
             await tg.start(self.link.supervise)
+            tg.start_soon(self._trim_when_idle)
             if self.cfg.idle_exit_s is not None:
                 tg.start_soon(self._watch_idle, self.cfg.idle_exit_s)
             async with anyio.create_task_group() as conns:
@@ -202,6 +205,21 @@ class Server:
                 self._out.write(f"prefixd: idle for {idle_s:g}s: exiting\n")
                 self.request_exit(0)
                 return
+
+    async def _trim_when_idle(self) -> None:
+        """Once per idle spell (IDLE_TRIM_S with no generate in flight and no heavy work after
+        some), collect garbage and hand the front's freed heap back: a burst of big renders
+        or frames otherwise leaves the front at its peak RSS. The engine trims its own."""
+        assert self.link is not None and self.gate is not None
+        quiet_since, due = time.monotonic(), False
+        while not self.should_exit:
+            await anyio.sleep(min(1.0, IDLE_TRIM_S / 4))
+            if self.link.num_open_streams or self.gate.heavy_running or self.gate.heavy_waiting:
+                quiet_since, due = time.monotonic(), True
+            elif due and time.monotonic() - quiet_since >= IDLE_TRIM_S:
+                await anyio.to_thread.run_sync(return_idle_memory)
+                due = False
+                self.num_trims += 1
 
     async def _watchdog(self, interval_s: float) -> None:
         while True:
@@ -372,5 +390,6 @@ def freeze_loaded_heap() -> None:
 def serve(cfg: DaemonConfig) -> int:
     """Run a daemon in the foreground until SIGTERM/SIGINT; returns the exit code."""
     logging.basicConfig(level=cfg.log_level.upper(), format="prefixd %(levelname)s %(name)s: %(message)s")
+    one_malloc_arena()  # process-wide, before any worker thread: the idle trim then reaches their frees
     server = Server(cfg, freeze_heap=True)
     return anyio.run(server.run, backend="asyncio", backend_options={"use_uvloop": True})

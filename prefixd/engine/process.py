@@ -22,7 +22,6 @@ made the socketpair and sends the start spec as the first frame.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import importlib
 import logging
@@ -37,36 +36,11 @@ from typing import Any, Callable
 from prefixd.engine.contract import OBSERVED, REFUSAL_CODES, VERSION, EngineSpec, encode, decode, message, \
     pack_object, unpack_object
 from prefixd.engine.link import BlockingLink, LinkClosed, inherit
+from prefixd.engine.memory import IDLE_TRIM_S, one_malloc_arena, retain_freed_memory, return_idle_memory
 
 log = logging.getLogger("prefixd.engine")
 
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)
-RETAINED_FREE_BYTES = 1 << 30  # free heap kept before malloc gives memory back to the kernel
-IDLE_TRIM_S = 5.0  # idle time after which the retained heap goes back to the system
 DISK_FLUSH_S = 120.0  # at stop, time the disk tier's writer gets to finish its queue
-
-
-def retain_freed_memory() -> bool:
-    """Make glibc malloc keep freed memory for reuse instead of handing it back to the kernel.
-
-    Every lane round allocates and frees the same large temporaries; memory given back (a
-    trimmed heap top, an unmapped block) is faulted in again page by page on the next round.
-    Process-wide; False, changing nothing, where the C library has no mallopt (not glibc).
-    """
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_TRIM_THRESHOLD, RETAINED_FREE_BYTES)) and bool(mallopt(_M_MMAP_MAX, 0))
-
-
-def return_idle_memory() -> None:
-    """Collect cyclic garbage, then hand freed heap back to the system (glibc's malloc_trim)."""
-    gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 class RecordingObserver:
@@ -357,6 +331,7 @@ def child_main(argv: list[str]) -> int:
     # its cgroup; the engine still has to flush the disk tier when the front says so).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    one_malloc_arena()  # before any thread (the disk writer, torch's pool, the device thread)
     link = BlockingLink(inherit(int(argv[0])))
     try:
         first = link.receive(None) or []

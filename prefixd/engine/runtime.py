@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -17,6 +18,7 @@ from prefixd.engine.sampling_defaults import sampling_defaults
 from prefixd.daemon.startup import StartupError
 
 log = logging.getLogger("prefixd.runtime")
+FRONT_PID_ENV = "PREFIXD_FRONT_PID"  # set for the engine process by the front that starts it
 _DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
 
@@ -150,7 +152,10 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         "weights_bytes": info.weights_bytes,
         "sampling_defaults": sampling_defaults(Path(str(checkpoint.path)), checkpoint.source),
     }
-    threads = CpuThreads.up_to_current() if cfg.device == "cpu" else None
+    # the front process's CPU (renders, encodes, replies) is the daemon's own, as it was when
+    # both were one process: the team does not shrink for it (engine/process.py names the pid)
+    front = tuple(int(p) for p in os.environ.get(FRONT_PID_ENV, "").split() if p.isdigit())
+    threads = CpuThreads.up_to_current(also_own=front) if cfg.device == "cpu" else None
     return Runtime(engine=engine, tokenizer=runner.tokenizer, model_info=model_info, disk=disk,
                    before_round=None if threads is None else threads.tick, overlap=overlap,
                    device_status=lambda: {"decode_programs": len(runner.programs.programs)

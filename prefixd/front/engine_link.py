@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -134,8 +135,9 @@ class ProcessLauncher:
     def launch(self) -> tuple[socket.socket, Child]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            env = {**os.environ, "PREFIXD_FRONT_PID": str(os.getpid())}  # engine.runtime.FRONT_PID_ENV
             proc = subprocess.Popen([self.python, "-m", "prefixd.engine", str(theirs.fileno())],
-                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         except BaseException:
             ours.close()
             raise

@@ -34,9 +34,11 @@ class CpuSample:
     wall_s: float
 
 
-def read_sample(stat_path: Path = Path("/proc/stat"), cores: frozenset[int] | None = None) -> CpuSample | None:
+def read_sample(stat_path: Path = Path("/proc/stat"), cores: frozenset[int] | None = None,
+                also_own: tuple[int, ...] = ()) -> CpuSample | None:
     """Now's cumulative busy seconds over `cores` (default: this process's affinity) and its
-    own CPU seconds; None where /proc/stat cannot be read."""
+    own CPU seconds, with those of the processes `also_own` (the daemon's front process: its
+    work is the daemon's own, not another program's); None where /proc/stat cannot be read."""
     cores = usable_cores() if cores is None else cores
     try:
         lines = stat_path.read_text().splitlines()
@@ -52,8 +54,17 @@ def read_sample(stat_path: Path = Path("/proc/stat"), cores: frozenset[int] | No
             values = [int(v) for v in fields[1:9]]
             busy_ticks += sum(values) - values[3] - values[4]
     times = os.times()
-    return CpuSample(busy_s=busy_ticks / os.sysconf("SC_CLK_TCK"), own_s=times.user + times.system,
-                     wall_s=time.monotonic())
+    own_s = times.user + times.system + sum(_process_cpu_s(pid) for pid in also_own)
+    return CpuSample(busy_s=busy_ticks / os.sysconf("SC_CLK_TCK"), own_s=own_s, wall_s=time.monotonic())
+
+
+def _process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process `pid` has used; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def usable_cores() -> frozenset[int]:
@@ -105,11 +116,12 @@ class CpuThreads:
         self._applied: int | None = None
 
     @classmethod
-    def up_to_current(cls) -> CpuThreads:
-        """A policy that never goes above torch's thread count now (OMP_NUM_THREADS, or the cores)."""
+    def up_to_current(cls, also_own: tuple[int, ...] = ()) -> CpuThreads:
+        """A policy that never goes above torch's thread count now (OMP_NUM_THREADS, or the
+        cores); `also_own`: processes whose CPU counts as the daemon's own (read_sample)."""
         import torch
 
-        return cls(max_threads=torch.get_num_threads())
+        return cls(max_threads=torch.get_num_threads(), sample=lambda: read_sample(also_own=also_own))
 
     def tick(self) -> int:
         """Re-measure when `interval_s` has passed; apply the count if it changed."""
