@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes (Starlette): /v1/chat/completions, /v1/completions,
 /v1/models, /health. Each generate goes the socket front's way: RequestBuilder -> the gate
 (pacing, heavy-work slots, a fair seat, the in-flight cap) -> the engine -> OutputProcessor,
-then answers.py spells the events the OpenAI way.
+then answers.py spells the events the OpenAI way (anthropic.py: Anthropic's /v1/messages,
+over the same calls).
 
 An HTTP *client*, for the gate, is its namespace (the `x-prefixd-namespace` header or the
 body's `user`) where it names one, else its address: callers on one address that name no
@@ -52,11 +53,16 @@ class HttpFront:
             self.gate.cancel(stream_id)
 
     def app(self) -> Starlette:
+        from prefixd.front.http.anthropic import MessagesApi  # it builds on this module
+
+        self.messages_api = MessagesApi(self)
         return Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/messages", self.messages_api.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.messages_api.count_tokens, methods=["POST"]),
         ])
 
     # -- routes -----------------------------------------------------------------------------
@@ -90,24 +96,34 @@ class HttpFront:
         return JSONResponse({"object": "list", "data": [entry]})
 
     def _authorize(self, request: Request) -> None:
+        """The token, as `Authorization: Bearer TOKEN` or (Anthropic's clients) `x-api-key: TOKEN`."""
         if self.token is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+        bearer = request.headers.get("authorization", "").encode()
+        key = request.headers.get("x-api-key", "").encode()
+        if not (hmac.compare_digest(bearer, f"Bearer {self.token}".encode())
+                or hmac.compare_digest(key, self.token.encode())):
             raise HttpError(401, "missing or wrong bearer token", kind="authentication_error", code="invalid_api_key")
+
+    def check_model(self, model: Any) -> None:
+        """404 model_not_found unless `model` names the loaded model (or default, prefixd, none)."""
+        if model not in (self.model, "default", "prefixd", None):
+            raise HttpError(404, f"model {model!r} is not served here; this daemon serves {self.model!r}",
+                            param="model", code="model_not_found")
+
+    def client(self, request: Request, namespace: str) -> GateClient:
+        """The gate's client of one request: its namespace where it names one, else its address."""
+        peer = ("http", namespace) if namespace else ("http", request.client.host if request.client else "")
+        return self.gate.join(peer, connection=False)
 
     # -- generate ---------------------------------------------------------------------------
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         body = await _read_json(request)
-        model = body.get("model")
-        if model not in (self.model, "default", "prefixd", None):
-            raise HttpError(404, f"model {model!r} is not served here; this daemon serves {self.model!r}",
-                            param="model", code="model_not_found")
+        self.check_model(body.get("model"))
         namespace = request.headers.get(NAMESPACE_HEADER) or (body.get("user") if isinstance(body.get("user"), str) else "")
         mapped = (map_chat if chat else map_completion)(body, namespace)
-        peer = ("http", namespace) if namespace else ("http", request.client.host if request.client else "")
-        client = self.gate.join(peer, connection=False)
+        client = self.client(request, namespace)
         stream_id, built, receive = await self._start(client, mapped)
         answer = Answer(f"{'chatcmpl' if chat else 'cmpl'}-{stream_id}", self.model, int(time.time()), chat,
                         self.services.builder.tokenizer.token_bytes)
