@@ -54,13 +54,16 @@ class HttpFront:
 
     def app(self) -> Starlette:
         from prefixd.front.http.anthropic import MessagesApi  # it builds on this module
+        from prefixd.front.http.responses import ResponsesApi  # it builds on this module
 
         self.messages_api = MessagesApi(self)
+        self.responses_api = ResponsesApi(self)
         return Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            *self.responses_api.routes(),
             Route("/v1/messages", self.messages_api.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", self.messages_api.count_tokens, methods=["POST"]),
         ])
