@@ -11,15 +11,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prefixd.daemon.options import (DEFAULT_CPU_LANES, DEFAULT_CPU_MAX_CONTEXT, DEFAULT_CUDA_LANES, OPTIONS, Option,
-                                    option, show_value)
+from prefixd.daemon.options import DEFAULT_CPU_LANES, DEFAULT_CUDA_LANES, OPTIONS, Option, option, show_value
 
 if TYPE_CHECKING:
     from prefixd.scheduler.config import SchedulerConfig
 
 DEFAULT_DRAFT_MAX: int = option("--draft-max").default  # bench/draft.py runs with the daemon's
-# `--cache-budget auto`: this share of the memory left after weights, lanes and workspace.
-AUTO_CACHE_FRACTION = 0.5
 AUTO_CACHE_MAX_BYTES_CPU = 4 << 30  # host RAM is shared with everything else on the machine
 # `--draft auto`: the drafter per (family, numeric mode) that bench/draft.py found to pay on
 # the echo trace without slowing prose (docs/benchmarks.md, *Drafting*); unmeasured pairs: off.
@@ -53,12 +50,13 @@ class _Resolved:
 
         return default_socket_path()
 
-    def resolved_max_context(self, model_max_context: int) -> int:
+    def resolved_max_context(self, model_max_context: int, lanes_fit: int | None = None) -> int:
+        """--max-context, at most the model's; else the model's context, at most `lanes_fit`:
+        the longest context whose KV every lane can hold in memory (runtime.lanes_fit_context;
+        None where the memory is not known)."""
         if self.max_context is not None:
             return min(self.max_context, model_max_context)
-        if self.device == "cpu":
-            return min(DEFAULT_CPU_MAX_CONTEXT, model_max_context)
-        return model_max_context
+        return model_max_context if lanes_fit is None else min(lanes_fit, model_max_context)
 
     def scheduler_config(self, *, max_context: int, draft: str) -> SchedulerConfig:
         """The scheduler's config for this daemon, given what the load resolved: the context

@@ -16,10 +16,14 @@ from typing import Any, Callable, Mapping
 
 from prefixd.front.abandon import HOLD_BASE_S, AbandonLimits
 
-# Defaults resolved once the device is known (DaemonConfig.num_lanes, .resolved_max_context).
+# Defaults resolved once the device is known (DaemonConfig.num_lanes); the context's once the
+# model is loaded and the memory left is known (DaemonConfig.resolved_max_context).
 DEFAULT_CPU_LANES = 8
 DEFAULT_CUDA_LANES = 16
-DEFAULT_CPU_MAX_CONTEXT = 4096  # a CPU daemon reserves each lane's KV up front
+# The share of the memory left after loading (host RAM, or free device memory) the KV pool
+# may take: every lane's full context first (it bounds the default context), then with
+# `--cache-budget auto` the prefix cache in what is left of it.
+KV_MEMORY_FRACTION = 0.5  # the --max-context row says "half"
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -183,8 +187,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--page-size", "page_size", "PREFIXD_PAGE_SIZE", 16, "KV rows per page", parse=int, check=at_least(1)),
     Option("--grid", "grid", "PREFIXD_GRID", 256, "prefill chunk length G, a multiple of the page size",
            parse=int, check=at_least(1)),
-    Option("--max-context", "max_context", "PREFIXD_MAX_CONTEXT", None, "context cap", parse=int,
-           check=at_least(2), shown=f"the model's; at most {DEFAULT_CPU_MAX_CONTEXT} on CPU"),
+    # each lane's KV is reserved up front: lanes x context rows must fit (engine/runtime.py, lanes_fit_context)
+    Option("--max-context", "max_context", "PREFIXD_MAX_CONTEXT", None, "longest prompt + reply", parse=int,
+           check=at_least(2), shown="the model's, as far as every lane's KV fits in half the free memory"),
     Option("--draft", "draft", "PREFIXD_DRAFT", "auto",
            "draft tokens to verify in each decode round: ngram (prompt lookup), mtp (the model's own "
            "multi-token-prediction head; qwen3_5 checkpoints that ship one), off, or auto: the drafter measured "

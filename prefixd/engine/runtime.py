@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from prefixd.daemon.config import AUTO_CACHE_FRACTION, AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig, resolve_draft
+from prefixd.daemon.config import AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig, resolve_draft
+from prefixd.daemon.options import KV_MEMORY_FRACTION
 from prefixd.engine.sampling_defaults import sampling_defaults
 from prefixd.daemon.startup import StartupError
 
@@ -41,7 +42,7 @@ def plan_num_pages(cfg: DaemonConfig, *, kv_bytes_per_page: int, max_context: in
     """KV pool pages: every lane can reach `max_context`, plus the pages the cache may hold.
 
     With an explicit --cache-budget the store gets budget // page bytes pages; with `auto`
-    it gets AUTO_CACHE_FRACTION of `available_bytes` (memory left after loading: host RAM,
+    it gets KV_MEMORY_FRACTION of `available_bytes` (memory left after loading: host RAM,
     at most AUTO_CACHE_MAX_BYTES_CPU, or free device memory) minus the lanes' pages, and
     without that figure as many pages again as the lanes reserve.
     """
@@ -51,13 +52,43 @@ def plan_num_pages(cfg: DaemonConfig, *, kv_bytes_per_page: int, max_context: in
     if cfg.cache_budget_bytes is not None:
         store_pages = cfg.cache_budget_bytes // kv_bytes_per_page
     elif available_bytes is not None:
-        spare = int(available_bytes * AUTO_CACHE_FRACTION) - lane_pages * kv_bytes_per_page
+        spare = int(available_bytes * KV_MEMORY_FRACTION) - lane_pages * kv_bytes_per_page
         if cfg.device == "cpu":
             spare = min(spare, AUTO_CACHE_MAX_BYTES_CPU)
         store_pages = max(0, spare // kv_bytes_per_page)
     else:
         store_pages = lane_pages
     return lane_pages + store_pages
+
+
+def lanes_fit_context(cfg: DaemonConfig, *, kv_bytes_per_page: int, available_bytes: int | None) -> int | None:
+    """The longest context, in whole pages, whose KV every lane can reserve up front within
+    KV_MEMORY_FRACTION of `available_bytes` (lanes x context x KV bytes per row); None where
+    that figure is not known. At least one page."""
+    if available_bytes is None:
+        return None
+    pages_per_lane = int(available_bytes * KV_MEMORY_FRACTION) // (cfg.num_lanes * kv_bytes_per_page)
+    return max(1, pages_per_lane) * cfg.page_size
+
+
+def context_line(cfg: DaemonConfig, *, max_context: int, model_max_context: int, kv_bytes_per_page: int,
+                 available_bytes: int | None) -> str:
+    """The start-up line saying which context the daemon serves and why."""
+    lanes_bytes = cfg.num_lanes * math.ceil(max_context / cfg.page_size) * kv_bytes_per_page
+    reserved = f"{cfg.num_lanes} lanes x {max_context} rows of KV take {_size(lanes_bytes)}"
+    if cfg.max_context is not None:
+        return f"context {max_context} tokens (--max-context); {reserved}"
+    if max_context >= model_max_context:
+        return f"context {max_context} tokens (the model's); {reserved}"
+    memory = "RAM" if cfg.device == "cpu" else "device memory"
+    share = int((available_bytes or 0) * KV_MEMORY_FRACTION)
+    return (f"context {max_context} tokens (the model's is {model_max_context}): {cfg.num_lanes} lanes x context "
+            f"KV must fit in {_size(share)} ({KV_MEMORY_FRACTION:.0%} of the {_size(available_bytes or 0)} of "
+            f"{memory} left); --max-context raises it (fewer --lanes lengthen it)")
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 30):.2f} GiB" if num_bytes >= 1 << 30 else f"{num_bytes / (1 << 20):.1f} MiB"
 
 
 def kv_bytes_per_page(model_config: Any, cfg: DaemonConfig) -> int:
@@ -107,15 +138,17 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         except RowVarianceError as e:
             raise StartupError(str(e)) from None
     checkpoint = load_checkpoint(cfg.model, device=device, dtype=dtype, progress=progress)
-    max_context = cfg.resolved_max_context(checkpoint.config.max_context)
-    if cfg.max_context is not None and cfg.max_context > checkpoint.config.max_context:
-        log.warning("--max-context %d is above the model's limit of %d tokens; using %d",
-                    cfg.max_context, checkpoint.config.max_context, max_context)
+    page_bytes = kv_bytes_per_page(checkpoint.config, cfg)
     available = mem_available_bytes() if cfg.device == "cpu" else free_device_bytes(device)
-    num_pages = plan_num_pages(
-        cfg, kv_bytes_per_page=kv_bytes_per_page(checkpoint.config, cfg),
-        max_context=max_context, available_bytes=available,
-    )
+    model_max_context = checkpoint.config.max_context
+    max_context = cfg.resolved_max_context(
+        model_max_context, lanes_fit_context(cfg, kv_bytes_per_page=page_bytes, available_bytes=available))
+    if cfg.max_context is not None and cfg.max_context > model_max_context:
+        log.warning("--max-context %d is above the model's limit of %d tokens; using %d",
+                    cfg.max_context, model_max_context, max_context)
+    log.info("%s", context_line(cfg, max_context=max_context, model_max_context=model_max_context,
+                                kv_bytes_per_page=page_bytes, available_bytes=available))
+    num_pages = plan_num_pages(cfg, kv_bytes_per_page=page_bytes, max_context=max_context, available_bytes=available)
     mode = resolve_mode(cfg.mode, checkpoint.config.family, device, dtype)  # the disk tier keys on it
     draft = resolve_draft(cfg.draft, checkpoint.config.family, mode, draft_head=mtp_layers(checkpoint.config) > 0)
     if draft == "mtp" and not mtp_layers(checkpoint.config):

@@ -19,7 +19,15 @@ def test_defaults_without_flags_or_env():
     assert cfg == DaemonConfig(disk_cache_dir=Path("/home/u/.cache/prefixd"))
     assert cfg.num_lanes == 8
     assert cfg.metrics_addr == "127.0.0.1:9464"
-    assert cfg.resolved_max_context(8192) == 4096
+    assert cfg.resolved_max_context(8192) == 8192  # the model's, on the CPU too
+    assert cfg.resolved_max_context(8192, lanes_fit=5824) == 5824  # at most what the lanes' KV fits
+    assert cfg.resolved_max_context(8192, lanes_fit=16384) == 8192
+
+
+def test_an_explicit_max_context_wins_over_the_memory_bound_but_not_the_model():
+    cfg = config_from_args(_args(max_context=9000), env={})
+    assert cfg.resolved_max_context(8192, lanes_fit=1024) == 8192
+    assert cfg.resolved_max_context(16384, lanes_fit=1024) == 9000
 
 
 def test_flags_win_over_env_and_env_fills_the_rest():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from prefixd.daemon.config import AUTO_CACHE_MAX_BYTES_CPU, DaemonConfig
-from prefixd.engine.runtime import kv_bytes_per_page, mem_available_bytes, plan_num_pages
+from prefixd.engine.runtime import context_line, kv_bytes_per_page, lanes_fit_context, mem_available_bytes, plan_num_pages
 
 PAGE = 1000
 
@@ -39,6 +39,54 @@ def test_auto_budget_without_a_memory_figure_doubles_the_lane_pages():
 def test_kv_bytes_per_page_counts_k_and_v_of_every_layer():
     model = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
     assert kv_bytes_per_page(model, DaemonConfig(dtype="bf16", page_size=16)) == 2 * 30 * 3 * 64 * 2 * 16
+
+
+SMOLLM2_PAGE = 2 * 30 * 3 * 64 * 2 * 16  # the default model's KV page in bf16: 368,640 bytes
+
+
+def test_the_context_is_the_longest_whose_lane_kv_fits_half_the_memory():
+    cfg = DaemonConfig()  # 8 lanes on the CPU, pages of 16 rows
+    assert lanes_fit_context(cfg, kv_bytes_per_page=SMOLLM2_PAGE, available_bytes=8 << 30) == 1456 * 16
+    # 1 GiB for 8 lanes of 368,640-byte pages: 364 pages each
+    assert lanes_fit_context(cfg, kv_bytes_per_page=SMOLLM2_PAGE, available_bytes=2 << 30) == 364 * 16 == 5824
+    assert lanes_fit_context(cfg, kv_bytes_per_page=SMOLLM2_PAGE, available_bytes=1000) == 16  # one page at least
+    assert lanes_fit_context(cfg, kv_bytes_per_page=SMOLLM2_PAGE, available_bytes=None) is None
+    assert lanes_fit_context(DaemonConfig(lanes=1), kv_bytes_per_page=SMOLLM2_PAGE,
+                             available_bytes=2 << 30) == 2912 * 16
+
+
+def test_the_start_up_line_says_the_context_and_why():
+    line = lambda cfg, n, available: context_line(  # noqa: E731
+        cfg, max_context=n, model_max_context=8192, kv_bytes_per_page=SMOLLM2_PAGE, available_bytes=available)
+    assert line(DaemonConfig(), 8192, 8 << 30) == "context 8192 tokens (the model's); 8 lanes x 8192 rows of KV take 1.41 GiB"
+    assert line(DaemonConfig(), 5824, 2 << 30) == (
+        "context 5824 tokens (the model's is 8192): 8 lanes x context KV must fit in 1.00 GiB (50% of the 2.00 GiB "
+        "of RAM left); --max-context raises it (fewer --lanes lengthen it)")
+    assert line(DaemonConfig(max_context=512), 512, 2 << 30) == (
+        "context 512 tokens (--max-context); 8 lanes x 512 rows of KV take 90.0 MiB")
+
+
+def test_a_default_load_serves_the_models_context_where_the_lanes_fit_and_less_where_not(tmp_path, monkeypatch,
+                                                                                         caplog):
+    import logging
+
+    from prefixd.engine import runtime as runtime_module
+    from tests.helpers.tiny_models import make_tiny_hf_dir
+
+    model = make_tiny_hf_dir(tmp_path / "tiny", "llama", seed=1)  # context 4096; KV 512 bytes a row in fp32
+    cfg = DaemonConfig(model=str(model), dtype="fp32", lanes=2, cache=False)
+    caplog.set_level(logging.INFO, logger="prefixd.runtime")
+    monkeypatch.setattr(runtime_module, "mem_available_bytes", lambda: 64 << 20)
+    roomy = runtime_module.load_runtime(cfg, observer=None)
+    assert roomy.model_info["max_context"] == roomy.engine.max_context == 4096
+    # two lanes of ten 8,192-byte pages fill half of this
+    monkeypatch.setattr(runtime_module, "mem_available_bytes", lambda: 2 * 2 * 10 * 8192 + 100)
+    tight = runtime_module.load_runtime(cfg, observer=None)
+    assert tight.model_info["max_context"] == tight.engine.max_context == 160
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("context ")]
+    assert lines == ["context 4096 tokens (the model's); 2 lanes x 4096 rows of KV take 4.0 MiB",
+                     "context 160 tokens (the model's is 4096): 2 lanes x context KV must fit in 0.2 MiB (50% of "
+                     "the 0.3 MiB of RAM left); --max-context raises it (fewer --lanes lengthen it)"]
 
 
 def test_mem_available_reads_meminfo(tmp_path):
