@@ -78,7 +78,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: the model's, else 0.9)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest (default: the model's, else 40)")
     p.add_argument("--min-p", type=float, default=None, help="drop tokens under this share of the likeliest (default: the model's, else 0: off)")
-    p.add_argument("--repeat-penalty", type=float, default=None, help="penalty on repeated tokens (default: the model's, else 1.1)")
+    p.add_argument("--repeat-penalty", type=float, default=None, help="penalty on repeated tokens (default: the model's, else 1: off)")
     p.add_argument("--seed", type=int, default=None,
                    help="sampling seed (default: drawn, and printed so a reply can be reproduced)")
     p.add_argument("--tools", metavar="FILE.json", default=None,

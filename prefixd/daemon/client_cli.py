@@ -31,9 +31,11 @@ def _connect(args: argparse.Namespace) -> SyncClient:
         raise NoDaemon(f"no daemon at {path}: start it with `prefixd serve` ({e.strerror or e})") from None
 
 
-# A small model decoding greedily with no penalty falls into loops; these sampling defaults
-# (close to Ollama's and llama-server's) do not. --greedy is one flag away.
-CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.0, "repetition_penalty": 1.1}
+# Sampling for a model that ships no settings of its own. No repetition penalty: it pushes the
+# model off text it must copy (quoted code, a file to edit), where drafting gains most; a model
+# that ships one, or --repeat-penalty, sets it. --greedy is one flag away.
+CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.0}
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _sampling(args: argparse.Namespace, model_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -42,8 +44,9 @@ def _sampling(args: argparse.Namespace, model_defaults: dict[str, Any] | None = 
         return {"temperature": 0.0}
     given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
              "repetition_penalty": args.repeat_penalty}
-    defaults = {**CHAT_DEFAULTS, **{k: v for k, v in (model_defaults or {}).items() if k in CHAT_DEFAULTS}}
-    sampling = {k: given[k] if given[k] is not None else v for k, v in defaults.items()}
+    shipped = {k: v for k, v in (model_defaults or {}).items() if k in _SAMPLING_KEYS}
+    chosen = {**CHAT_DEFAULTS, **shipped, **{k: v for k, v in given.items() if v is not None}}
+    sampling = {k: chosen[k] for k in _SAMPLING_KEYS if k in chosen}
     sampling["seed"] = args.seed if args.seed is not None else secrets.randbits(63)
     return sampling
 
