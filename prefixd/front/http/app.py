@@ -16,7 +16,7 @@ import time
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -29,6 +29,10 @@ from prefixd.ipc.events import DoneEvent, TokenEvent
 from prefixd.scheduler.streams import TokenEvent as EngineTokens
 
 MAX_BODY_BYTES = 8 << 20
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other in a body; the top one is 1
+# A body refused for its size is still read, and dropped, up to this many bytes in all, so that
+# a client still sending it reads the 413 (a close with bytes unread resets the connection).
+MAX_DROPPED_BODY_BYTES = 64 << 20
 NAMESPACE_HEADER = "x-prefixd-namespace"
 _STATUS = {ErrorCode.TOO_MANY_STREAMS: 429, ErrorCode.SHUTTING_DOWN: 503, ErrorCode.BUSY: 503,
            ErrorCode.INTERNAL: 500}
@@ -265,20 +269,59 @@ def _http_error(e: ProtocolError) -> HttpError:
 
 
 async def _read_json(request: Request) -> dict[str, Any]:
-    """The request body as a JSON object; 413 past MAX_BODY_BYTES, 400 when not JSON."""
+    """The request body as a JSON object. 413 past MAX_BODY_BYTES, once the rest of the body
+    is read and dropped (up to MAX_DROPPED_BODY_BYTES); 400 when it is not JSON, nests deeper
+    than MAX_JSON_DEPTH or is not an object. Every route that takes a body reads it here."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        if int(length) <= MAX_DROPPED_BODY_BYTES:
+            await _drop_rest(request.stream(), 0)
         raise HttpError(413, f"body of {length} bytes is over the {MAX_BODY_BYTES}-byte limit")
     chunks, size = [], 0
-    async for chunk in request.stream():
+    stream = request.stream()
+    async for chunk in stream:
         size += len(chunk)
         if size > MAX_BODY_BYTES:
+            await _drop_rest(stream, size)
             raise HttpError(413, f"body is over the {MAX_BODY_BYTES}-byte limit")
         chunks.append(chunk)
+    return _json_object(b"".join(chunks))
+
+
+async def _drop_rest(chunks: AsyncIterator[bytes], size: int) -> None:
+    """Read what is left of a refused body and drop it, until `size` (the bytes read so far)
+    passes MAX_DROPPED_BODY_BYTES or the client hangs up."""
     try:
-        body = json.loads(b"".join(chunks))
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > MAX_DROPPED_BODY_BYTES:
+                return
+    except ClientDisconnect:
+        return
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """`raw` parsed as a JSON object; HttpError 400 when it is not one."""
+    too_deep = HttpError(400, f"body nests arrays and objects deeper than {MAX_JSON_DEPTH}")
+    try:
+        body = json.loads(raw)
+    except RecursionError:  # deeper than the parser's own recursion, far past MAX_JSON_DEPTH
+        raise too_deep from None
     except ValueError as e:
         raise HttpError(400, f"body is not valid JSON: {e}") from None
+    if _nests_deeper(body, MAX_JSON_DEPTH):
+        raise too_deep
     if not isinstance(body, dict):
         raise HttpError(400, "body must be a JSON object")
     return body
+
+
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Whether arrays and objects nest deeper than `limit` in `value`; level by level, no recursion."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(limit):
+        level = [child for node in level for child in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(child, (dict, list))]
+        if not level:
+            return False
+    return True
