@@ -41,6 +41,12 @@ from prefixd.metrics import Metrics, MetricsExporter, MetricsObserver
 
 log = logging.getLogger("prefixd.server")
 _TRIM_AFTER_BYTES = 1 << 20  # a connection that buffered this much hands freed heap back on close
+# The front's event loop and its render/encode worker threads share one interpreter lock; a
+# thread that wants it waits up to this switch interval (CPython's default: 5 ms) behind a
+# render. Soak, three runs each: honest p99 TTFT 253-325 ms at 5 ms, 187-214 ms at 0.5 ms
+# with heavy renders niced (docs/benchmarks.md, *Engine process*). The engine process keeps
+# the default: nothing else there wants the lock.
+FRONT_SWITCH_S = 0.0005
 _CANCEL_FLUSH_S = 5.0  # after the grace period: time for cancelled streams to send their done
 
 
@@ -391,5 +397,6 @@ def serve(cfg: DaemonConfig) -> int:
     """Run a daemon in the foreground until SIGTERM/SIGINT; returns the exit code."""
     logging.basicConfig(level=cfg.log_level.upper(), format="prefixd %(levelname)s %(name)s: %(message)s")
     one_malloc_arena()  # process-wide, before any worker thread: the idle trim then reaches their frees
+    sys.setswitchinterval(FRONT_SWITCH_S)  # process-wide, so set by the front's entry point only
     server = Server(cfg, freeze_heap=True)
     return anyio.run(server.run, backend="asyncio", backend_options={"use_uvloop": True})

@@ -17,9 +17,13 @@ same conversation through any front reaches the engine as the same `StreamReques
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import os
+import threading
 from collections import Counter
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Hashable
@@ -35,6 +39,7 @@ from prefixd.ipc.errors import ErrorCode, ProtocolError
 
 HEAVY_MESSAGES = 256  # chat messages above which a render is heavy
 HEAVY_CHARS = 64 << 10  # characters of text (message contents, a prompt) above which work is heavy
+HEAVY_NICE = 10  # a heavy job's worker thread runs at this niceness while it works
 _PROBE_EVERY_S = 0.1  # how often a heavy job waiting for its turn checks that its client is still there
 
 # The engine's refusal codes (engine.contract.REFUSAL_CODES) as the protocol spells them.
@@ -49,6 +54,16 @@ def engine_error(error: Exception) -> ProtocolError:
     if isinstance(error, EngineUnavailable):
         return ProtocolError(ErrorCode.BUSY, str(error), fatal=False)
     raise TypeError(f"not an engine error: {error!r}")
+
+
+def _nice_this_thread() -> None:
+    """A heavy-work thread runs at niceness HEAVY_NICE for its life (Linux gives each thread
+    its own; raising it needs no privilege, lowering it again would): a long render takes only
+    what the engine and the event loop leave."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HEAVY_NICE)
+    except OSError:
+        pass
 
 
 def client_name(peer: Hashable) -> str:
@@ -92,6 +107,8 @@ class Gate:
         self.pacer = Pacer(bounds.pace)
         self.max_streams = bounds.max_streams
         self._heavy_slots = anyio.Semaphore(bounds.max_heavy_jobs)
+        self._heavy_threads = ThreadPoolExecutor(bounds.max_heavy_jobs, thread_name_prefix="prefixd-heavy",
+                                                 initializer=_nice_this_thread)
         self.heavy_running = 0
         self.heavy_waiting = 0
         self._in_flight: Counter[Hashable] = Counter()
@@ -137,7 +154,9 @@ class Gate:
         if not is_heavy(msg):
             return await anyio.to_thread.run_sync(build, *args, probe)
         async with self._heavy(client, probe):
-            return await anyio.to_thread.run_sync(build, *args, probe)
+            job = self._heavy_threads.submit(build, *args, probe)
+            with anyio.CancelScope(shield=True):  # its slot is held until the job has ended
+                return await asyncio.wrap_future(job)
 
     @asynccontextmanager
     async def _heavy(self, client: GateClient, probe: Callable[[], bool]) -> AsyncIterator[None]:
