@@ -335,25 +335,25 @@ class EngineLink:
                 await accepted
                 break
             except EngineUnavailable:
-                self._ends.pop(stream_id, None)
-                self._accepts.pop(stream_id, None)
-                self._sinks.pop(stream_id, None)
-                send.close()
-                receive.close()
+                self._unsubmit(stream_id, send, receive)
                 if self._stopping or anyio.current_time() >= deadline:
                     raise
                 # the engine died before it answered, so it never ran this: the next one will
             except BaseException:
-                self._ends.pop(stream_id, None)
-                self._accepts.pop(stream_id, None)
-                self._sinks.pop(stream_id, None)
-                send.close()
-                receive.close()
+                self._unsubmit(stream_id, send, receive)
                 refused = accepted.done() and not accepted.cancelled() and isinstance(accepted.exception(), EngineRefused)
                 if not refused:
                     self.cancel_nowait(stream_id)  # a wait cancelled after the submit went: end it too
                 raise
         return receive
+
+    def _unsubmit(self, stream_id: int, send: Any, receive: Any) -> None:
+        """Forget a submit that did not go through (its sink, its accept, its on_end)."""
+        self._ends.pop(stream_id, None)
+        self._accepts.pop(stream_id, None)
+        self._sinks.pop(stream_id, None)
+        send.close()
+        receive.close()
 
     def cancel_nowait(self, stream_id: int, keep_rows: int | None = None) -> None:
         """Ask the engine to end a stream; its DoneEvent (cancelled) still arrives.

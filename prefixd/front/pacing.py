@@ -130,13 +130,8 @@ class Pacer:
 
     def join(self, peer: Hashable) -> ClientBudget:
         """The budget of `peer` (pid, uid), charged `connect_cost` for the new connection."""
-        now = self._clock()
-        self._forget_idle(now)
-        budget = self.clients.get(peer)
-        if budget is None:
-            budget = self.clients[peer] = ClientBudget(self.limits, now, self.totals)
-        budget.connections += 1
-        budget.charge(self.limits.connect_cost, now)
+        budget = self.visit(peer)
+        budget.charge(self.limits.connect_cost, self._clock())
         return budget
 
     def visit(self, peer: Hashable) -> ClientBudget:
