@@ -22,7 +22,7 @@ from typing import BinaryIO, Sequence
 
 import msgpack
 
-from prefixd.disk.index import FORMAT_VERSION
+from prefixd.disk.index import FORMAT_VERSION, TierIdentity
 
 MAGIC = b"PXDC"
 SUFFIX = ".pxc"
@@ -110,6 +110,15 @@ def _meta(header: bytes) -> FileMeta:
             or meta.first_page > meta.num_pages:
         raise BadFile("header out of range")
     return meta
+
+
+def check_layout(meta: FileMeta, identity: TierIdentity) -> None:
+    """Raise BadFile when the header's part sizes disagree with the tier's layout."""
+    if meta.kv_bytes != (meta.num_pages - meta.first_page) * identity.kv_bytes_per_page \
+            or meta.state_bytes not in (0, identity.lane_state_bytes) \
+            or meta.logits_bytes not in (0, identity.logits_row_bytes) \
+            or meta.num_pages != -(-meta.cut // identity.page_size):
+        raise BadFile("part sizes disagree with the layout")
 
 
 def read_body(f: BinaryIO, meta: FileMeta, offset: int) -> bytearray:

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from prefixd.disk.format import SUFFIX, TEMP_SUFFIX, BadFile, FileMeta, encode_head, file_bytes, read_body, read_head
+from prefixd.disk.format import (SUFFIX, TEMP_SUFFIX, BadFile, FileMeta, check_layout, encode_head, file_bytes,
+                                 read_body, read_head)
 from prefixd.disk.index import DiskEntry, DiskIndex, KeyDigests, TierIdentity, cut_hashes
+from prefixd.disk.shared import Fetched, SharedTier
 from prefixd.disk.writer import FAILED, OFF, WRITTEN, DiskWriter, WriteJob, parts_of
 from prefixd.scheduler.pages import PageAllocator
 from prefixd.scheduler.chunks import Schedule
@@ -45,6 +47,14 @@ class DiskStats:
     skipped: int  # entries not written: the queue was full, or bigger than the budget
     hit_tokens: int
     off: str | None  # why the tier stopped, or None
+    # the shared tier (shared.py): None when off, else "up", "busy: why" or "down: why"
+    shared: str | None = None
+    shared_hit_tokens: int = 0  # rows served from entries fetched from the shared store
+    shared_fetched: int = 0  # chains fetched and verified
+    shared_published: int = 0  # files sent to the shared store
+    shared_dropped: int = 0  # values that failed a check: never served, deleted there
+    shared_errors: int = 0  # times the store failed or did not answer in time
+    shared_skipped: int = 0  # files not sent: the store was down, the queue full, or too big
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +79,7 @@ class DiskTier:
 
     def __init__(self, directory: Path, identity: TierIdentity, *, budget_bytes: int,
                  writer: DiskWriter | None = None, observer: Any = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, shared: SharedTier | None = None) -> None:
         self.directory = Path(directory)
         self.identity = identity
         self._ident = identity.digest()
@@ -79,6 +89,8 @@ class DiskTier:
         self.clock = clock
         self.off: str | None = None
         self.written_bytes = self.corrupt = self.skipped = self.hit_tokens = 0
+        self.shared = shared  # the store other daemons share (shared.py), or None
+        self._from_shared: set[bytes] = set()  # fetched from it, not yet written here: not sent back
         self.store: PrefixStore | None = None  # set by attach, before any other call
         self.allocator: PageAllocator | None = None
         self._lock_fd: int | None = None
@@ -184,21 +196,13 @@ class DiskTier:
                 meta, _ = read_head(f, self._ident, st.st_size)
             if path.name != meta.digest.hex() + SUFFIX:
                 raise BadFile("named for another entry")
-            self._check_sizes(meta)
+            check_layout(meta, self.identity)
             return meta, st.st_mtime
         except BadFile as e:
             self._bad(path, str(e))
         except OSError as e:
             self._bad(path, f"unreadable: {e}")
         return None
-
-    def _check_sizes(self, meta: FileMeta) -> None:
-        ident = self.identity
-        if meta.kv_bytes != (meta.num_pages - meta.first_page) * ident.kv_bytes_per_page \
-                or meta.state_bytes not in (0, ident.lane_state_bytes) \
-                or meta.logits_bytes not in (0, ident.logits_row_bytes) \
-                or meta.num_pages != -(-meta.cut // ident.page_size):
-            raise BadFile("part sizes disagree with the layout")
 
     def _add_scanned(self, digest: bytes, metas: dict, added: set[bytes]) -> None:
         """Index `digest` after its ancestors; a file whose chain breaks is removed."""
@@ -264,10 +268,15 @@ class DiskTier:
         results = self.writer.drain()
         for r in results:
             entry = self.index.entries.get(r.digest) if r.digest is not None else None
+            fetched = r.digest in self._from_shared  # came from the shared store: not sent back
+            self._from_shared.discard(r.digest)
             if r.kind == WRITTEN:
                 self.written_bytes += r.nbytes
                 if entry is not None:
                     entry.durable = True
+                    if self.shared is not None and not fetched:
+                        self.shared.publish(entry.digest, entry.cut, self.directory / f"{entry.name}{SUFFIX}",
+                                            [e.digest for e in self.index.chain(entry)[:-1]])
             elif r.kind == FAILED and entry is not None:
                 self.index.remove_subtree(entry)
             elif r.kind == OFF:
@@ -277,18 +286,58 @@ class DiskTier:
 
     # -- read -------------------------------------------------------------------------
     def fetch(self, key: ReuseKey, schedule: Schedule, have_rows: int) -> bool:
-        """Put the deepest disk entry of `key` deeper than `have_rows` into the RAM store.
-        True when the store now holds it (a lookup will hit it); False changes nothing the
-        request can see (a bad file found on the way is removed and counted)."""
-        if self.off is not None or not self.index.entries:
+        """Put the deepest entry of `key` deeper than `have_rows` into the RAM store: from the
+        shared store when it holds one deeper than this disk, else from this disk. True when
+        the store now holds it (a lookup will hit it); False changes nothing the request can
+        see (a bad file found on the way is removed and counted)."""
+        if self.off is not None or (not self.index.entries and self.shared is None):
             return False
         self.poll()
-        entry = self.index.find(key, schedule, observe=True)
+        entry = self.index.find(key, schedule, observe=True) if self.index.entries else None
+        if self.shared is not None:
+            chain = self.shared.fetch(key, schedule, max(have_rows, entry.cut if entry is not None else 0))
+            bodies = self._adopt(chain) if chain is not None else None
+            if bodies is not None:
+                return self._serve(key, schedule, bodies, shared=True)
         if entry is None or entry.cut <= have_rows:
             return False
         bodies = self._read_chain(entry)
         if bodies is None:
             return False
+        return self._serve(key, schedule, bodies, shared=False)
+
+    def _adopt(self, chain: list[Fetched]) -> list[tuple[DiskEntry, bytearray, FileMeta]] | None:
+        """Index a chain fetched from the shared store and queue its files here (so the next
+        hit is local); its entries are in the index before the RAM store's keep hook sees
+        them. None (nothing indexed) when the writer or the budget has no room."""
+        if not self.writer.has_room(sum(f.meta.body_bytes for f in chain)):
+            return None
+        out, added = [], []
+        for f in chain:
+            entry = self.index.entries.get(f.meta.digest)
+            if entry is None:
+                nbytes = file_bytes(f.head, f.meta)
+                entry = DiskEntry(f.meta.digest, f.meta.parent, f.meta.cut, f.meta.first_page, f.meta.num_pages,
+                                  nbytes, f.meta.logits_bytes > 0, self.index.next_seq(), self.clock())
+                self.index.add(entry)
+                added.append(entry)
+                job = WriteJob(entry.digest, entry.parent, f.head, parts_of((f.body,)), nbytes)
+                if not self.writer.submit_write(job):
+                    self.skipped += 1
+                    self.index.remove_subtree(added[0])
+                    return None
+                self._from_shared.add(entry.digest)
+            out.append((entry, f.body, f.meta))
+        self._fit(frozenset(e.digest for e, _, _ in out))
+        if self.index.entries.get(out[-1][0].digest) is not out[-1][0]:
+            return None  # bigger than the budget: it did not stay
+        return out
+
+    def _serve(self, key: ReuseKey, schedule: Schedule, bodies: list[tuple[DiskEntry, bytearray, FileMeta]], *,
+               shared: bool) -> bool:
+        """Publish the checked chain `bodies` (root first) into the RAM store, its pages to be
+        loaded by the next round."""
+        entry = bodies[-1][0]
         pages = self._take_pages(entry.num_pages)
         if pages is None:
             return False
@@ -303,7 +352,10 @@ class DiskTier:
             return False
         entry.hits += 1
         entry.last_used = self.clock()
-        self.hit_tokens += entry.cut
+        if shared:
+            self.shared.hit_tokens += entry.cut
+        else:
+            self.hit_tokens += entry.cut
         self._touch(entry)
         self._report()
         return True
@@ -374,8 +426,10 @@ class DiskTier:
 
     # -- reporting and shutdown -------------------------------------------------------
     def stats(self) -> DiskStats:
+        shared = {} if self.shared is None else {f"shared_{k}" if k != "state" else "shared": v
+                                                 for k, v in self.shared.stats().items()}
         return DiskStats(self.index.bytes, self.budget_bytes, len(self.index), self.written_bytes,
-                         self.corrupt, self.skipped, self.hit_tokens, self.off)
+                         self.corrupt, self.skipped, self.hit_tokens, self.off, **shared)
 
     def _report(self) -> None:
         self.observer.on_disk(self.stats())
@@ -384,12 +438,16 @@ class DiskTier:
         """Wait for every queued write (and take their results); False on timeout."""
         done = self.writer.flush(timeout_s)
         self.poll()
+        if self.shared is not None:  # what was just written is sent on too
+            done = self.shared.flush(timeout_s) and done
         return done
 
     def close(self, timeout_s: float | None = None) -> None:
         """Finish the queued writes, end the writer, and let another process use the directory."""
         self.writer.close(timeout_s)
         self.poll()
+        if self.shared is not None:
+            self.shared.close(timeout_s)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
