@@ -216,6 +216,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--disk-budget", "disk_budget_bytes", "PREFIXD_DISK_BUDGET", 8 << 30,
            "bytes the disk tier may hold; 0 turns it off", parse=size_or_auto, metavar="BYTES", shown="8GiB",
            check=at_least(0)),
+    Option("--shared-cache", "shared_cache_url", "PREFIXD_SHARED_CACHE", "",
+           "a Redis or Valkey server the disk tier also sends its entries to and fetches the ones it lacks from, "
+           "shared by daemons of the same model and mode: redis://HOST:PORT/DB or unix:///PATH (docs/scale.md)",
+           metavar="URL", shown="off"),
     Option("--idle-exit", "idle_exit_s", "PREFIXD_IDLE_EXIT", None,
            "flush the disk tier and exit after this many seconds with no client and no request; for "
            "socket-activated units", parse=seconds_or_never, metavar="SECONDS", shown="never", check=above(0)),

@@ -205,6 +205,8 @@ def build_disk_tier(cfg: DaemonConfig, model_path: Any, runner: Any, device_kind
     """The disk tier in `cfg.disk_cache_dir`, or None when it is off or cannot be opened (a
     warning: the daemon serves from RAM)."""
     if cfg.disk_cache_dir is None or cfg.disk_budget_bytes <= 0:
+        if cfg.shared_cache_url:
+            log.warning("shared cache off: it needs the disk tier (--disk-cache, --disk-budget)")
         return None
     from prefixd.disk.identity import model_content_hash
     from prefixd.disk.tier import DiskTier
@@ -218,7 +220,25 @@ def build_disk_tier(cfg: DaemonConfig, model_path: Any, runner: Any, device_kind
             device_kind=device_kind, mode=mode_identity(runner.mode), page_size=info.page_size,
             kv_bytes_per_page=info.kv_bytes_per_page, lane_state_bytes=info.lane_state_bytes,
             logits_row_bytes=info.logits_row_bytes, lookahead=info.lookahead, invariant_rows=info.invariant_rows)
-        return DiskTier(cfg.disk_cache_dir, identity, budget_bytes=cfg.disk_budget_bytes, observer=observer)
+        tier = DiskTier(cfg.disk_cache_dir, identity, budget_bytes=cfg.disk_budget_bytes, observer=observer)
     except OSError as e:
         log.warning("disk cache off: cannot use %s: %s; serving from RAM", cfg.disk_cache_dir, e)
         return None
+    tier.shared = build_shared_tier(cfg.shared_cache_url, identity)
+    return tier
+
+
+def build_shared_tier(url: str, identity: Any) -> Any:
+    """The shared tier at `url` (prefixd.disk.shared), or None when `url` is empty or unusable
+    (a warning: the daemon caches locally)."""
+    if not url:
+        return None
+    from prefixd.disk.shared import SharedConfig, SharedTier
+
+    try:
+        shared = SharedTier(SharedConfig.parse(url), identity)
+    except (ValueError, ImportError) as e:
+        log.warning("shared cache off: %s; caching locally", e)
+        return None
+    log.info("shared cache: %s (entries expire %g s after their last use)", url, shared.config.ttl_s)
+    return shared
