@@ -1,0 +1,146 @@
+"""The routes a router probes on a worker, beside /health and /v1/models (app.py).
+
+SMG and vllm-router admit a worker on `GET /health` (200), name it from `/v1/models`, read
+its facts from `/get_server_info` and `/get_model_info` (SMG tries `/model_info` first), and
+weigh it by its load: SMG's load-aware policies and overload guard poll `/v1/loads`, and
+vllm-router's `power_of_two` polls `/get_load`. The Gateway API inference extension (llm-d)
+scrapes `/metrics` on the serving port for vLLM's gauge names (metrics/compat.py).
+
+    GET /v1/loads        {timestamp, dp_rank_count: 1, loads: [one rank's running, waiting, KV use]}
+    GET /get_load        {load: running + waiting}
+    GET /get_server_info the model, lanes, context, KV pool, version
+    GET /model_info      the model (also /get_model_info)
+    GET /metrics         prefixd's own metrics, then vLLM's names for the same numbers
+
+Every load comes from one engine status of this moment (WorkerLoad), so `/v1/loads`,
+`/get_load` and `/metrics` agree. prefixd leaves `/server_info` and `/version` unanswered:
+SMG takes a worker answering them for SGLang or vLLM, and prefixd is neither; it registers
+it as an OpenAI-compatible worker, which reads all of the above. Like `/health`, these routes
+need no token: they carry counts and names, never a prompt or a reply (as vLLM leaves
+`/metrics`, `/health` and `/load` open when it guards `/v1`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import prefixd
+from prefixd.metrics import compat
+from prefixd.metrics.compat import WorkerLoad
+
+
+class WorkerApi:
+    """Router probes over an HttpFront (app.py)."""
+
+    def __init__(self, front: Any) -> None:
+        self.front = front
+        self.services = front.services
+        self.gate = front.gate
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/loads", self.loads, methods=["GET"]),
+            Route("/get_load", self.get_load, methods=["GET"]),
+            Route("/get_server_info", self.server_info, methods=["GET"]),
+            Route("/get_model_info", self.model_info, methods=["GET"]),
+            Route("/model_info", self.model_info, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+
+    # -- load -------------------------------------------------------------------------------
+
+    async def load(self) -> WorkerLoad | None:
+        """The daemon's load now; None while the engine does not serve (restarting, stopping)."""
+        if not self.gate.link.serving or self.services.shutting_down():
+            return None
+        status = await self.services.status()
+        seats = self.gate.seats
+        return WorkerLoad.from_status(status, seats_waiting=seats.num_waiting if seats is not None else 0)
+
+    async def loads(self, request: Request) -> Response:
+        """SMG's load schema (one data-parallel rank); 503 while the engine does not serve."""
+        load = await self.load()
+        if load is None:
+            return self._unavailable()
+        rank = {
+            "dp_rank": 0,
+            "num_running_reqs": load.num_running,
+            "num_waiting_reqs": load.num_waiting,
+            "num_total_reqs": load.num_running + load.num_waiting,
+            "num_used_tokens": load.num_pages_busy * load.page_size,
+            "max_total_num_tokens": load.num_pages * load.page_size,
+            "token_usage": load.token_usage,
+            "max_running_requests": load.num_lanes,
+            "cache_hit_rate": self._cache_hit_rate(),
+        }
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        return JSONResponse({"timestamp": now, "dp_rank_count": 1, "loads": [rank]})
+
+    async def get_load(self, request: Request) -> Response:
+        """vllm-router's power_of_two: `{"load": N}`, the requests running and waiting."""
+        load = await self.load()
+        if load is None:
+            return self._unavailable()
+        return JSONResponse({"load": load.num_running + load.num_waiting})
+
+    async def metrics(self, request: Request) -> Response:
+        load = await self.load()
+        if load is None:
+            return self._unavailable()
+        body = compat.render(load, self._registry(), self.front.model)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # -- facts ------------------------------------------------------------------------------
+
+    async def server_info(self, request: Request) -> Response:
+        """The facts SMG keeps as a worker's labels (its ServerInfo fields) and vllm-router's `dp_size`."""
+        info = self.services.hello_reply()["model"]
+        load = await self.load()
+        body: dict[str, Any] = {
+            "model": self.front.model,
+            "model_path": info.get("source") or self.front.model,
+            "served_model_name": self.front.model,
+            "version": f"prefixd {prefixd.__version__}",
+            "context_length": info.get("max_context"),
+            "max_running_requests": load.num_lanes if load is not None else info.get("lanes"),
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "is_embedding": False,
+        }
+        if load is not None:
+            body["max_total_tokens"] = load.num_pages * load.page_size
+            body["page_size"] = load.page_size
+        return JSONResponse(body)
+
+    async def model_info(self, request: Request) -> Response:
+        info = self.services.hello_reply()["model"]
+        return JSONResponse({"model_path": info.get("source") or self.front.model, "is_generation": True,
+                             "model_type": info.get("family"), "has_image_understanding": False,
+                             "has_audio_understanding": False})
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _registry(self) -> Any:
+        """The daemon's metrics registry: the one the engine link's observer writes (None without one)."""
+        observer = self.gate.link.observer
+        metrics = getattr(observer, "metrics", None)
+        return metrics.registry if metrics is not None else None
+
+    def _cache_hit_rate(self) -> float:
+        """Prompt tokens served from the cache / prompt tokens looked up, since the daemon started."""
+        registry = self._registry()
+        if registry is None:
+            return 0.0
+        queries = registry.get_sample_value(compat.QUERIES_SAMPLE) or 0.0
+        hits = registry.get_sample_value(compat.HITS_SAMPLE) or 0.0
+        return hits / queries if queries else 0.0
+
+    def _unavailable(self) -> Response:
+        state = "shutting_down" if self.services.shutting_down() else self.gate.link.state
+        return JSONResponse({"status": state}, status_code=503)
