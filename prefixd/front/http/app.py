@@ -59,6 +59,7 @@ class HttpFront:
     def app(self) -> Starlette:
         from prefixd.front.http.anthropic import MessagesApi  # it builds on this module
         from prefixd.front.http.responses import ResponsesApi  # it builds on this module
+        from prefixd.front.http.worker import WorkerApi  # the routes a router probes
 
         self.messages_api = MessagesApi(self)
         self.responses_api = ResponsesApi(self)
@@ -70,6 +71,7 @@ class HttpFront:
             *self.responses_api.routes(),
             Route("/v1/messages", self.messages_api.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", self.messages_api.count_tokens, methods=["POST"]),
+            *WorkerApi(self).routes(),
         ])
 
     # -- routes -----------------------------------------------------------------------------
