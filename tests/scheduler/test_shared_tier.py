@@ -4,6 +4,8 @@ a server that dies or stalls costs hits, never a request."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import logging
 import os
 import signal
@@ -11,7 +13,10 @@ import time
 
 import pytest
 
+from prefixd.disk.format import encode_head, read_head
 from prefixd.disk.shared import SharedConfig, SharedTier
+from prefixd.scheduler.chunks import plan_schedule
+from prefixd.scheduler.store import make_key
 from tests.helpers.redis_server import redis_server  # noqa: F401 (a fixture)
 from tests.scheduler.disk_rig import disk_engine
 from tests.scheduler.engines import make_engine, req, turn
@@ -157,3 +162,35 @@ def test_the_url_takes_the_tiers_own_parameters_and_passes_the_rest_on():
     for bad in ("http://x", "redis://h:1/0?ttl=0", "redis://h:1/0?wait=soon"):
         with pytest.raises(ValueError, match="--shared-cache"):
             SharedConfig.parse(bad)
+
+
+def test_a_file_naming_a_parent_that_holds_other_rows_is_never_served(tmp_path, redis_server):
+    """A head with good sums that names another prefix's file as its parent: the chain would
+    hand out that prefix's rows, so the file naming it is deleted from the server; the lookup
+    answers the deepest good chain (cut 4, below the forged file), and a request resuming there
+    equals a cold run."""
+    engine, _, a = shared_engine(tmp_path / "a", redis_server.url)
+    turn(engine, FIRST)
+    assert a.flush(30)
+    mine = {e.cut: e for e in a.index.entries.values()}
+    turn(engine, req(5, [7] * 13, max_tokens=2))
+    assert a.flush(30)
+    other_root = next(e for e in a.index.entries.values() if e.parent is None and e is not mine[4])
+    key = a.shared.key_of(mine[8].digest)
+    value = redis_server.client.get(key)
+    meta, offset = read_head(io.BytesIO(value), a.identity.digest(), len(value))
+    forged = encode_head(a.identity.digest(), dataclasses.replace(meta, parent=other_root.digest)) + value[offset:]
+    redis_server.client.set(key, forged)
+
+    lookup = SharedTier(SharedConfig.parse(redis_server.url), a.identity)  # B's, before any keep of its own
+    reuse_key, _ = make_key(LATER.tokens, cache_key=None, namespace="", images=[], lookahead=0)
+    chain = lookup.fetch(reuse_key, plan_schedule(len(LATER.tokens), (), 4), 0)
+    assert [f.meta.digest for f in chain] == [mine[4].digest] and lookup.dropped == 1
+    assert redis_server.client.get(key) is None and redis_server.client.get(a.shared.key_of(other_root.digest))
+    lookup.close(30)
+    redis_server.client.set(key, forged)
+
+    engine, _, b = shared_engine(tmp_path / "b", redis_server.url)
+    tokens, done = turn(engine, LATER)
+    assert done.usage.cached_tokens == 4 and tokens == cold(LATER)
+    assert (b.stats().shared_dropped, b.stats().shared_hit_tokens) == (1, 4)

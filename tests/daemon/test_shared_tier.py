@@ -1,0 +1,85 @@
+"""Daemons sharing snapshots through a real Redis/Valkey server (skips without one, or without
+the redis package): a daemon with an empty disk serves another's next turn from the shared
+tier with a cold run's bits; a corrupt entry is never served; a store that dies mid-run costs
+hits, never a request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from prefixd.front.engine_link import ProcessLauncher
+from prefixd.ipc.client import AsyncClient
+from tests.daemon.test_engine_process import letters_config, process_server
+from tests.helpers.redis_server import redis_server  # noqa: F401 (a fixture)
+from tests.helpers.tiny_models import make_tiny_hf_dir
+
+PROMPT = list(range(10, 10 + 70))  # turn 1
+NEXT = PROMPT + list(range(300, 330))  # turn 2: turn 1's rows, then 30 new ones
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hf_dir(tmp_path_factory.mktemp("tiny_shared") / "model", "llama", seed=5)
+
+
+def daemon_config(tmp_path: Path, name: str, tiny_dir: Path, url: str):
+    return letters_config(tmp_path / name, model=str(tiny_dir), dtype="fp32", lanes=2, max_context=256,
+                          cache_budget_bytes=64 << 20, disk_cache_dir=tmp_path / name / "disk",
+                          shared_cache_url=url)
+
+
+async def disk_status(server) -> dict:
+    return (await server.link.status())["disk"]
+
+
+async def generate(server, tokens, **kw):
+    async with await AsyncClient.connect(server.socket_path) as client:
+        return await client.generate(tokens=tokens, max_tokens=5, logits=True, **kw).collect()
+
+
+async def test_daemons_share_snapshots_exactly_and_survive_a_bad_or_dead_store(tmp_path, tiny_dir, redis_server):
+    url = redis_server.url
+    cfg_a, cfg_b, cfg_c = (daemon_config(tmp_path, n, tiny_dir, url) for n in "abc")
+    async with process_server(tmp_path / "a", ProcessLauncher(cfg_a), cfg_a) as a, \
+            process_server(tmp_path / "b", ProcessLauncher(cfg_b), cfg_b) as b:
+        cold_next = await generate(a, NEXT, cache=False)  # reuses and keeps nothing
+        await generate(a, PROMPT)
+        with anyio.fail_after(60):  # written to A's disk, then sent
+            while (s := await disk_status(a))["shared_published"] < s["entries"] or not s["entries"]:
+                await anyio.sleep(0.05)
+        assert len(redis_server.keys()) == s["entries"]
+
+        # B has an empty disk and RAM: turn 2 resumes from A's entries, with a cold run's bits
+        resumed = await generate(b, NEXT)
+        assert (resumed.ids, resumed.logits_sha256) == (cold_next.ids, cold_next.logits_sha256)
+        assert resumed.usage.cached_tokens == len(PROMPT) and resumed.usage.cache == "hit"
+        s = await disk_status(b)
+        assert (s["shared"], s["shared_hit_tokens"], s["hit_tokens"]) == ("up", len(PROMPT), 0)
+
+        # every value spoilt in its body: C (empty disk) never serves one, and prefills cold
+        for key in redis_server.keys():
+            value = bytearray(redis_server.client.get(key))
+            value[-40] ^= 1
+            redis_server.client.set(key, bytes(value))
+        async with process_server(tmp_path / "c", ProcessLauncher(cfg_c), cfg_c) as c:
+            fresh = await generate(c, NEXT)
+            assert (fresh.ids, fresh.logits_sha256) == (cold_next.ids, cold_next.logits_sha256)
+            assert fresh.usage.cached_tokens == 0
+            s = await disk_status(c)
+            assert s["shared_dropped"] >= 1 and s["shared_hit_tokens"] == 0
+
+            # the store dies: every daemon keeps serving, from its own RAM and disk or cold
+            redis_server.stop()
+            other = list(range(500, 540))
+            cold_other = await generate(a, other, cache=False)
+            for server in (a, b, c):
+                got = await generate(server, other)
+                assert (got.ids, got.logits_sha256) == (cold_other.ids, cold_other.logits_sha256)
+                again = await generate(server, NEXT)
+                assert (again.ids, again.logits_sha256) == (cold_next.ids, cold_next.logits_sha256)
+                assert again.usage.cached_tokens > 0  # its own RAM still holds turn 2 (or turn 1)
+            for server in (a, b, c):
+                assert (await disk_status(server))["shared"].startswith("down: ")
