@@ -103,7 +103,7 @@ class WorkerApi:
         load = await self.load()
         body: dict[str, Any] = {
             "model": self.front.model,
-            "model_path": info.get("source") or self.front.model,
+            "model_path": self.front.model,
             "served_model_name": self.front.model,
             "version": f"prefixd {prefixd.__version__}",
             "context_length": info.get("max_context"),
@@ -120,7 +120,7 @@ class WorkerApi:
 
     async def model_info(self, request: Request) -> Response:
         info = self.services.hello_reply()["model"]
-        return JSONResponse({"model_path": info.get("source") or self.front.model, "is_generation": True,
+        return JSONResponse({"model_path": self.front.model, "is_generation": True,
                              "model_type": info.get("family"), "has_image_understanding": False,
                              "has_audio_understanding": False})
 
