@@ -18,11 +18,19 @@ from tests.helpers.tiny_models import make_tiny_hf_dir
 
 PROMPT = list(range(10, 10 + 70))  # turn 1
 NEXT = PROMPT + list(range(300, 330))  # turn 2: turn 1's rows, then 30 new ones
+STARTS = {tuple(NEXT): [len(PROMPT)]}  # turn 2's chunk starts: turn 1's end is a cut of its schedule
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_hf_dir(tmp_path_factory.mktemp("tiny_shared") / "model", "llama", seed=5)
+@pytest.fixture(scope="module", params=["llama", "hybrid"])
+def tiny_dir(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A row-invariant family, and the hybrid recurrent one (its snapshots carry lane state and
+    resume only at cuts of the request's own schedule)."""
+    path = tmp_path_factory.mktemp(f"tiny_shared_{request.param}") / "model"
+    if request.param == "llama":
+        return make_tiny_hf_dir(path, "llama", seed=5)
+    from tests.daemon.test_runtime import _tiny_hybrid
+
+    return _tiny_hybrid(path, mtp_layers=0)
 
 
 def daemon_config(tmp_path: Path, name: str, tiny_dir: Path, url: str):
@@ -37,7 +45,8 @@ async def disk_status(server) -> dict:
 
 async def generate(server, tokens, **kw):
     async with await AsyncClient.connect(server.socket_path) as client:
-        return await client.generate(tokens=tokens, max_tokens=5, logits=True, **kw).collect()
+        return await client.generate(tokens=tokens, max_tokens=5, logits=True,
+                                     chunk_starts=STARTS.get(tuple(tokens), []), **kw).collect()
 
 
 async def test_daemons_share_snapshots_exactly_and_survive_a_bad_or_dead_store(tmp_path, tiny_dir, redis_server):
@@ -73,7 +82,7 @@ async def test_daemons_share_snapshots_exactly_and_survive_a_bad_or_dead_store(t
 
             # the store dies: every daemon keeps serving, from its own RAM and disk or cold
             redis_server.stop()
-            other = list(range(500, 540))
+            other = list(range(400, 440))
             cold_other = await generate(a, other, cache=False)
             for server in (a, b, c):
                 got = await generate(server, other)
