@@ -1,12 +1,12 @@
 """`SharedTier`: the disk tier's entry files on a Redis or Valkey server, for other daemons.
 
-    engine thread                        publisher thread          fetcher thread
-    -------------                        ----------------          --------------
-    publish(digest, path, chain) ── queue (≤ 256) ──▶ read the file, SET EX ttl,
-                                                      EXPIRE its ancestors
-    fetch(key, schedule, above) ── job ─────────────────────────▶ EXISTS the key's cuts,
-          waits ≤ wait_s ◀── a verified chain, or None ──────────  GETEX the deepest chain,
-                                                                   check every file
+    engine thread                             publisher thread          fetcher thread
+    -------------                             ----------------          --------------
+    publish(digest, cut, path, chain) ── queue (≤ 256) ──▶ read the file, SET EX ttl,
+                                                           EXPIRE its ancestors, ZADD its cut
+    fetch(key, schedule, above) ── job ──────────────────────────────▶ EXISTS the key's cuts,
+          waits ≤ wait_s ◀── a verified chain, or None ───────────────  GETEX the deepest chain,
+                                                                        check every file
 
 A value is an entry file's bytes exactly as the disk tier writes it (format.py: head with the
 tier identity and its own sum, body with its sum), under
@@ -18,11 +18,11 @@ mode and revision, layout: the tier identity; namespace, ids, images, cut and sc
 the entry digest). A fetched file is served only when its head and body sums hold, its head
 names this tier's identity and the digest asked for, and every file of its chain is the digest
 of the request's own rows at its cut; a value that fails is deleted from the server (only if
-it still holds the same bytes) and the request runs on as a miss.
+it still holds the same bytes) and never served.
 
 The server being down or slow costs hits, never a request: the engine thread waits at most
 `wait_s` for an answer; an error or a socket timeout marks the tier down (one warning) and it
-is not asked again until a PING answers (every `retry_s`); a fetch past its wait leaves the
+is not asked again until a PING answers (every RETRY_S); a fetch past its wait leaves the
 tier `busy` (fetches do not wait) until that fetch ends. Keys expire `ttl_s` after they were
 last published or fetched. Torch-free; redis is imported only here.
 """
@@ -77,7 +77,10 @@ class SharedConfig:
             raise ValueError(f"--shared-cache {text!r}: expected redis://HOST:PORT/DB or unix:///PATH")
         params, ours = [], {}
         for name, value in parse_qsl(parts.query):
-            (ours.__setitem__(name, value) if name in ("ttl", "wait") else params.append((name, value)))
+            if name in ("ttl", "wait"):
+                ours[name] = value
+            else:
+                params.append((name, value))  # redis-py's own (db, password, ...)
         try:
             ttl_s, wait_s = float(ours.get("ttl", DEFAULT_TTL_S)), float(ours.get("wait", DEFAULT_WAIT_S))
         except ValueError:
@@ -108,7 +111,8 @@ class _FetchJob:
 
 
 class SharedTier:
-    """The shared store as the disk tier uses it; `client` is a redis.Redis (tests pass one)."""
+    """The shared store as the disk tier uses it; `client` is a redis.Redis (None: one for
+    `config.url`). Counts are running totals; `state` is UP, BUSY or DOWN (`why` says why)."""
 
     def __init__(self, config: SharedConfig, identity: TierIdentity, client: Any = None) -> None:
         self.config = config
@@ -141,9 +145,10 @@ class SharedTier:
         self._publishes.put((digest, cut, Path(path), tuple(ancestors)))
 
     def fetch(self, key: ReuseKey, schedule: Schedule, above: int) -> list[Fetched] | None:
-        """The verified chain (root first) of the deepest entry on the server at a cut of
-        `key`'s schedule deeper than `above`; None on a miss, a bad value, or when no answer
-        comes within `wait_s` (or the tier is not up: then at once)."""
+        """The verified chain (root first) of the deepest entry on the server deeper than
+        `above` that the request may resume from (a cut of its schedule; for a row-invariant
+        family also any cut published); None on a miss, a bad value, or when no answer comes
+        within `wait_s` (at once when the tier is not up)."""
         if self.state != UP:
             return None
         job = _FetchJob(key, schedule, above, threading.Event())
@@ -186,6 +191,9 @@ class SharedTier:
             self.skipped += 1
 
     def _failed(self, e: Exception) -> None:
+        """The server failed (or, not a client error, a bug: logged with its trace): down."""
+        if not isinstance(e, OSError) and type(e).__module__.split(".")[0] != "redis":
+            log.error("shared cache: unexpected error", exc_info=e)
         with self._lock:
             self.errors += 1
             if self.state == DOWN:
@@ -206,7 +214,7 @@ class SharedTier:
             return
         with self._lock:
             self.state, self.why = UP, ""
-        log.warning("shared cache back: fetching and publishing again")
+        log.info("shared cache back: fetching and publishing again")
 
     # -- publisher thread ---------------------------------------------------------------
     def _run_publisher(self) -> None:

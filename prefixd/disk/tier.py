@@ -310,7 +310,9 @@ class DiskTier:
         """Index a chain fetched from the shared store and queue its files here (so the next
         hit is local); its entries are in the index before the RAM store's keep hook sees
         them. None (nothing indexed) when the writer or the budget has no room."""
-        if not self.writer.has_room(sum(f.meta.body_bytes for f in chain)):
+        if sum(file_bytes(f.head, f.meta) for f in chain) > self.budget_bytes \
+                or not self.writer.has_room(sum(f.meta.body_bytes for f in chain)):
+            self.skipped += 1
             return None
         out, added = [], []
         for f in chain:
@@ -329,8 +331,6 @@ class DiskTier:
                 self._from_shared.add(entry.digest)
             out.append((entry, f.body, f.meta))
         self._fit(frozenset(e.digest for e, _, _ in out))
-        if self.index.entries.get(out[-1][0].digest) is not out[-1][0]:
-            return None  # bigger than the budget: it did not stay
         return out
 
     def _serve(self, key: ReuseKey, schedule: Schedule, bodies: list[tuple[DiskEntry, bytearray, FileMeta]], *,
