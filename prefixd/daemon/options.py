@@ -208,6 +208,12 @@ OPTIONS: tuple[Option, ...] = (
            "the round", choices=("auto", "on", "off")),
     Option("--grace", "grace_s", "PREFIXD_GRACE_S", 10.0, "on SIGTERM, seconds in-flight streams get to finish",
            parse=float, metavar="SECONDS", check=at_least(0)),
+    # above any honest round (at most a round's row budget) and the first after a load: docs/operations.md,
+    # *A stalled engine*
+    Option("--engine-stall-s", "engine_stall_s", "PREFIXD_ENGINE_STALL_S", 120.0,
+           "seconds the engine process may owe an answer (a round's message while requests run, else a status "
+           "ping) before it counts as hung: it is killed and restarted, its requests end with internal; 0: never",
+           parse=float, metavar="SECONDS", check=finite_at_least(0)),
     Option("--log-level", "log_level", "PREFIXD_LOG_LEVEL", "info", "log verbosity",
            choices=("debug", "info", "warning", "error")),
     Option("--disk-cache", "disk_cache_dir", "PREFIXD_DISK_CACHE", None,

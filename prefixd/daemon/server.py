@@ -119,7 +119,8 @@ class Server:
         self.notifier.status("loading model")
         self._out.write(f"prefixd: loading model {self.cfg.model} on {self.cfg.device} ({self.cfg.dtype})\n")
         self.link = EngineLink(self._launcher, observer=MetricsObserver(self.metrics), policy=self._restart,
-                               on_restart=lambda why: self.metrics.engine_restarts.inc(), out=self._out)
+                               on_restart=lambda why: self.metrics.engine_restarts.inc(), out=self._out,
+                               stall_s=self.cfg.engine_stall_s or None)
         ready = await self.link.start()
         if self._freeze_heap:
             freeze_loaded_heap()
@@ -376,7 +377,7 @@ class Server:
             "buffered_bytes": self.buffers.used_bytes,
             **self.gate.stats(),
             "engine": {"pid": self.link.pid, "state": self.link.state, "restarts": self.link.restarts,
-                       "last_death": self.link.last_death},
+                       "stalls": self.link.stalls, "last_death": self.link.last_death},
             "uptime_s": time.monotonic() - self._started_s,
             "socket": str(self.socket_path) if self.socket_path else None,
             "shutting_down": self.should_exit,

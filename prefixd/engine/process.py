@@ -12,9 +12,12 @@ escapes (a bug, out of memory) ends the process, and the front restarts it.
 Overlap (`Runtime.overlap`, the daemon's choice on CUDA): each round's device call runs on
 a device thread while this loop takes the submits and cancels that arrive and seats waiting
 streams for the next round (`Engine.admit_ahead`); a status waits until the round lands.
+The front pings a silent engine with a status and takes one that owes an answer too long
+for stalled (front/engine_link.py): a status is answered between rounds, never inside one.
 
 While busy the process keeps freed heap for the next round (`retain_freed_memory`); after
-`idle_trim_s` with nothing to do it hands that heap back to the system, once per idle spell.
+`idle_trim_s` with nothing to do it hands that heap back to the system, once per idle spell
+(a status alone, such as the front's ping, starts none).
 
 `python -m prefixd.engine FD` runs it in a process of its own (`child_main`): the front
 made the socketpair and sends the start spec as the first frame.
@@ -81,7 +84,7 @@ class EngineLoop:
         self.observer = observer
         self._idle_trim_s = idle_trim_s
         self._trim = trim
-        self._trim_due = False
+        self._trim_at: float | None = None  # when an idle spell's trim is due (None: none is)
         self.num_trims = 0
         self.num_failed_rounds = 0
         self._stopping = False
@@ -94,14 +97,15 @@ class EngineLoop:
             while not self._stopping:
                 engine = self.engine
                 if engine.idle:
-                    wait = self._idle_trim_s if self._trim_due else None
-                    msgs = self.link.receive(wait)
+                    wait = None if self._trim_at is None else self._trim_at - time.monotonic()
+                    msgs = self.link.receive(wait) if wait is None or wait > 0 else None
                     if msgs is None:
                         self._trim_idle()
                         continue
                 else:
                     msgs = self.link.receive(0)
-                self._trim_due = True
+                if self._idle_trim_s is not None and (not engine.idle or any(m.get("t") != "status" for m in msgs)):
+                    self._trim_at = time.monotonic() + self._idle_trim_s
                 deferred = self._apply(msgs, host_only=False)
                 assert not deferred
                 if self._stopping:
@@ -200,7 +204,9 @@ class EngineLoop:
         deferred: list[dict[str, Any]] = []
         try:
             while not running.done():
-                ready, _, _ = select.select([self.link, self._wake_r], [], [])
+                # once a status waits for the landing, the link waits too: its bytes would wake this loop for nothing
+                watched = [self._wake_r] if deferred else [self.link, self._wake_r]
+                ready, _, _ = select.select(watched, [], [])
                 if self._wake_r in ready:
                     os.read(self._wake_r, 64)
                 if self.link in ready and not deferred:
@@ -229,7 +235,7 @@ class EngineLoop:
                                pages=[allocator.num_free, allocator.num_used]))
 
     def _trim_idle(self) -> None:
-        self._trim_due = False
+        self._trim_at = None
         self._trim()
         self.num_trims += 1
         log.debug("engine idle for %.1fs: returned freed heap to the system", self._idle_trim_s)

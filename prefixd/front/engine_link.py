@@ -12,6 +12,13 @@ stream in flight gets `EngineLost` as its last item, the death is logged and cou
 the engine is started again (warm from the disk tier) after a back-off that grows with
 repeated deaths; submits made meanwhile wait for it, up to `RestartPolicy.wait_s`.
 
+An engine that is alive but no longer answers (a device call that never returns, a
+deadlock, SIGSTOP) is treated the same way once it has been silent too long (`stall_s`):
+with work in flight, no message for `stall_s`; idle, a status ping (sent once it has been
+silent for `PING_SHARE` of that) unanswered for `stall_s`. The front kills it (SIGKILL, which
+a stopped process takes too) and the requests in flight end as after a death. Loading has
+no bound: it sends nothing until ready, and its length is the model's and the disk's.
+
 Launchers say where the engine runs: `ProcessLauncher` in a process of its own (the
 daemon's), `ThreadLauncher` in a thread of this process over the same socket and frames
 (tests whose fake device they drive directly).
@@ -45,6 +52,7 @@ log = logging.getLogger("prefixd.engine_link")
 
 DEFAULT_EVENT_BUFFER = 1024  # events queued per stream before its client counts as not reading
 STOP_WAIT_S = 150.0  # at shutdown: time the engine gets to flush the disk tier and exit
+PING_SHARE = 0.25  # an engine silent for this share of the stall bound is asked for its status
 
 
 class EngineUnavailable(RuntimeError):
@@ -206,6 +214,17 @@ class _Connection:
     lost: anyio.Event = field(default_factory=anyio.Event)
     ready: asyncio.Future | None = None
     started_s: float = field(default_factory=time.monotonic)
+    heard_s: float = field(default_factory=time.monotonic)  # when the engine last sent anything
+    ping_q: int | None = None  # the status query asking whether it still answers, while unanswered
+    ping_sent_s: float = 0.0
+
+    def owed_s(self, now: float, *, busy: bool) -> float:
+        """How long the engine has owed an answer: with work in flight (`busy`) since it last
+        spoke (a round message each round), and since the ping while one is unanswered."""
+        owed = [now - self.heard_s] if busy else []
+        if self.ping_q is not None:
+            owed.append(now - self.ping_sent_s)
+        return max(owed, default=0.0)
 
 
 class EngineLink:
@@ -213,8 +232,10 @@ class EngineLink:
 
     def __init__(self, launcher: Launcher, *, observer: Any = None, policy: RestartPolicy | None = None,
                  event_buffer: int = DEFAULT_EVENT_BUFFER, on_overflow: Callable[[int], None] | None = None,
-                 on_restart: Callable[[str], None] | None = None, out: Any = None) -> None:
+                 on_restart: Callable[[str], None] | None = None, out: Any = None,
+                 stall_s: float | None = None) -> None:
         self.launcher = launcher
+        self.stall_s = stall_s  # None: a silent engine is never taken for stalled
         self.observer = observer  # the front's EngineObserver (metrics): the engine's calls replayed
         self.policy = policy or RestartPolicy()
         self._event_buffer = event_buffer
@@ -233,6 +254,8 @@ class EngineLink:
         self.pages: tuple[int, int] = (0, 0)  # the KV pool's (free, used), as of the last round
         self.deaths = 0  # deaths in a row (back-off)
         self.restarts = 0
+        self.stalls = 0  # engines killed for not answering
+        self.pings = 0  # status pings sent to a silent engine
         self.last_death: str | None = None
         self.state = "starting"  # starting | ready | restarting | stopped
 
@@ -248,8 +271,15 @@ class EngineLink:
             raise StartupError(str(e)) from None
 
     async def supervise(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        """Restart the engine whenever it dies, until `stop`."""
-        task_status.started()
+        """Restart the engine whenever it dies or stalls, until `stop`."""
+        async with anyio.create_task_group() as tg:
+            if self.stall_s is not None:
+                tg.start_soon(self._watch_stalls, self.stall_s)
+            task_status.started()
+            await self._restart_when_lost()
+            tg.cancel_scope.cancel()
+
+    async def _restart_when_lost(self) -> None:
         while not self._stopping:
             conn = self._conn
             if conn is None:
@@ -273,6 +303,41 @@ class EngineLink:
                     self._on_restart(self.last_death or "")
                 self._say(f"engine restarted (pid {self.ready.pid if self.ready else '?'})")
                 break
+
+    async def _watch_stalls(self, stall_s: float) -> None:
+        """Ping a silent engine, and kill one that owes an answer for `stall_s` (it is then
+        lost: the restart loop starts another). Not while it loads or stops."""
+        ping_s = stall_s * PING_SHARE
+        while not self._stopping:
+            await anyio.sleep(min(1.0, ping_s / 4))
+            conn = self._conn
+            if conn is None or conn.closed or self.state != "ready" or self._stopping:
+                continue
+            self._readable(conn)  # what arrived while this loop ran other work was heard in time
+            if conn.closed:
+                continue
+            now = time.monotonic()
+            owed_s = conn.owed_s(now, busy=bool(self._sinks or self._accepts))
+            if owed_s >= stall_s:
+                await self._kill_stalled(conn, owed_s)
+            elif conn.ping_q is None and now - conn.heard_s >= ping_s:
+                conn.ping_q, conn.ping_sent_s = next(self._query_ids), now
+                self.pings += 1
+                self._send(message("status", q=conn.ping_q, check=False))
+
+    async def _kill_stalled(self, conn: _Connection, owed_s: float) -> None:
+        self.stalls += 1
+        self._say(f"the engine (pid {self.pid}) stopped answering for {owed_s:.0f}s with {len(self._sinks)} "
+                  f"requests in flight: killing it")
+        try:
+            conn.child.kill()
+            killed = True
+        except RuntimeError as e:  # an engine thread: it is left behind, its link closed
+            self._say(f"the engine could not be killed: {e}")
+            killed = False
+        self._lose(conn, f"the engine stopped answering for {owed_s:.0f}s")
+        if killed:
+            await anyio.to_thread.run_sync(conn.child.wait)  # reaped: a SIGKILLed process ends at once
 
     async def stop(self) -> None:
         """Tell the engine to stop (it flushes the disk tier) and wait for it to exit."""
@@ -464,6 +529,7 @@ class EngineLink:
                 close_fds(fds)
                 self._lose(conn, None)
                 return
+            conn.heard_s = time.monotonic()
             try:
                 msgs = conn.reader.feed(data, fds)
             except Exception as e:  # noqa: BLE001 - a contract bug: treat the engine as lost
@@ -489,6 +555,9 @@ class EngineLink:
             if future is not None and not future.done():
                 future.set_exception(EngineRefused(msg["code"], msg["message"]))
         elif kind == "status":
+            if msg["q"] == conn.ping_q:
+                conn.ping_q = None
+                return
             future = self._queries.get(msg["q"])
             if future is not None and not future.done():
                 future.set_result(msg)
