@@ -5,6 +5,7 @@ hits, never a request."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import anyio
@@ -92,3 +93,16 @@ async def test_daemons_share_snapshots_exactly_and_survive_a_bad_or_dead_store(t
                 assert again.usage.cached_tokens > 0  # its own RAM still holds turn 2 (or turn 1)
             for server in (a, b, c):
                 assert (await disk_status(server))["shared"].startswith("down: ")
+
+
+def test_an_unusable_url_leaves_the_shared_tier_off_with_a_warning(caplog):
+    from prefixd.disk.index import TierIdentity
+    from prefixd.engine.runtime import build_shared_tier
+
+    identity = TierIdentity("m", "fp32", "cpu", "invariant", 16, 1024, 0, 2048, 0, True)
+    with caplog.at_level(logging.WARNING, logger="prefixd.runtime"):
+        assert build_shared_tier("", identity) is None and not caplog.records
+        assert build_shared_tier("http://cachehost:6379", identity) is None
+    assert [r.message for r in caplog.records] == [
+        "shared cache off: --shared-cache 'http://cachehost:6379': expected redis://HOST:PORT/DB or unix:///PATH; "
+        "caching locally"]
