@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Iterable, Sequence
+from typing import AsyncIterator, Callable, Iterable, Sequence
 
 
 def median(values: Iterable[float]) -> float:
@@ -253,3 +253,20 @@ class ServedDaemon:
                 proc.kill()
                 proc.wait()
         self._tmp.cleanup()
+
+
+async def sse_events(reply: object) -> AsyncIterator[tuple[str, dict]]:
+    """(event name, JSON data) of each server-sent event of an httpx streaming `reply`, each
+    `data:` line one event (prefixd writes each event's JSON on one line); the name is ""
+    where the event has no `event:` line. `data: [DONE]` is skipped."""
+    import json
+
+    name = ""
+    async for line in reply.aiter_lines():  # type: ignore[attr-defined]
+        if line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            text = line[5:].strip()
+            if text != "[DONE]":
+                yield name, json.loads(text)
+            name = ""
