@@ -189,9 +189,11 @@ async def conversation(client: httpx.AsyncClient, base: str, index: int, sizes: 
     prompt = cached = 0
     times: list[float] = []
     for _ in range(sizes.turns):
-        body = {"model": model, "messages": messages, "max_tokens": sizes.max_tokens, "temperature": 0}
+        # the namespace rides in `user`: SMG forwards only a few headers, not x-prefixd-namespace
+        body = {"model": model, "messages": messages, "max_tokens": sizes.max_tokens, "temperature": 0,
+                "user": namespace}
         t0 = time.perf_counter()
-        reply = await client.post(f"{base}/v1/chat/completions", json=body, headers={"x-prefixd-namespace": namespace})
+        reply = await client.post(f"{base}/v1/chat/completions", json=body)
         times.append(time.perf_counter() - t0)
         reply.raise_for_status()
         data = reply.json()
