@@ -13,6 +13,8 @@ system prompt with tool rules, the task, then the assistant's replies and tool r
 
 - one daemon alone, no router (the reference);
 - SMG `cache_aware` over N daemons, then SMG `round_robin` over N daemons;
+- SMG `manual` over N daemons, each conversation sending its own `x-smg-routing-key` (a new
+  key goes to the daemon holding the fewest keys, then stays there);
 - with --shared-cache URL, both again with every daemon on that shared tier.
 
 It prints, per row, the share of prompt tokens served from cache (`cached_tokens` over
@@ -181,8 +183,10 @@ def served_name(base: str) -> str:
 
 
 async def conversation(client: httpx.AsyncClient, base: str, index: int, sizes: Sizes, namespace: str,
-                       model: str) -> tuple[int, int, list[float]]:
-    """One agent conversation of `sizes.turns` turns; (prompt tokens, cached tokens, turn times)."""
+                       model: str, keyed: bool) -> tuple[int, int, list[float]]:
+    """One agent conversation of `sizes.turns` turns; (prompt tokens, cached tokens, turn times).
+    `keyed`: every turn carries the conversation's SMG routing key (x-smg-routing-key)."""
+    headers = {"x-smg-routing-key": f"{namespace}-conversation-{index}"} if keyed else {}
     rng = random.Random(index)
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"Task {index}: {TASKS[index % len(TASKS)]}."}]
@@ -193,7 +197,7 @@ async def conversation(client: httpx.AsyncClient, base: str, index: int, sizes: 
         body = {"model": model, "messages": messages, "max_tokens": sizes.max_tokens, "temperature": 0,
                 "user": namespace}
         t0 = time.perf_counter()
-        reply = await client.post(f"{base}/v1/chat/completions", json=body)
+        reply = await client.post(f"{base}/v1/chat/completions", json=body, headers=headers)
         times.append(time.perf_counter() - t0)
         reply.raise_for_status()
         data = reply.json()
@@ -204,10 +208,11 @@ async def conversation(client: httpx.AsyncClient, base: str, index: int, sizes: 
     return prompt, cached, times
 
 
-async def workload(base: str, sizes: Sizes, namespace: str, model: str) -> tuple[int, int, list[float], float]:
+async def workload(base: str, sizes: Sizes, namespace: str, model: str,
+                   keyed: bool) -> tuple[int, int, list[float], float]:
     async with httpx.AsyncClient(timeout=None) as client:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(conversation(client, base, i, sizes, namespace, model)
+        results = await asyncio.gather(*(conversation(client, base, i, sizes, namespace, model, keyed)
                                          for i in range(sizes.conversations)))
         wall = time.perf_counter() - t0
     return (sum(r[0] for r in results), sum(r[1] for r in results), [t for r in results for t in r[2]], wall)
@@ -220,7 +225,8 @@ def run_row(name: str, model: str, sizes: Sizes, daemons: int, policy: str | Non
         urls = [stack.enter_context(http_daemon(model, sizes, flags, tmp / f"{name}-{i}")) for i in range(daemons)]
         base = urls[0] if policy is None else stack.enter_context(smg(urls, policy, tmp, router_flags))
         before = [num_requests(u) for u in urls]
-        prompt, cached, times, wall = asyncio.run(workload(base, sizes, f"bench-{name}", served_name(urls[0])))
+        keyed = policy == "manual"
+        prompt, cached, times, wall = asyncio.run(workload(base, sizes, f"bench-{name}", served_name(urls[0]), keyed))
         split = [num_requests(u) - b for u, b in zip(urls, before)]
     return Row(name, prompt, cached, split, times, wall)
 
@@ -248,6 +254,7 @@ def main() -> None:
             ("alone", 1, None, flags, []),
             (f"cache_aware x{n}", n, "cache_aware", flags, []),
             (f"round_robin x{n}", n, "round_robin", flags, []),
+            (f"manual x{n}, key per conversation", n, "manual", flags, ["--assignment-mode", "min_group"]),
         ]
         if args.cache_threshold:
             plan.append((f"cache_aware x{n} threshold {args.cache_threshold}", n, "cache_aware", flags,
