@@ -14,7 +14,7 @@ sealed memfds passed with SCM_RIGHTS (`prefixd.ipc.memfd`). Every map has a `t` 
     stop    {}            (flush, then exit)     round   {events, observed, pages}   one per round
 
 The records are the scheduler's own types (`StreamRequest` in; `TokenEvent`, `DoneEvent`,
-`Usage`, `TokenLogprob` out): `encode` and `decode` below are their wire form and know no
+`Usage` with its `Divergence`, `TokenLogprob` out): `encode` and `decode` below are their wire form and know no
 others, so nothing else can cross. `observed` lists the `EngineObserver` calls of the round
 (name and arguments) for the front's metrics; `pages` is the KV pool's (free, used).
 
@@ -32,6 +32,7 @@ from typing import Any, Literal
 import numpy as np
 
 from prefixd.ipc.framing import Limits
+from prefixd.ipc.events import Divergence
 from prefixd.scheduler.records import ImageIdentity, ImageRows, SamplingParams, TokenLogprob
 from prefixd.scheduler.streams import DoneEvent, StreamRequest, TokenEvent, Usage
 
@@ -48,7 +49,7 @@ REFUSAL_CODES: tuple[str, ...] = ("invalid_token", "context_overflow", "bad_requ
 
 # The EngineObserver calls that cross (prefixd.scheduler.events), replayed by the front.
 OBSERVED = frozenset({"on_round", "on_admit", "on_first_token", "on_token_gap", "on_done", "on_lookup",
-                      "on_eviction", "on_snapshot_copy", "on_store", "on_disk", "on_draft"})
+                      "on_miss", "on_eviction", "on_snapshot_copy", "on_store", "on_disk", "on_draft"})
 
 
 class ContractError(ValueError):
@@ -78,7 +79,8 @@ def unpack_object(data: bytes) -> Any:
 # -- records -----------------------------------------------------------------------------------
 
 _RECORDS: dict[str, type] = {cls.__name__: cls for cls in (
-    StreamRequest, SamplingParams, ImageRows, ImageIdentity, TokenEvent, DoneEvent, Usage, TokenLogprob)}
+    StreamRequest, SamplingParams, ImageRows, ImageIdentity, TokenEvent, DoneEvent, Usage, Divergence,
+    TokenLogprob)}
 
 
 def encode(value: Any) -> Any:

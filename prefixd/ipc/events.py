@@ -98,6 +98,54 @@ def _read_logprob(r: FieldReader) -> dict[str, Any]:
                     for t in (r.nested(f"top[{i}]", item) for i, item in enumerate(top))]}
 
 
+# Why a generate's prompt was not served (further) from the cache: `usage.cache_reason`, and the
+# `reason` label of prefixd_prefix_cache_misses_total. docs/protocol.md, *generate*, says each.
+CACHE_REASONS = ("cache_off", "namespace_empty", "evicted", "other_schedule", "too_short", "diverged")
+EXCERPT_KEYS = ("before", "new_token", "new_rest", "cached_token", "cached_rest")
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    """Where a prompt parts from the longest cached prefix of its namespace.
+
+    Rows [0, at) of the prompt are identity-equal to rows the cache holds; row `at` is not.
+    `cached_id` is None where the cached rows end at `at`. The ids around it are a few on each
+    side (the engine's); `excerpt` is their text, filled by the front that has the tokenizer:
+    before, new_token + new_rest (the prompt from `at`), cached_token + cached_rest.
+    """
+
+    at: int
+    new_id: int
+    cached_id: int | None = None
+    before_ids: tuple[int, ...] = ()  # prompt ids just before `at`
+    new_ids: tuple[int, ...] = ()  # prompt ids from `at`
+    cached_ids: tuple[int, ...] = ()  # cached ids from `at`
+    excerpt: dict[str, str] | None = None
+
+    @classmethod
+    def read(cls, r: FieldReader) -> Divergence:
+        excerpt = r.map("excerpt", None)
+        if excerpt is not None:
+            ex = r.nested("excerpt", excerpt)
+            excerpt = {k: ex.str(k, "") for k in EXCERPT_KEYS}
+        return cls(r.int("at"), r.int("new_id", hi=MAX_TOKEN_ID), r.int("cached_id", None, hi=MAX_TOKEN_ID),
+                   r.ints("before_ids", (), hi=MAX_TOKEN_ID), r.ints("new_ids", (), hi=MAX_TOKEN_ID),
+                   r.ints("cached_ids", (), hi=MAX_TOKEN_ID), excerpt)
+
+    @classmethod
+    def from_map(cls, data: dict[str, Any]) -> Divergence:
+        return cls.read(FieldReader(data, "divergence.", strict=False))
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"at": self.at, "new_id": self.new_id, "before_ids": list(self.before_ids),
+                               "new_ids": list(self.new_ids), "cached_ids": list(self.cached_ids)}
+        if self.cached_id is not None:
+            out["cached_id"] = self.cached_id
+        if self.excerpt is not None:
+            out["excerpt"] = dict(self.excerpt)
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class Usage:
     """What a generate cost: tokens by kind, times in seconds, and what the cache gave."""
@@ -111,9 +159,12 @@ class Usage:
     cache: str = "miss"  # miss | hit | resident | off
     draft_tokens: int = 0  # drafted tokens verified
     accepted_tokens: int = 0  # of them, accepted
+    cache_reason: str | None = None  # why nothing (or not more) was reused; None: not known
+    divergence: Divergence | None = None  # where the prompt left the cache; None: not known
 
     @classmethod
     def read(cls, r: FieldReader) -> Usage:
+        divergence = r.map("divergence", None)
         return cls(
             prompt_tokens=r.int("prompt_tokens"),
             cached_tokens=r.int("cached_tokens"),
@@ -124,6 +175,8 @@ class Usage:
             cache=r.str("cache", choices=CACHE_RESULTS),
             draft_tokens=r.int("draft_tokens", 0),
             accepted_tokens=r.int("accepted_tokens", 0),
+            cache_reason=r.str("cache_reason", None),
+            divergence=None if divergence is None else Divergence.read(r.nested("divergence", divergence)),
         )
 
     @classmethod
@@ -136,6 +189,8 @@ class Usage:
             "prefilled_tokens": self.prefilled_tokens, "completion_tokens": self.completion_tokens,
             "ttft_s": self.ttft_s, "total_s": self.total_s, "cache": self.cache,
             "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+            **({} if self.cache_reason is None else {"cache_reason": self.cache_reason}),
+            **({} if self.divergence is None else {"divergence": self.divergence.to_wire()}),
         }
 
 

@@ -7,6 +7,7 @@ from typing import Callable
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 
+from prefixd.ipc.events import CACHE_REASONS as MISS_REASONS
 from prefixd.scheduler.store.entries import REASONS as EVICTION_REASONS
 
 # Latencies of a local daemon span sub-millisecond decode steps to minute-long prefills.
@@ -40,6 +41,10 @@ class Metrics:
         )
         self.cache_lookups = Counter(
             "prefixd_prefix_cache_lookups", "Prefix cache lookups by result.", ["result"], registry=r
+        )
+        self.cache_misses = Counter(
+            "prefixd_prefix_cache_misses", "Requests the prefix cache gave nothing, by why (cache off included).",
+            ["reason"], registry=r,
         )
         self.cache_evictions = Counter(
             "prefixd_prefix_cache_evictions", "Prefix cache evictions by reason.", ["reason"], registry=r
@@ -103,6 +108,8 @@ class Metrics:
             self.cache_lookups.labels(result=result)
         for cache in CACHE_RESULTS:
             self.ttft_s.labels(cache=cache)
+        for reason in MISS_REASONS:
+            self.cache_misses.labels(reason=reason)
         for reason in EVICTION_REASONS:
             self.cache_evictions.labels(reason=reason)
         for reason in FINISH_REASONS:

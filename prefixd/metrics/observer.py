@@ -44,6 +44,9 @@ class MetricsObserver:
         m.cache_queries_tokens.inc(query_tokens)
         m.cache_hits_tokens.inc(hit_tokens)
 
+    def on_miss(self, reason: str) -> None:
+        self.metrics.cache_misses.labels(reason=reason).inc()
+
     def on_eviction(self, reason: str, nbytes: int) -> None:
         self.metrics.cache_evictions.labels(reason=reason).inc()
 

@@ -10,6 +10,7 @@ from prefixd.scheduler.device import LowerTier
 from prefixd.scheduler.lanes import (Lane, PageTables, ResidentMatch, best_resident, free_seat, pages_for,
                                      resident_resume, resident_victims, starts_below)
 from prefixd.scheduler.chunks import plan_schedule
+from prefixd.scheduler.diagnosis import CACHE_OFF, EVICTED, Diagnosis, diagnose, full_hit
 from prefixd.scheduler.records import CacheResult, DeviceRows, DeviceState, PageCopy
 from prefixd.scheduler.store import Hit, PrefixStore, Snapshot, make_key
 from prefixd.scheduler.streams import Stream
@@ -157,10 +158,13 @@ class Admitter:
             # Nothing runs, so waiting frees nothing: let go of the hit's pin and, if still
             # short, of everything the store holds unpinned.
             self._drop_hit(stream)
+            stream.diagnosis = Diagnosis(EVICTED)
             hit, rows = None, 0
             if not self.free_pages(self._pages_to_seat(stream, 0), spare=(lane,), last_resort=True):
                 return None
         result = "hit" if hit is not None else "miss" if self.reuse_allowed(stream) else "off"
+        if result == "off":
+            stream.diagnosis = Diagnosis(CACHE_OFF)
         return self._place(stream, lane, rows, result, hit)
 
     def _look_up(self, stream: Stream) -> None:
@@ -170,6 +174,8 @@ class Admitter:
         hit = self.store.lookup(stream.key, stream.schedule)
         if self.disk is not None and self.disk.fetch(stream.key, stream.schedule, hit.rows if hit is not None else 0):
             hit = self.store.lookup(stream.key, stream.schedule, count=False)  # the disk entry, now in RAM
+        if not full_hit(stream, hit):  # read-only: what it finds goes to usage, never to the seating
+            stream.diagnosis = diagnose(stream, hit, self.store, self.lanes, invariant_rows=self.invariant_rows)
         if hit is not None:
             self.tables.allocator.incref(hit.pages)
             self.store.pin(hit)
@@ -223,6 +229,7 @@ class Admitter:
         self.waiting.remove(stream)
         if result == "resident":
             self._drop_hit(stream)  # found while it waited; continuing in place wins over any copy
+            stream.diagnosis = None
             state = self._continue_resident(stream, lane, resume)
         else:
             self.tables.release(lane)

@@ -17,6 +17,7 @@ those of rounds run one at a time; only when a waiting stream is seated moves.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import time
@@ -25,6 +26,7 @@ from typing import Callable
 from prefixd.scheduler.admission import Admitter, Seating
 from prefixd.scheduler.config import SchedulerConfig, store_budget_bytes
 from prefixd.scheduler.cuts import CutKeeper
+from prefixd.scheduler.diagnosis import RECENT_REPORTS, cache_report
 from prefixd.scheduler.device import Device, LowerTier
 from prefixd.scheduler.draftpolicy import RoundCosts
 from prefixd.scheduler.drafting import new_drafter
@@ -97,6 +99,7 @@ class Engine:
         if self.disk is not None:
             self.disk.attach(store=self.store, allocator=self.allocator)
         self._streams: dict[int, Stream] = {}
+        self.reports: collections.deque[dict] = collections.deque(maxlen=RECENT_REPORTS)  # `prefixd why`
         self._seq = itertools.count()
         self._tick = itertools.count(1)
         self._store_touched = True
@@ -311,6 +314,9 @@ class Engine:
         self.observer.on_admit(stream.admit_s - stream.submit_s)
         if seating.result != "off":
             self.observer.on_lookup(seating.result, stream.num_prompt, resume)
+        reason = getattr(stream.diagnosis, "reason", None)
+        if seating.result in ("miss", "off") and reason is not None:
+            self.observer.on_miss(reason)
 
     def _room_for_row(self, lane: Lane) -> bool:
         rows = lane.num_rows + 1
@@ -431,6 +437,8 @@ class Engine:
         del self._streams[stream.stream_id]
         usage = stream.usage(self.clock())
         events.append(DoneEvent(stream.stream_id, reason, usage, stream.note))
+        if stream.admit_s is not None:
+            self.reports.append(cache_report(stream.stream_id, stream.req.namespace, usage))
         self.observer.on_done(reason, usage.prompt_tokens, usage.completion_tokens)
 
     def _report_store(self) -> None:

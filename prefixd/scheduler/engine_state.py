@@ -35,6 +35,7 @@ def engine_status(engine: Engine) -> dict:
                   "drafted_tokens": engine.verifies.drafted,
                   "accepted_tokens": engine.verifies.accepted},
     }
+    out["cache_reports"] = list(engine.reports)  # oldest first
     if engine.store is not None:
         out["store"] = dataclasses.asdict(engine.store.stats())
     if engine.disk is not None:

@@ -131,6 +131,7 @@ class Stream:
     key: object | None = None  # store.ReuseKey of the prompt; None: may not reuse or keep
     hit: object | None = None  # a pinned store.Hit (pages held) found while waiting
     looked_up: bool = False
+    diagnosis: object | None = None  # diagnosis.Diagnosis: why the cache gave no more (usage only)
     drafter: object | None = None  # drafting.StreamDrafter while the stream drafts
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -179,4 +180,6 @@ class Stream:
             total_s=now_s - self.submit_s,
             draft_tokens=self.draft_tokens,
             accepted_tokens=self.accepted_tokens,
+            cache_reason=getattr(self.diagnosis, "reason", None),
+            divergence=getattr(self.diagnosis, "divergence", None),
         )

@@ -21,6 +21,8 @@ from prefixd.scheduler.store.entries import (CLEARED, REASONS, Entry, EntryInfo,
                                              Node, Snapshot, StoreStats)
 from prefixd.scheduler.store.entries import REPLACED as REPLACED_REASON
 from prefixd.scheduler.store.identity import ReuseKey
+from prefixd.scheduler.store.probe import Probe, longest_match
+from prefixd.scheduler.store.recent import RecentPrompts
 from prefixd.scheduler.store.tree import Tree
 
 SAVED = "saved"  # kept
@@ -53,6 +55,7 @@ class PrefixStore:
         self._evictions = {r: 0 for r in REASONS}
         self._hits = self._misses = self._query_tokens = self._hit_tokens = 0
         self._skipped = self._refused = 0
+        self._recent = RecentPrompts(page_size)  # what earlier prompts kept, for `probe`
         # Called with (key, schedule, cut, pages, snapshot) after a publish keeps a snapshot
         # (SAVED or REPLACED): the disk tier writes it through. Must not change the store.
         self.on_keep: Callable[[ReuseKey, Schedule, int, Sequence[int], Snapshot], object] | None = None
@@ -114,6 +117,14 @@ class PrefixStore:
         num = -(-page_rows // self.page_size)
         return Hit(page_rows, tuple(nd.page for nd in path[1:num + 1]), None, None)  # type: ignore[misc]
 
+    def probe(self, key: ReuseKey, schedule: Schedule) -> Probe:
+        """Cache diagnostics for `key` (after its lookup): how far the tree holds its rows, by
+        identity and whatever the chunking, and how many of them an earlier prompt in its
+        namespace had kept (more than held now: they were evicted). Bounded work
+        (`store.probe`); changes nothing the store decides."""
+        cur = self._tree.cursor(key, schedule)
+        return Probe(longest_match(self._tree.roots, cur, self.page_size), self._recent.shared_kept(key))
+
     def pin(self, hit: Hit) -> None:
         """Keep the hit's entry from eviction while a running request resumes from it."""
         if isinstance(hit.source, Entry):
@@ -167,6 +178,7 @@ class PrefixStore:
             result = self._fit(entry, key, restored)
         if result != SKIPPED:
             self._tree.observe(cur, moved_below=cut)
+            self._recent.kept(key, cut)
         if result in (SAVED, REPLACED) and self.on_keep is not None:
             self.on_keep(key, schedule, cut, pages, snapshot)
         return result
