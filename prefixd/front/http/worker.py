@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import prefixd
-from prefixd.metrics import compat
+from prefixd.metrics import MetricsObserver, compat
 from prefixd.metrics.compat import WorkerLoad
 
 
@@ -129,8 +129,7 @@ class WorkerApi:
     def _registry(self) -> Any:
         """The daemon's metrics registry: the one the engine link's observer writes (None without one)."""
         observer = self.gate.link.observer
-        metrics = getattr(observer, "metrics", None)
-        return metrics.registry if metrics is not None else None
+        return observer.metrics.registry if isinstance(observer, MetricsObserver) else None
 
     def _cache_hit_rate(self) -> float:
         """Prompt tokens served from the cache / prompt tokens looked up, since the daemon started."""
