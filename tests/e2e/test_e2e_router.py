@@ -140,3 +140,58 @@ def test_cache_aware_smg_keeps_each_conversation_on_its_daemon_with_the_same_bit
         for got, want in zip(replies[c], reference[c]):
             assert got["choices"][0]["message"] == want["choices"][0]["message"]
             assert got["choices"][0]["logprobs"] == want["choices"][0]["logprobs"]  # floats, compared exactly
+
+
+def test_smg_registers_each_daemon_with_its_facts_and_reads_its_load(http_daemons, tmp_path):
+    _, urls = http_daemons
+    routed = urls[:2]
+    own = {url: get_json(f"{url}/v1/loads")["loads"][0] for url in routed}
+    with smg_router(tmp_path, routed, "least_load") as base:
+        while not all("engine_load" in w for w in get_json(f"{base}/workers")["workers"]):  # its first poll
+            time.sleep(0.1)
+        workers = {w["url"]: w for w in get_json(f"{base}/workers")["workers"]}
+        reply = post_json(f"{base}/v1/chat/completions", {"model": "llama", "max_tokens": 2,
+                                                          "messages": [{"role": "user", "content": "hi"}]})
+    assert reply["usage"]["completion_tokens"] == 2
+    for url in routed:
+        worker = workers[url]
+        assert worker["runtime_type"] == "generic"  # neither SGLang nor vLLM
+        assert (worker["labels"]["max_running_requests"], worker["labels"]["context_length"]) == ("2", "1024")
+        assert worker["labels"]["max_total_tokens"] == str(own[url]["max_total_num_tokens"])
+        load = worker["engine_load"]["loads"][0]
+        assert load["max_total_num_tokens"] == own[url]["max_total_num_tokens"]
+        assert load["max_running_requests"] == 2
+
+
+VLLM_ROUTER = shutil.which("vllm-router")
+
+
+@pytest.mark.skipif(VLLM_ROUTER is None, reason="vllm-router is not installed (pip install vllm-router)")
+def test_vllm_router_power_of_two_reads_each_daemons_load(http_daemons, tmp_path):
+    _, urls = http_daemons
+    routed = urls[:2]
+    port = free_port()
+    args = [VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *routed,
+            "--policy", "power_of_two", "--worker-startup-check-interval", "1",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    with (tmp_path / "vllm-router.log").open("wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + LIVENESS_S
+        while True:  # the router's /get_loads asks each worker's /get_load; -1 where that fails
+            try:
+                loads = {entry["worker"]: entry["load"] for entry in get_json(f"{base}/get_loads")["workers"]}
+                if len(loads) == 2:
+                    break
+            except (OSError, urllib.error.URLError, ValueError, KeyError):
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "vllm-router.log").read_text()
+            time.sleep(0.1)
+        reply = post_json(f"{base}/v1/chat/completions", {"model": "llama", "max_tokens": 2,
+                                                          "messages": [{"role": "user", "content": "hi"}]})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=LIVENESS_S)
+    assert loads == {url: 0 for url in routed}
+    assert reply["usage"]["completion_tokens"] == 2
