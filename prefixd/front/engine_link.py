@@ -53,6 +53,7 @@ log = logging.getLogger("prefixd.engine_link")
 DEFAULT_EVENT_BUFFER = 1024  # events queued per stream before its client counts as not reading
 STOP_WAIT_S = 150.0  # at shutdown: time the engine gets to flush the disk tier and exit
 PING_SHARE = 0.25  # an engine silent for this share of the stall bound is asked for its status
+REAP_WARN_S = 10.0  # a killed engine not gone after this is stuck in the kernel: said, not waited for
 
 
 class EngineUnavailable(RuntimeError):
@@ -274,7 +275,7 @@ class EngineLink:
         """Restart the engine whenever it dies or stalls, until `stop`."""
         async with anyio.create_task_group() as tg:
             if self.stall_s is not None:
-                tg.start_soon(self._watch_stalls, self.stall_s)
+                tg.start_soon(self._watch_stalls, self.stall_s, tg)
             task_status.started()
             await self._restart_when_lost()
             tg.cancel_scope.cancel()
@@ -304,9 +305,9 @@ class EngineLink:
                 self._say(f"engine restarted (pid {self.ready.pid if self.ready else '?'})")
                 break
 
-    async def _watch_stalls(self, stall_s: float) -> None:
+    async def _watch_stalls(self, stall_s: float, tg: anyio.abc.TaskGroup) -> None:
         """Ping a silent engine, and kill one that owes an answer for `stall_s` (it is then
-        lost: the restart loop starts another). Not while it loads or stops."""
+        lost: the restart loop starts another; `tg` reaps it). Not while it loads or stops."""
         ping_s = stall_s * PING_SHARE
         while not self._stopping:
             await anyio.sleep(min(1.0, ping_s / 4))
@@ -319,25 +320,33 @@ class EngineLink:
             now = time.monotonic()
             owed_s = conn.owed_s(now, busy=bool(self._sinks or self._accepts))
             if owed_s >= stall_s:
-                await self._kill_stalled(conn, owed_s)
+                self._kill_stalled(conn, owed_s, tg)
             elif conn.ping_q is None and now - conn.heard_s >= ping_s:
                 conn.ping_q, conn.ping_sent_s = next(self._query_ids), now
                 self.pings += 1
                 self._send(message("status", q=conn.ping_q, check=False))
 
-    async def _kill_stalled(self, conn: _Connection, owed_s: float) -> None:
+    def _kill_stalled(self, conn: _Connection, owed_s: float, tg: anyio.abc.TaskGroup) -> None:
         self.stalls += 1
-        self._say(f"the engine (pid {self.pid}) stopped answering for {owed_s:.0f}s with {len(self._sinks)} "
+        pid = self.pid
+        self._say(f"the engine (pid {pid}) stopped answering for {owed_s:.0f}s with {len(self._sinks)} "
                   f"requests in flight: killing it")
         try:
             conn.child.kill()
-            killed = True
         except RuntimeError as e:  # an engine thread: it is left behind, its link closed
             self._say(f"the engine could not be killed: {e}")
-            killed = False
+        else:
+            tg.start_soon(self._reap, conn.child, pid)
         self._lose(conn, f"the engine stopped answering for {owed_s:.0f}s")
-        if killed:
-            await anyio.to_thread.run_sync(conn.child.wait)  # reaped: a SIGKILLed process ends at once
+
+    async def _reap(self, child: Child, pid: int | None) -> None:
+        """Wait for a killed engine to end; one in an uninterruptible kernel call (a device
+        driver's) ends only when that call does, so after REAP_WARN_S it is said and left."""
+        with anyio.move_on_after(REAP_WARN_S) as late:
+            await anyio.to_thread.run_sync(child.wait, abandon_on_cancel=True)
+        if late.cancelled_caught:
+            self._say(f"the killed engine (pid {pid}) has not exited {REAP_WARN_S:g}s after SIGKILL: it is stuck "
+                      f"in the kernel (a device driver call?); the new engine starts beside it")
 
     async def stop(self) -> None:
         """Tell the engine to stop (it flushes the disk tier) and wait for it to exit."""
