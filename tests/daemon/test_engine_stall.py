@@ -7,15 +7,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
+import threading
+import time
 from typing import Any
 
 import anyio
 import pytest
 
+from prefixd.engine.link import BlockingLink, LinkReader, pack
+from prefixd.engine.process import EngineLoop, RecordingObserver
 from prefixd.front.engine_link import PING_SHARE, ProcessLauncher
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.errors import ClientError
-from tests.daemon.fakes import letter_factory
+from tests.daemon.fakes import LetterDevice, fake_runtime_factory, letter_factory
 from tests.daemon.test_engine_process import letters_config, letters_engine, metric, process_server, wait_serving
 
 STALL_S = 5.0  # the bound these tests run under (the daemon's default is far longer)
@@ -119,3 +124,34 @@ async def test_a_slow_but_honest_engine_is_pinged_and_not_killed(tmp_path, facto
         assert (result.text, result.finish_reason) == ("cdef", "length")
         assert server.link.pings >= 1  # a ping went while a round ran
         assert (server.link.stalls, server.link.restarts, server.link.pid) == (0, 0, pid)
+
+
+def test_a_ping_alone_starts_no_idle_trim_of_the_engine():
+    """An idle engine answers status pings without counting them as work: only a command
+    (here a cancel) makes its idle heap trim due, once, `idle_trim_s` later."""
+    observer = RecordingObserver()
+    runtime = fake_runtime_factory(LetterDevice())(None, observer)
+    ours, theirs = socket.socketpair()
+    trimmed = threading.Event()
+    loop = EngineLoop(BlockingLink(theirs), runtime, observer, idle_trim_s=0.2, trim=trimmed.set)
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    reader = LinkReader()
+    ours.settimeout(60)
+    try:
+        for q in (1, 2, 3):
+            ours.sendall(pack({"t": "status", "q": q, "check": False})[0])
+            replies: list[dict[str, Any]] = []
+            while not replies:
+                replies = reader.feed(ours.recv(1 << 20), [])
+            assert [r["t"] for r in replies] == ["status"] and replies[0]["q"] == q
+        time.sleep(1.0)  # five trim delays: a trim a ping had made due would have run by now
+        assert loop.num_trims == 0
+        ours.sendall(pack({"t": "cancel", "id": 7})[0])
+        assert trimmed.wait(60)
+    finally:
+        ours.sendall(pack({"t": "stop"})[0])
+        thread.join(60)
+        reader.close()
+        ours.close()
+    assert loop.num_trims == 1
