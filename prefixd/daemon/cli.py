@@ -1,4 +1,4 @@
-"""`prefixd` command line: serve, chat, generate, status."""
+"""`prefixd` command line: serve, chat, generate, status, why."""
 
 from __future__ import annotations
 
@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="what the daemon is doing")
     _add_socket(status)
     status.add_argument("--json", action="store_true", help="print the raw status map as JSON (default: off)")
+
+    why = sub.add_parser("why", help="why the last requests hit or missed the prefix cache")
+    _add_socket(why)
+    why.add_argument("--last", type=int, default=5, metavar="N",
+                     help="how many of the latest finished requests to show (default: 5; the daemon keeps 32)")
+    why.add_argument("--json", action="store_true", help="print the reports as JSON (default: off)")
 
     units = sub.add_parser("install-units", help="write the systemd units with ExecStart pointing at this prefixd")
     units.add_argument("--user", action="store_true",
@@ -101,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _install_units(args)
     from prefixd.daemon import client_cli
 
-    return {"chat": client_cli.chat, "generate": client_cli.generate, "status": client_cli.status}[args.command](args)
+    return {"chat": client_cli.chat, "generate": client_cli.generate, "status": client_cli.status,
+            "why": client_cli.why}[args.command](args)
 
 
 def _serve(args: argparse.Namespace) -> int:

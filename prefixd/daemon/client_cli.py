@@ -1,4 +1,4 @@
-"""The client side of the CLI: chat, generate and status over the daemon socket."""
+"""The client side of the CLI: chat, generate, status and why over the daemon socket."""
 
 from __future__ import annotations
 
@@ -117,6 +117,10 @@ def generate(args: argparse.Namespace) -> int:
 
 def status(args: argparse.Namespace) -> int:
     return _run(_status, args, sys.stderr)
+
+
+def why(args: argparse.Namespace) -> int:
+    return _run(_why, args, sys.stderr)
 
 
 def chat(args: argparse.Namespace) -> int:
@@ -240,3 +244,63 @@ def _chat_turn(client: SyncClient, fields: dict[str, Any], max_tokens: int) -> s
     sys.stdout.write("\n")
     _report_end(ended[0] if ended else None, max_tokens)
     return "".join(parts)
+
+
+def _why(args: argparse.Namespace) -> int:
+    """The cache reports of the daemon's last `args.last` finished requests, oldest first."""
+    with _connect(args) as client:
+        reports = client.status().get("cache_reports") or []
+    reports = list(reports)[-args.last:] if args.last > 0 else []
+    if args.json:
+        print(json.dumps(reports, indent=2))
+        return 0
+    if not reports:
+        print("no finished requests yet")
+    for report in reports:
+        print("\n".join(why_lines(report)))
+    return 0
+
+
+_REASONS = {
+    "cache_off": "the cache is off for this request",
+    "namespace_empty": "nothing is cached in its namespace",
+    "evicted": "an earlier prompt's longer prefix was evicted",
+    "other_schedule": "its rows are cached, but not at a cut of this prompt's chunk schedule",
+    "too_short": "the shared prefix is shorter than the first resume point (a page or a chunk)",
+    "diverged": "the prompt differs from the cache below any further resume point",
+}
+
+
+def why_lines(report: dict[str, Any]) -> list[str]:
+    """One request's cache report in words: a head line, then the excerpt with the differing
+    token in brackets, prompt above cache."""
+    namespace = f" namespace {report['namespace']!r}" if report.get("namespace") else ""
+    head = (f"request {report.get('stream_id')}{namespace}: {report.get('cache')}, "
+            f"{report.get('cached_tokens', 0)} of {report.get('prompt_tokens', 0)} prompt tokens cached")
+    reason = report.get("cache_reason")
+    if reason:
+        head += f"; {reason}: {_REASONS.get(reason, reason)}"
+    lines = [head]
+    div = report.get("divergence")
+    if isinstance(div, dict):
+        at = div.get("at")
+        if div.get("cached_id") is None:
+            lines.append(f"  diverged at token {at}: the cached rows end there (prompt token {div.get('new_id')})")
+        else:
+            lines.append(f"  diverged at token {at}: prompt token {div.get('new_id')}, cached token {div.get('cached_id')}")
+        ex = div.get("excerpt")
+        if isinstance(ex, dict):
+            before = _shown(ex.get("before", ""))
+            lines.append(f"  prompt  ...{before}[{_shown(ex.get('new_token', ''))}]{_shown(ex.get('new_rest', ''))}")
+            cached = f"[{_shown(ex.get('cached_token', ''))}]{_shown(ex.get('cached_rest', ''))}" \
+                if div.get("cached_id") is not None else "[]"
+            lines.append(f"  cached  ...{before}{cached}")
+        else:
+            lines.append(f"  prompt ids {div.get('before_ids')} | {div.get('new_ids')}")
+            lines.append(f"  cached ids {div.get('before_ids')} | {div.get('cached_ids')}")
+    return lines
+
+
+def _shown(text: str) -> str:
+    """Text on one line: newlines and tabs escaped."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")

@@ -13,6 +13,7 @@ the checks that need none of them, and off the event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -24,6 +25,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from prefixd.front.bounds import ConnectionBounds
+from prefixd.front.diagnostics import excerpt_reports, with_excerpt
 from prefixd.front.engine_link import EngineLost, EngineUnavailable
 from prefixd.front.gate import Gate, GateClient, engine_error
 from prefixd.front.peer_probe import peer_probe
@@ -227,7 +229,8 @@ class Connection:
 
     async def _on_status(self, msg: dict[str, Any]) -> None:
         request_id = self.services.builder.status(msg)
-        await self._send(StatusReply(request_id, await self.services.status()).to_wire())
+        status = excerpt_reports(await self.services.status(), self.services.builder.tokenizer)
+        await self._send(StatusReply(request_id, status).to_wire())
 
     async def _on_tokenize(self, msg: dict[str, Any]) -> None:
         reply = await self._off_loop(msg, self.services.builder.tokenize, msg)
@@ -354,6 +357,8 @@ class Connection:
         if done is None:
             await self._send(ErrorReply(built.request_id, ErrorCode.INTERNAL.value, lost).to_wire())
             return
+        if done.usage.divergence is not None:  # the excerpt's text: a few ids, decoded here
+            done = dataclasses.replace(done, usage=with_excerpt(done.usage, self.services.builder.tokenizer))
         for final in out.done(done):
             await self._send(final.to_wire())
 

@@ -132,10 +132,6 @@ class Divergence:
                    r.ints("before_ids", (), hi=MAX_TOKEN_ID), r.ints("new_ids", (), hi=MAX_TOKEN_ID),
                    r.ints("cached_ids", (), hi=MAX_TOKEN_ID), excerpt)
 
-    @classmethod
-    def from_map(cls, data: dict[str, Any]) -> Divergence:
-        return cls.read(FieldReader(data, "divergence.", strict=False))
-
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"at": self.at, "new_id": self.new_id, "before_ids": list(self.before_ids),
                                "new_ids": list(self.new_ids), "cached_ids": list(self.cached_ids)}

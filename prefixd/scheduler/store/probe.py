@@ -80,7 +80,7 @@ def longest_match(roots: dict[str, Node], cur: Cursor, page_size: int) -> Match 
         level, depth = below, depth + 1
     base = depth * P
     want = key.tokens[base:]
-    best, cached, seen = 0, (), 0
+    best, cached, seen, used = 0, (), 0, None  # used: last use of the entry `cached` is from
     for node in level:
         for rows_key, variants in node.children.items():
             if seen >= MAX_BRANCHES:
@@ -97,8 +97,8 @@ def longest_match(roots: dict[str, Node], cur: Cursor, page_size: int) -> Match 
             seen += 1
             held = e.tail[0][: e.cut - base]
             j = _agree(common_prefix(held, want), key, base, e.tail[1])
-            if j > best:
-                best, cached = j, tuple(held[j:j + AHEAD])
+            if j > best or j == best and (not cached or used is not None and e.last_used > used):
+                best, cached, used = j, tuple(held[j:j + AHEAD]), e.last_used  # ties: the latest used
     rows = min(base + best, len(key.tokens))
     return Match(rows, cached if rows < len(key.tokens) else (), snapshot_cut)
 
@@ -114,13 +114,21 @@ def _agree(j: int, key, base: int, held_images: tuple) -> int:
 
 
 def _ahead(ids: tuple[int, ...], child: Node, page_size: int, j: int) -> tuple[int, ...]:
-    """The held ids from `j` of a branch whose page holds `ids`, and of one page below it."""
-    seq = ids
-    if len(seq) - j < AHEAD and child.children:
-        seq = ids[:page_size] + next(iter(child.children))[0]
-    elif len(seq) - j < AHEAD and child.entries:  # the rows past the page are an entry's tail
-        base = child.depth * page_size
-        seq = ids[:page_size] + max((e.tail[0][:e.cut - base] for e in child.entries.values()), key=len)
+    """The held ids from `j` of a branch whose page holds `ids`, following its first branch
+    down (or an entry's tail rows past the last page) until AHEAD ids are found."""
+    seq, node = ids[:page_size], child
+    while len(seq) - j < AHEAD:
+        if node.children:
+            node = next(iter(next(iter(node.children.values())).values()))
+            seq += node.key[0][0][:page_size]  # type: ignore[index]
+        elif node.entries:
+            base = node.depth * page_size
+            seq += max((e.tail[0][:e.cut - base] for e in node.entries.values()), key=len)
+            break
+        else:
+            break
+    if len(seq) < len(ids):  # a branch cut short by its lookahead ids alone
+        seq = ids
     return tuple(seq[j:j + AHEAD])
 
 
