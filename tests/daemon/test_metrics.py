@@ -15,6 +15,7 @@ NAMES = [
     "prefixd_prefix_cache_hits_tokens_total",
     "prefixd_prefix_cache_lookups_total",
     "prefixd_prefix_cache_evictions_total",
+    "prefixd_prefix_cache_misses_total",
     "prefixd_prefix_cache_bytes",
     "prefixd_prefix_cache_budget_bytes",
     "prefixd_snapshot_copy_bytes_total",
@@ -207,3 +208,16 @@ async def test_a_live_daemon_exports_its_connections_pages_and_build():
     assert during['prefixd_kv_pages{state="free"}'] == status["pages_free"]
     assert during['prefixd_kv_pages{state="used"}'] == status["pages_used"]
     assert during['prefixd_build_info{device="cpu",dtype="bf16",mode="invariant",model="letters",version="0.1.0"}'] == 1
+
+
+def test_misses_are_counted_by_reason_and_every_reason_is_exported_from_zero():
+    from prefixd.ipc.events import CACHE_REASONS
+
+    metrics = Metrics()
+    obs = MetricsObserver(metrics)
+    obs.on_miss("evicted")
+    obs.on_miss("evicted")
+    obs.on_miss("too_short")
+    s = _samples(metrics)
+    assert {r: s[("prefixd_prefix_cache_misses_total", (("reason", r),))] for r in CACHE_REASONS} == {
+        "cache_off": 0, "namespace_empty": 0, "evicted": 2, "other_schedule": 0, "too_short": 1, "diverged": 0}
