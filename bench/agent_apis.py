@@ -22,8 +22,10 @@ turns 2.. have at least 95% of their prompt cached.
 through each door: the socket front (prefixd.ipc.client), POST /v1/chat/completions,
 /v1/messages and /v1/responses. Each door's conversation is warmed once in a namespace of
 its own, then the next turn (a new user message each time, the same for every door) is timed
-from send to its first streamed text, `repeats` times. With 8 streams: eight conversations
-per door, each its own namespace, warmed, then timed together. Each socket conversation runs
+from send to its first streamed text, `repeats` times, the doors taking turns (in an order
+rotated each repeat). With 8 streams: eight conversations per door, each its own namespace,
+warmed, then each door's eight timed together (32 conversations on 8 lanes: their turns
+resume from the prefix store rather than a resident lane, alike for every door). Each socket conversation runs
 in a client process of its own (the gate tells socket clients apart by process, HTTP ones by
 namespace); the HTTP doors share one httpx client in this process. Medians, p90 and each
 API's ratio to the socket's median (goal: at most 1.1x). Greedy, a few tokens a reply.
@@ -435,7 +437,8 @@ def trace_report(on: list[TurnRow], off: list[TurnRow] | None) -> str:
         lines.append(f"hygiene off: turns 2..{len(off)} median cached share "
                      f"{median(r.share for r in off[1:]) if len(off) > 1 else float('nan'):.1%}")
         if any(r.normalised for r in off):
-            lines.append("hygiene off: yet usage.prefixd.normalised was reported on some turns: the switch did not hold")
+            lines.append("hygiene off: yet usage.prefixd.normalised was reported on some turns: "
+                         "the switch did not hold")
     return "\n".join(lines)
 
 
@@ -455,7 +458,8 @@ Door = Callable[[list[dict[str, str]], str, int], Awaitable[tuple[float, str]]]
 
 
 def conversation(conv: int) -> list[dict[str, str]]:
-    """The chat messages up to the last user turn; `conv` makes each conversation's own."""
+    """The scripted turns as chat messages (the last an assistant reply); `conv` makes each
+    conversation its own."""
     messages = [{"role": "system", "content": f"{CONVERSATION_SYSTEM}\n\nSession {conv}."}]
     for user, assistant in CONVERSATION_TURNS:
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
@@ -576,43 +580,56 @@ def doors(sockets: SocketClients, url: str, http: Any) -> dict[str, Door]:
     return {"socket": sockets.turn, "chat": chat, "messages": anthropic, "responses": responses}
 
 
-async def door_ttfts(door: Door, name: str, streams: int, sizes: Sizes) -> list[float]:
-    """Warm `streams` conversations through `door` (each its own namespace), then time the
-    next turn of all of them together, `repeats` times; every TTFT."""
-    import anyio
+Histories = dict[str, list[dict[str, str]]]  # namespace -> the conversation before the timed turn
 
+
+async def warm(door: Door, name: str, streams: int, sizes: Sizes) -> Histories:
+    """`streams` conversations through `door`, each in its own namespace, answered once."""
     histories = {}
     for conv in range(streams):
         namespace = f"ttft-{name}-{streams}-{conv}"
         messages = conversation(conv)[:-1]  # ends with the last user turn
         _, reply = await door(messages, namespace, sizes.reply_tokens)
         histories[namespace] = [*messages, {"role": "assistant", "content": reply or "(no reply)"}]
+    return histories
+
+
+async def timed_turns(door: Door, histories: Histories, rep: int, sizes: Sizes) -> list[float]:
+    """The TTFT of the next turn of every conversation in `histories`, sent together."""
+    import anyio
+
     ttfts: list[float] = []
 
-    async def one(namespace: str, rep: int) -> None:
+    async def one(namespace: str) -> None:
         ask = {"role": "user", "content": NEXT_TURNS[rep % len(NEXT_TURNS)]}
         seconds, _ = await door([*histories[namespace], ask], namespace, sizes.reply_tokens)
         ttfts.append(seconds)
 
-    for rep in range(sizes.repeats):
-        async with anyio.create_task_group() as tg:
-            for namespace in histories:
-                tg.start_soon(one, namespace, rep)
+    async with anyio.create_task_group() as tg:
+        for namespace in histories:
+            tg.start_soon(one, namespace)
     return ttfts
 
 
 async def measure_ttft(socket_path: str, url: str, sizes: Sizes) -> dict[tuple[str, int], list[float]]:
+    """Every door's TTFTs by concurrency. Each repeat runs the doors one after another in an
+    order rotated by one each time, so a change of load on the machine falls on all alike."""
     import httpx
 
-    out = {}
+    out: dict[tuple[str, int], list[float]] = {}
     sockets = SocketClients(socket_path)
     try:
         async with httpx.AsyncClient(timeout=600.0, limits=httpx.Limits(max_connections=4 * LANES)) as http:
             by_name = doors(sockets, url, http)
+            names = list(by_name)
             for streams in sizes.streams:
-                for name, door in by_name.items():
-                    progress(f"(b) {name}, {streams} stream(s)")
-                    out[(name, streams)] = await door_ttfts(door, name, streams, sizes)
+                progress(f"(b) {streams} stream(s): warming every door")
+                histories = {name: await warm(by_name[name], name, streams, sizes) for name in names}
+                progress(f"(b) {streams} stream(s): {sizes.repeats} timed turns per door")
+                for rep in range(sizes.repeats):
+                    for name in names[rep % len(names):] + names[:rep % len(names)]:
+                        found = await timed_turns(by_name[name], histories[name], rep, sizes)
+                        out.setdefault((name, streams), []).extend(found)
     finally:
         sockets.close()
     return out
