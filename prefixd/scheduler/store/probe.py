@@ -62,15 +62,21 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return limit
 
 
-def longest_match(roots: dict[str, Node], cur: Cursor, page_size: int) -> Match | None:
-    """The key's longest held prefix (None: its namespace holds nothing)."""
+def longest_match(roots: dict[str, Node], cur: Cursor, page_size: int,
+                  path: list[Node] | None = None) -> Match | None:
+    """The key's longest held prefix (None: its namespace holds nothing).
+
+    `path`: for a row-invariant family (one chunking, every row usable), the key's path the
+    lookup walked: the walk starts at its end, and `snapshot_cut` is not looked for (0).
+    """
     key, P = cur.key, page_size
     root = roots.get(key.namespace)
     if root is None:
         return None
-    level, depth, snapshot_cut = [root], 0, 0
+    level, depth, snapshot_cut = ([path[-1]], len(path) - 1, 0) if path else ([root], 0, 0)
     while True:
-        snapshot_cut = max(snapshot_cut, _snapshot_cut(level, cur, P))
+        if path is None:
+            snapshot_cut = max(snapshot_cut, _snapshot_cut(level, cur, P))
         if not key.has_rows((depth + 1) * P):
             break
         rk = cur.rows(depth)

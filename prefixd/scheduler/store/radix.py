@@ -123,7 +123,8 @@ class PrefixStore:
         namespace had kept (more than held now: they were evicted). Bounded work
         (`store.probe`); changes nothing the store decides."""
         cur = self._tree.cursor(key, schedule)
-        return Probe(longest_match(self._tree.roots, cur, self.page_size), self._recent.shared_kept(key))
+        path = self._tree.path(cur, len(key.tokens)) if self.invariant_rows else None  # the lookup's walk
+        return Probe(longest_match(self._tree.roots, cur, self.page_size, path), self._recent.shared_kept(key))
 
     def pin(self, hit: Hit) -> None:
         """Keep the hit's entry from eviction while a running request resumes from it."""

@@ -30,6 +30,7 @@ class RecentPrompts:
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self._by_ns: OrderedDict[str, OrderedDict[int, _Kept]] = OrderedDict()
+        self._probed: OrderedDict[int, _Kept] = OrderedDict()  # chains shared_kept computed, for kept
 
     def kept(self, key: ReuseKey, rows: int) -> None:
         """The store keeps rows [0, rows) of `key`."""
@@ -38,8 +39,9 @@ class RecentPrompts:
         while len(self._by_ns) > MAX_NAMESPACES:
             self._by_ns.popitem(last=False)
         rec = prompts.get(id(key))
-        if rec is None or rec.num_tokens != len(key.tokens) or rec.first != self._first(key):
-            rec = _Kept(len(key.tokens), self._first(key))
+        if not self._same(rec, key):
+            rec = self._probed.pop(id(key), None)
+            rec = rec if self._same(rec, key) else _Kept(len(key.tokens), self._first(key))
             prompts[id(key)] = rec
         prompts.move_to_end(id(key))
         while len(prompts) > MAX_PROMPTS:
@@ -52,18 +54,25 @@ class RecentPrompts:
         prompts = self._by_ns.get(key.namespace)
         if not prompts:
             return 0
-        mine = array("q")
+        mine = _Kept(len(key.tokens), self._first(key))
+        self._probed[id(key)] = mine
+        while len(self._probed) > MAX_PROMPTS:
+            self._probed.popitem(last=False)
         best = 0
         for kid, rec in prompts.items():
             if kid == id(key) and rec.num_tokens == len(key.tokens):
                 continue
             need = min(len(rec.digests), rec.rows // self.page_size, len(key.tokens) // self.page_size)
-            self._extend(key, mine, need)
+            self._extend(key, mine.digests, need)
             s = 0
-            while s < need and mine[s] == rec.digests[s]:
+            while s < need and mine.digests[s] == rec.digests[s]:
                 s += 1
             best = max(best, s * self.page_size)
         return best
+
+    def _same(self, rec: _Kept | None, key: ReuseKey) -> bool:
+        """True when `rec`, found under id(key), is key's (not a dead key's whose id was reused)."""
+        return rec is not None and rec.num_tokens == len(key.tokens) and rec.first == self._first(key)
 
     def _first(self, key: ReuseKey) -> int:
         return self._digest(0, key, 0) if len(key.tokens) >= self.page_size else 0
@@ -77,4 +86,5 @@ class RecentPrompts:
 
     def _digest(self, prev: int, key: ReuseKey, i: int) -> int:
         P = self.page_size
-        return hash((prev, key.tokens[i * P:(i + 1) * P], images_over(key.images, i * P, (i + 1) * P)))
+        ids = key.tokens[i * P:(i + 1) * P]
+        return hash((prev, ids, images_over(key.images, i * P, (i + 1) * P))) if key.images else hash((prev, ids))
