@@ -141,3 +141,34 @@ def test_the_http_fronts_report_is_the_usage_with_its_excerpt():
                                    "cached_rest": "e"}}}
     assert cache_report(Usage(prompt_tokens=3, cached_tokens=3, cache="hit"), TOK) == {
         "result": "hit", "cached_tokens": 3, "prompt_tokens": 3}
+
+
+async def test_an_engine_in_a_process_of_its_own_sends_the_divergence_and_the_miss_reason(tmp_path):
+    from tests.daemon.test_engine_process import letters_config, letters_engine, process_server
+
+    cfg = letters_config(tmp_path)
+    async with process_server(tmp_path, letters_engine(cfg), cfg) as server:
+        async with await AsyncClient.connect(server.socket_path) as client:
+            first = (await client.generate(prompt=A, max_tokens=2).collect()).usage
+            usage = (await client.generate(prompt=B, max_tokens=2).collect()).usage
+            reports = (await client.status())["cache_reports"]
+        assert first.cache_reason == "namespace_empty"
+        assert (usage.divergence.at, usage.divergence.excerpt["new_token"], usage.divergence.excerpt["cached_token"]) == (
+            21, "X", "u")
+        assert [r["cache_reason"] for r in reports] == ["namespace_empty", "diverged"]
+        assert misses(server, "namespace_empty") == 1
+
+
+def test_why_says_where_the_cached_rows_end_and_shows_ids_without_an_excerpt():
+    report = {"stream_id": 4, "namespace": "agent", "cache": "hit", "prompt_tokens": 50, "cached_tokens": 40,
+              "cache_reason": "diverged",
+              "divergence": {"at": 43, "new_id": 70, "before_ids": [66, 67], "new_ids": [70, 71], "cached_ids": []}}
+    assert client_cli.why_lines(report) == [
+        "request 4 namespace 'agent': hit, 40 of 50 prompt tokens cached; diverged: "
+        "the prompt differs from the cache below any further resume point",
+        "  diverged at token 43: the cached rows end there (prompt token 70)",
+        "  prompt ids [66, 67] | [70, 71]",
+        "  cached ids [66, 67] | []"]
+    report["divergence"]["excerpt"] = {"before": "a\nb", "new_token": "c", "new_rest": "d",
+                                       "cached_token": "", "cached_rest": ""}
+    assert client_cli.why_lines(report)[2:] == ["  prompt  ...a\\nb[c]d", "  cached  ...a\\nb[]"]
