@@ -148,6 +148,10 @@ def finite_at_least(low: float) -> Callable[[Any], str | None]:
     return lambda value: None if low <= value < math.inf else f"must be a finite number >= {low:g}"
 
 
+def off_or_at_least(low: float) -> Callable[[Any], str | None]:
+    return lambda value: None if value == 0 or low <= value < math.inf else f"must be 0 (off) or a number >= {low:g}"
+
+
 _SOCKET = "$XDG_RUNTIME_DIR/prefixd/prefixd.sock, else /run/prefixd/prefixd.sock for root, else /tmp/prefixd-$UID/prefixd.sock"
 _DISK_CACHE = "$STATE_DIRECTORY under systemd, else $XDG_CACHE_HOME/prefixd, else ~/.cache/prefixd"
 
@@ -213,7 +217,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--engine-stall-s", "engine_stall_s", "PREFIXD_ENGINE_STALL_S", 120.0,
            "seconds the engine process may owe an answer (a round's message while requests run, else a status "
            "ping) before it counts as hung: it is killed and restarted, its requests end with internal; 0: never",
-           parse=float, metavar="SECONDS", check=finite_at_least(0)),
+           parse=float, metavar="SECONDS", check=off_or_at_least(1)),
     Option("--log-level", "log_level", "PREFIXD_LOG_LEVEL", "info", "log verbosity",
            choices=("debug", "info", "warning", "error")),
     Option("--disk-cache", "disk_cache_dir", "PREFIXD_DISK_CACHE", None,
