@@ -283,11 +283,11 @@ def why_lines(report: dict[str, Any]) -> list[str]:
     lines = [head]
     div = report.get("divergence")
     if isinstance(div, dict):
-        at = div.get("at")
-        if div.get("cached_id") is None:
-            lines.append(f"  diverged at token {at}: the cached rows end there (prompt token {div.get('new_id')})")
+        at, new_id, cached_id = div.get("at"), div.get("new_id"), div.get("cached_id")
+        if cached_id is None:
+            lines.append(f"  diverged at token {at}: the cached rows end there (prompt token {new_id})")
         else:
-            lines.append(f"  diverged at token {at}: prompt token {div.get('new_id')}, cached token {div.get('cached_id')}")
+            lines.append(f"  diverged at token {at}: prompt token {new_id}, cached token {cached_id}")
         ex = div.get("excerpt")
         if isinstance(ex, dict):
             before = _shown(ex.get("before", ""))
