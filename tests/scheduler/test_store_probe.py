@@ -67,3 +67,15 @@ def test_a_probe_changes_nothing_the_store_decides():
     assert (mine.rows, mine.pages, mine.snapshot, mine.source.cut) == (theirs.rows, theirs.pages,
                                                                      theirs.snapshot, theirs.source.cut)
     assert rig.victims() == twin.victims()
+
+
+def test_where_a_key_leaves_the_tree_at_most_max_branches_branches_are_compared():
+    from prefixd.scheduler.store.probe import MAX_BRANCHES
+
+    rig = Rig(invariant=True, num_pages=4 * MAX_BRANCHES)
+    for i in range(MAX_BRANCHES + 6):  # the same first page, then a branch each
+        rig.serve(key((1, 2, 3, 4, 500 + i, 7, 8, 9)))
+    last = key((1, 2, 3, 4, 500 + MAX_BRANCHES + 5, 7, 99, 9))  # agrees with the last branch to row 6
+    assert probe(rig, last).match == Match(rows=4, cached=(500, 7, 8, 9), snapshot_cut=0)
+    first = key((1, 2, 3, 4, 500, 7, 99, 9))  # the first branch is compared
+    assert probe(rig, first).match == Match(rows=6, cached=(8, 9), snapshot_cut=0)

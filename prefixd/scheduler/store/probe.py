@@ -8,13 +8,15 @@ leaves the tree:
                                │     └─ page 3: ids 12 13 [99] 15  key: 12 13 [40] ...
                                └── entry @ 10                     -> rows 14, cached id 99
 
-Work is bounded: at most MAX_LEVEL_NODES nodes a level (chunk variants of the same rows)
-and MAX_BRANCHES branches compared where the key leaves the tree. It reads the tree and
+Work is bounded: at most MAX_LEVEL_NODES nodes a level (chunk variants of the same rows),
+MAX_BRANCHES entries a node looked at for a snapshot, and MAX_BRANCHES branches compared where
+the key leaves the tree. It reads the tree and
 changes nothing in it.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -142,7 +144,7 @@ def _snapshot_cut(level: list[Node], cur: Cursor, page_size: int) -> int:
     """The deepest entry on `level` whose rows are identity-equal to the key's (0: none)."""
     key, best = cur.key, 0
     for node in level:
-        for e in node.entries.values():
+        for e in itertools.islice(node.entries.values(), MAX_BRANCHES):
             if e.cut > best and key.has_rows(e.cut) and key.rows_key(node.depth * page_size, e.cut) == e.tail:
                 best = e.cut
     return best
