@@ -1,10 +1,12 @@
 """The one output path: engine events of a stream -> protocol events (ipc/events.py).
 
-    engine TokenEvent ─▶ detokenize ─▶ stop strings ─▶ tool-call capture ─▶ TokenEvent
+    engine TokenEvent ─▶ detokenize ─▶ stop strings ─▶ reasoning split ─▶ tool-call capture ─▶ TokenEvent
+                                                      (content only)
     engine done  ─▶ held-back text, parsed tool calls, finish reason, usage ─▶ DoneEvent
 
 Both fronts (the socket connection, the HTTP front) take their events from here and turn
-them into wire maps with `to_wire()`.
+them into wire maps with `to_wire()`. With `reasoning` on, token events are ReasonedTokens:
+`text` is the reply's content, `reasoning` its think span's text (prefixd/text/reasoning.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,20 @@ from typing import Any, Callable
 from prefixd.front.stops import StopMatcher, StopSet
 from prefixd.ipc.events import DoneEvent, TokenEvent
 from prefixd.scheduler.streams import TokenEvent as EngineTokens
+from prefixd.text.reasoning import ReasoningSplitter
 from prefixd.text.tools import ToolCallSplitter
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReasonedTokens(TokenEvent):
+    """A TokenEvent of a reply split into reasoning and content: `text` is content only."""
+
+    reasoning: str = ""
+
+
+def reasoning_of(event: TokenEvent) -> str:
+    """The reasoning text an event carries ("" for a plain TokenEvent)."""
+    return event.reasoning if isinstance(event, ReasonedTokens) else ""
 
 
 class OutputProcessor:
@@ -28,12 +43,14 @@ class OutputProcessor:
 
     def __init__(self, request_id: int, decoder: Any, *, stop: StopSet | tuple[str, ...] = (),
                  stop_ids: frozenset[int] = frozenset(), parse_tools: bool = False,
+                 reasoning: ReasoningSplitter | None = None,
                  token_bytes: Callable[[int], bytes] | None = None) -> None:
         self.request_id = request_id
         self._decoder = decoder
         self._stops = StopMatcher(stop)
         self._stop_ids = stop_ids
         self._tools = ToolCallSplitter() if parse_tools else None
+        self._reasoning = reasoning
         self._token_bytes = token_bytes
         self._ids: list[int] = []
         self._kept_bytes = 0  # bytes of reply text before any stop string
@@ -53,8 +70,9 @@ class OutputProcessor:
         self._ids.extend(event.ids)
         self._kept_bytes += len(text.encode("utf-8"))
         self.num_sent_ids += len(event.ids)
-        return TokenEvent(self.request_id, tuple(event.ids), self._shown(text), event.logits_sha256,
-                          _wire_logprobs(event.ids, event.logprobs))
+        reasoning, content = self._split(text)
+        return self._event(tuple(event.ids), reasoning, self._shown(content), event.logits_sha256,
+                           _wire_logprobs(event.ids, event.logprobs))
 
     @property
     def keep_generated(self) -> int | None:
@@ -70,18 +88,33 @@ class OutputProcessor:
 
     def done(self, done: Any) -> list[TokenEvent | DoneEvent]:
         """The last events: a TokenEvent with held-back text when there is some, then DoneEvent."""
-        tail = ""
+        tail = reasoning = ""
         if not self._stops.stopped:
-            tail = self._shown(self._stops.push(self._decoder.flush())[0] + self._stops.flush())
+            reasoning, tail = self._split(self._stops.push(self._decoder.flush())[0] + self._stops.flush())
+        if self._reasoning is not None:
+            more_reasoning, more = self._reasoning.finish()
+            reasoning, tail = reasoning + more_reasoning, tail + more
+        tail = self._shown(tail)
         calls: tuple[dict[str, Any], ...] | None = None
         if self._tools is not None:
             more, parsed = self._tools.finish()
             tail += more
             calls = tuple(call.to_wire() for call in parsed) or None
-        events: list[TokenEvent | DoneEvent] = [TokenEvent(self.request_id, (), tail)] if tail else []
+        events: list[TokenEvent | DoneEvent] = [self._event((), reasoning, tail)] if tail or reasoning else []
         events.append(DoneEvent(self.request_id, self._finish_reason(done, calls), self._usage(done.usage),
                                 done.note or None, calls))
         return events
+
+    def _split(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) of reply text; all content when reasoning is not parsed."""
+        if self._reasoning is None or not text:
+            return "", text
+        return self._reasoning.push(text)
+
+    def _event(self, ids: tuple[int, ...], reasoning: str, text: str, *rest: Any) -> TokenEvent:
+        if self._reasoning is None:
+            return TokenEvent(self.request_id, ids, text, *rest)
+        return ReasonedTokens(self.request_id, ids, text, *rest, reasoning=reasoning)
 
     def _shown(self, text: str) -> str:
         return self._tools.push(text) if self._tools is not None and text else text

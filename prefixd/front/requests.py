@@ -25,7 +25,17 @@ from prefixd.ipc.messages import (
 from prefixd.scheduler.records import ImageIdentity, ImageRows, SamplingParams
 from prefixd.scheduler.streams import StreamRequest
 from prefixd.text.grammar import GrammarChecker, GrammarError, grammar_of, tool_call_grammar
+from prefixd.text.reasoning import ReasoningSplitter, opens_thinking, template_switches_thinking, template_thinks
 from prefixd.text.tools import prepare_chat, template_knows_tools
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """What an HTTP front asks of a chat generate beyond its wire map (the socket protocol
+    has no field for these yet)."""
+
+    enable_thinking: bool | None = None  # passed to a template that reads it; None: its default
+    reasoning: bool = False  # split a thinking template's think span out of the reply
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +46,8 @@ class BuiltGenerate:
     request: StreamRequest
     stop: StopSet  # prepared here, in the worker thread, not on the event loop
     parse_tools: bool = False  # the reply's tool calls become done.tool_calls
+    parse_reasoning: bool = False  # the reply's think span becomes ReasonedTokens.reasoning
+    reasoning_open: bool = False  # the prompt ends inside the span: the reply starts in it
 
 
 class RequestBuilder:
@@ -61,8 +73,10 @@ class RequestBuilder:
 
     def output(self, built: BuiltGenerate) -> OutputProcessor:
         """The output processor of one generate (both fronts use it)."""
+        reasoning = ReasoningSplitter(inside=built.reasoning_open) if built.parse_reasoning else None
         return OutputProcessor(built.request_id, self.decoder(), stop=built.stop, stop_ids=built.request.stop_ids,
-                               parse_tools=built.parse_tools, token_bytes=getattr(self.tokenizer, "token_bytes", None))
+                               parse_tools=built.parse_tools, reasoning=reasoning,
+                               token_bytes=getattr(self.tokenizer, "token_bytes", None))
 
     def _parse(self, msg: dict[str, Any], cls: type, version: int = SUPPORTED_VERSIONS[-1]) -> Any:
         parsed = parse_request(msg, version)
@@ -101,16 +115,20 @@ class RequestBuilder:
         return TextReply(req.id, self.tokenizer.decode(req.ids))
 
     def generate(self, msg: dict[str, Any], stream_id: int, version: int = SUPPORTED_VERSIONS[-1],
-                 client_gone: Callable[[], bool] | None = None) -> BuiltGenerate:
+                 client_gone: Callable[[], bool] | None = None, *,
+                 chat: ChatOptions = ChatOptions()) -> BuiltGenerate:
         """The validated generate of a connection speaking protocol `version`; a chat render
-        stops early once `client_gone()` is true."""
+        stops early once `client_gone()` is true. `chat`: see ChatOptions."""
         req: Generate = self._parse(msg, Generate, version)
         grammar = self._grammar(req)
         starts: tuple[int, ...] = ()
+        parse_reasoning = reasoning_open = False
         if req.messages is not None:
-            rendered = self._render(req.messages, req.id, client_gone, req.tools)
+            rendered = self._render(req.messages, req.id, client_gone, req.tools, chat.enable_thinking)
             tokens = tuple(rendered.ids)
             starts = tuple(s for s in rendered.message_starts if 0 < s < len(tokens))
+            parse_reasoning = chat.reasoning and template_thinks(self._template_source(bool(req.tools)))
+            reasoning_open = parse_reasoning and opens_thinking(rendered.text)
         elif req.prompt is not None:
             tokens = tuple(self.tokenizer.encode(req.prompt, add_special=self.tokenizer.add_bos))
         else:
@@ -135,10 +153,11 @@ class RequestBuilder:
             draft=req.draft != "off",
         )
         parse_tools = bool(req.tools) and req.tool_choice != "none"
-        return BuiltGenerate(req.id, request, StopSet(req.stop), parse_tools)
+        return BuiltGenerate(req.id, request, StopSet(req.stop), parse_tools, parse_reasoning, reasoning_open)
 
     def _render(self, messages: tuple[dict[str, Any], ...], request_id: int,
-                client_gone: Callable[[], bool] | None, tools: tuple[dict[str, Any], ...] | None = None) -> Any:
+                client_gone: Callable[[], bool] | None, tools: tuple[dict[str, Any], ...] | None = None,
+                enable_thinking: bool | None = None) -> Any:
         from prefixd.text.chat import ChatTooLarge, RenderCancelled
 
         source = self._template_source(bool(tools))
@@ -146,6 +165,8 @@ class RequestBuilder:
         kwargs: dict[str, Any] = {} if client_gone is None else {"should_stop": client_gone}
         if template_tools is not None:
             kwargs["tools"] = template_tools
+        if enable_thinking is not None and template_switches_thinking(source):
+            kwargs["enable_thinking"] = enable_thinking
         try:
             return self.tokenizer.render_chat(chat, **kwargs)
         except ProtocolError:
