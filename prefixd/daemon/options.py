@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from prefixd.front.abandon import HOLD_BASE_S, AbandonLimits
+from prefixd.text.hygiene import DEFAULT_NORMALISERS, NORMALISERS, hygiene_names
 
 # Defaults resolved once the device is known (DaemonConfig.num_lanes); the context's once the
 # model is loaded and the memory left is known (DaemonConfig.resolved_max_context).
@@ -238,6 +239,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--http-token-file", "http_token_file", "PREFIXD_HTTP_TOKEN_FILE", None,
            "bearer token HTTP clients must send; required to listen beyond loopback", parse=path_or_none,
            metavar="FILE"),
+    Option("--prompt-hygiene", "prompt_hygiene", "PREFIXD_PROMPT_HYGIENE", DEFAULT_NORMALISERS,
+           f"the HTTP front's prompt hygiene, comma-separated rules from {', '.join(NORMALISERS)}, or none "
+           "(docs/http.md)", parse=hygiene_names, metavar="NAMES", shown=",".join(DEFAULT_NORMALISERS)),
     Option("--client-frame-rate", "client_frame_rate", "PREFIXD_CLIENT_FRAME_RATE", 500.0,
            "frames a second one client (peer process, all its connections) is read at, beyond its burst; "
            "0: unpaced", parse=float, metavar="FRAMES", check=at_least(0)),

@@ -148,7 +148,8 @@ class Server:
             async with anyio.create_task_group() as conns:
                 conns.start_soon(self._accept_loop, conns)
                 if self.cfg.http_addr:
-                    self.http = HttpServer.build(self._services(), self.cfg.http_addr, self.cfg.http_token_file)
+                    self.http = HttpServer.build(self._services(), self.cfg.http_addr, self.cfg.http_token_file,
+                                                 self.cfg.prompt_hygiene)
                     await conns.start(self.http.serve)
                 self._announce()
                 await self._exit_event.wait()

@@ -213,7 +213,7 @@ async def test_the_billing_header_hygiene_keeps_the_next_turn_a_cache_hit(tmp_pa
         assert first["prefixd"] == second["prefixd"] == {"normalised": ["billing_header"]}
         assert first["cache_read_input_tokens"] == 0
         assert second["cache_read_input_tokens"] >= first_prompt
-        server.http.front.messages_api.normalisers = ()
+        server.http.front.normalisers = ()
         first, second = await _two_turns(server, "You are thorough.")  # nothing in common with the above
         assert "prefixd" not in first and "prefixd" not in second
         # the letters device is row-invariant, so a grid point (8 rows) may be a resume point too:

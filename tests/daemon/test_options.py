@@ -91,7 +91,7 @@ def test_each_variable_reaches_its_field(opt):
     text = {"--model": "m.gguf", "--device": "cuda:1", "--socket": "/s.sock", "--allow-group": "users",
             "--metrics-addr": "127.0.0.1:1", "--cache-budget": "1GiB", "--no-cache": "0", "--disk-cache": "/d",
             "--disk-budget": "1GiB", "--http": "127.0.0.1:8080", "--http-token-file": "/t",
-            "--page-size": "32", "--grid": "256"}.get(opt.flag)
+            "--page-size": "32", "--grid": "256", "--prompt-hygiene": "tool_order"}.get(opt.flag)
     if text is None:
         text = opt.choices[-1] if opt.choices else "3"
     expected = opt.parse(text)

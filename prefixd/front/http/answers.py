@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from prefixd.front.output import reasoning_of
 from prefixd.ipc.events import DoneEvent, TokenEvent
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "cancelled": "stop", "error": "stop"}
@@ -20,12 +21,15 @@ class Answer:
     created: int
     chat: bool
     token_text: Callable[[int], bytes]
+    normalised: tuple[str, ...] = ()  # the hygiene normalisers that changed the request
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     done: DoneEvent | None = None
 
     def add(self, event: TokenEvent) -> None:
         self.text.append(event.text)
+        self.reasoning.append(reasoning_of(event))
         self.logprobs.extend(self.logprob_entry(entry) for entry in event.logprobs or ())
 
     def logprob_entry(self, entry: dict[str, Any]) -> dict[str, Any]:
@@ -41,9 +45,20 @@ class Answer:
     def usage(self) -> dict[str, Any]:
         assert self.done is not None, "usage is known once the generate is done"
         u = self.done.usage
-        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                "total_tokens": u.prompt_tokens + u.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+        out: dict[str, Any] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                               "total_tokens": u.prompt_tokens + u.completion_tokens,
+                               "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+        extension = self.extension()
+        if extension:
+            out["prefixd"] = extension
+        return out
+
+    def extension(self) -> dict[str, Any]:
+        """usage.prefixd: what prefixd adds to OpenAI's usage (the one place it is built)."""
+        out: dict[str, Any] = {}
+        if self.normalised:
+            out["normalised"] = list(self.normalised)
+        return out
 
     def body(self, want_logprobs: bool) -> dict[str, Any]:
         assert self.done is not None, "the body is known once the generate is done"
@@ -51,6 +66,9 @@ class Answer:
         choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH[self.done.finish_reason]}
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text or None}
+            reasoning = "".join(self.reasoning)
+            if reasoning:  # the same text by both names clients read it by
+                message["reasoning_content"] = message["reasoning"] = reasoning
             if self.done.tool_calls:
                 message["tool_calls"] = [dict(c) for c in self.done.tool_calls]
             elif message["content"] is None:

@@ -7,6 +7,8 @@ HttpFront._events (the OutputProcessor: stop strings, tool calls). This module s
 events as a Message, or as Anthropic's server-sent events:
 
     message_start, ping
+    content_block_start (thinking) · content_block_delta (thinking_delta)* · (signature_delta)
+        · content_block_stop                                  when the reply thinks
     content_block_start (text) · content_block_delta (text_delta)* · content_block_stop
     per tool call: content_block_start (tool_use) · content_block_delta (input_json_delta) · content_block_stop
     message_delta (stop_reason, stop_sequence, usage) · message_stop
@@ -21,6 +23,7 @@ cache gives is known when the stream ends); message_delta carries the final spli
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
@@ -31,9 +34,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from prefixd.front.http.anthropic_map import MessagesRequest, map_messages, user_id
 from prefixd.front.http.app import NAMESPACE_HEADER, _http_error, _read_json
 from prefixd.front.http.openai_map import HttpError
+from prefixd.front.output import reasoning_of
 from prefixd.ipc.errors import ProtocolError
 from prefixd.ipc.events import DoneEvent, TokenEvent
-from prefixd.text.hygiene import DEFAULT_NORMALISERS
 
 if TYPE_CHECKING:
     from prefixd.front.http.app import HttpFront
@@ -53,12 +56,11 @@ def sse(name: str, body: dict[str, Any]) -> str:
 
 
 class MessagesApi:
-    """The two routes over one HttpFront. `normalisers`: the prompt hygiene applied to
-    `system` (prefixd/text/hygiene.py), DEFAULT_NORMALISERS unless set."""
+    """The two routes over one HttpFront (whose `normalisers` are the prompt hygiene applied,
+    prefixd/text/hygiene.py)."""
 
-    def __init__(self, front: HttpFront, normalisers: tuple[str, ...] = DEFAULT_NORMALISERS) -> None:
+    def __init__(self, front: HttpFront) -> None:
         self.front = front
-        self.normalisers = normalisers
 
     async def messages(self, request: Request) -> Response:
         return await self._guard(request, lambda: self._messages(request))
@@ -77,7 +79,8 @@ class MessagesApi:
         body = await _read_json(request)
         self.front.check_model(body.get("model"))
         namespace = request.headers.get(NAMESPACE_HEADER) or user_id(body)
-        mapped = map_messages(body, namespace, reasoning=self._template_reasons(), normalisers=self.normalisers,
+        mapped = map_messages(body, namespace, reasoning=self._template_reasons(),
+                              normalisers=self.front.normalisers,
                               counting=counting)
         return mapped, namespace
 
@@ -112,10 +115,10 @@ class MessagesApi:
         client = self.front.client(request, namespace)
         # tool_choice only picks a grammar for the reply; the rendering is the same without it
         msg = {k: v for k, v in mapped.chat.generate.items() if k != "tool_choice"} | {"id": 0}
-        builder = self.front.services.builder
         try:
             await self.front.gate.paced(client)
-            built = await self.front.gate.build(client, msg, builder.generate, msg, 0, 2, probe=lambda: False)
+            built = await self.front.gate.build(client, msg, self.front.build_function(mapped.chat), msg, 0, 2,
+                                                probe=lambda: False)
         except ProtocolError as e:
             raise _http_error(e) from None
         finally:
@@ -134,12 +137,14 @@ class Reply:
     normalised: tuple[str, ...]
     num_prompt: int
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     done: DoneEvent | None = None
 
     def add(self, event: TokenEvent | DoneEvent) -> None:
         if isinstance(event, TokenEvent):
             self.text.append(event.text)
+            self.reasoning.append(reasoning_of(event))
             self.ids.extend(event.ids)
         else:
             self.done = event
@@ -174,9 +179,22 @@ class Reply:
         else:
             out = {"input_tokens": self.num_prompt, "output_tokens": 0, "cache_read_input_tokens": 0,
                    "cache_creation_input_tokens": 0}
-        if self.normalised:
-            out["prefixd"] = {"normalised": list(self.normalised)}
+        extension = self.extension()
+        if extension:
+            out["prefixd"] = extension
         return out
+
+    def extension(self) -> dict[str, Any]:
+        """usage.prefixd: what prefixd adds to Anthropic's usage (the one place it is built)."""
+        out: dict[str, Any] = {}
+        if self.normalised:
+            out["normalised"] = list(self.normalised)
+        return out
+
+    def thinking(self) -> dict[str, Any] | None:
+        """The thinking block of the reply, or None when it did not think."""
+        text = "".join(self.reasoning)
+        return {"type": "thinking", "thinking": text, "signature": signature(text)} if text else None
 
     def tool_uses(self) -> list[dict[str, Any]]:
         assert self.done is not None, "tool calls are known once the generate is done"
@@ -190,7 +208,15 @@ class Reply:
 
     def body(self) -> dict[str, Any]:
         text = "".join(self.text)
-        return self.message(([{"type": "text", "text": text}] if text else []) + self.tool_uses(), final=True)
+        thinking = self.thinking()
+        return self.message(([thinking] if thinking else []) + ([{"type": "text", "text": text}] if text else [])
+                            + self.tool_uses(), final=True)
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's signature: its text's sha256, so the same thinking signs alike (a
+    replayed block's signature is not checked: the template renders the text alone)."""
+    return hashlib.sha256(thinking.encode("utf-8")).hexdigest()
 
 
 def _tool_use_id(call_id: str) -> str:
@@ -210,30 +236,65 @@ def _tool_input(arguments: str) -> dict[str, Any]:
 async def _sse(reply: Reply, events: AsyncIterator[TokenEvent | DoneEvent]) -> AsyncIterator[str]:
     yield sse("message_start", {"type": "message_start", "message": reply.message([], final=False)})
     yield sse("ping", {"type": "ping"})
-    text_open = False
+    blocks = _Blocks()
     try:
         async for event in events:
             reply.add(event)
             if isinstance(event, TokenEvent):
-                if event.text and not text_open:
-                    text_open = True
-                    yield _block_start(0, {"type": "text", "text": ""})
-                if event.text:
-                    yield _block_delta(0, {"type": "text_delta", "text": event.text})
+                for part in blocks.deltas(reply, reasoning_of(event), event.text):
+                    yield part
                 continue
             if event.finish_reason == "error":
                 yield sse("error", error_body(HttpError(500, event.note or "the generate failed")))
                 return
-            for part in _closing(reply, text_open):
+            for part in _closing(reply, blocks):
                 yield part
     except HttpError as e:
         yield sse("error", error_body(e))
 
 
-def _closing(reply: Reply, text_open: bool) -> list[str]:
-    """The text block's stop, one block per tool call, message_delta and message_stop."""
-    out = [sse("content_block_stop", {"type": "content_block_stop", "index": 0})] if text_open else []
-    for index, use in enumerate(reply.tool_uses(), start=int(text_open)):
+class _Blocks:
+    """The content blocks a stream has opened: a thinking block first, then a text block."""
+
+    def __init__(self) -> None:
+        self.kind: str | None = None  # the open block's type
+        self.num_opened = 0
+
+    def deltas(self, reply: Reply, reasoning: str, text: str) -> list[str]:
+        out = []
+        if reasoning:
+            if self.kind is None:
+                out.append(self._open({"type": "thinking", "thinking": "", "signature": ""}))
+            out.append(_block_delta(self.num_opened - 1, {"type": "thinking_delta", "thinking": reasoning}))
+        if text:
+            if self.kind != "text":
+                out.extend(self.close(reply))
+                out.append(self._open({"type": "text", "text": ""}))
+            out.append(_block_delta(self.num_opened - 1, {"type": "text_delta", "text": text}))
+        return out
+
+    def close(self, reply: Reply) -> list[str]:
+        """The open block's end (a thinking block's signature first); [] when none is open."""
+        if self.kind is None:
+            return []
+        index = self.num_opened - 1
+        out = []
+        if self.kind == "thinking":
+            out.append(_block_delta(index, {"type": "signature_delta", "signature": signature("".join(reply.reasoning))}))
+        out.append(sse("content_block_stop", {"type": "content_block_stop", "index": index}))
+        self.kind = None
+        return out
+
+    def _open(self, block: dict[str, Any]) -> str:
+        self.kind = block["type"]
+        self.num_opened += 1
+        return _block_start(self.num_opened - 1, block)
+
+
+def _closing(reply: Reply, blocks: _Blocks) -> list[str]:
+    """The open block's stop, one block per tool call, message_delta and message_stop."""
+    out = blocks.close(reply)
+    for index, use in enumerate(reply.tool_uses(), start=blocks.num_opened):
         out.append(_block_start(index, {**use, "input": {}}))
         out.append(_block_delta(index, {"type": "input_json_delta", "partial_json": json.dumps(use["input"])}))
         out.append(sse("content_block_stop", {"type": "content_block_stop", "index": index}))

@@ -13,6 +13,7 @@ chunk starts, same bits):
     tools {name, description, input_schema} -> function tools {name, description, parameters}
     tool_choice auto | any | tool | none  -> auto | required | a named function | none
     stop_sequences, top_k, ...            -> stop, top_k, ...
+    thinking {type: enabled | disabled}   -> the template's enable_thinking, where it reads it
 
 The text blocks of one message (and of `system`) are joined with a blank line between.
 `cache_control` on any block is accepted and ignored: prefixd caches every prefix.
@@ -20,11 +21,12 @@ The text blocks of one message (and of `system`) are joined with a blank line be
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from prefixd.front.http.openai_map import HttpError, MappedRequest, map_chat
-from prefixd.text.hygiene import normalise_system
+from prefixd.text.hygiene import applied_in_order, normalise_system
 
 JOIN = "\n\n"  # between the text blocks of one message
 ERROR_PREFIX = "Error: "  # before the text of a tool_result with is_error
@@ -38,7 +40,7 @@ class MessagesRequest:
 
     chat: MappedRequest
     stop_sequences: tuple[str, ...]
-    normalised: tuple[str, ...]  # the hygiene normalisers that changed the system prompt
+    normalised: tuple[str, ...]  # the hygiene normalisers that changed the request
 
 
 def _bad(message: str, param: str | None = None) -> HttpError:
@@ -214,6 +216,17 @@ def _stop_sequences(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def thinking_switch(thinking: Any) -> bool | None:
+    """`thinking` as the template's enable_thinking: enabled (or adaptive) on, disabled off,
+    absent None (the template's default). budget_tokens is accepted; max_tokens bounds the reply."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise _bad("thinking: must be {type: enabled | disabled}", "thinking")
+    return kind != "disabled"
+
+
 def user_id(body: dict[str, Any]) -> str:
     """`metadata.user_id`, the cache namespace when no header names one ("" when absent)."""
     metadata = body.get("metadata")
@@ -238,5 +251,8 @@ def map_messages(body: dict[str, Any], namespace: str, *, reasoning: bool, norma
         "stream": bool(body.get("stream")),
         **{name: body.get(name) for name in ("temperature", "top_p", "top_k")},
     }
-    mapped = map_chat({k: v for k, v in chat.items() if v is not None}, namespace)
-    return MessagesRequest(mapped, stops, normalised)
+    mapped = map_chat({k: v for k, v in chat.items() if v is not None}, namespace, normalisers)
+    options = dataclasses.replace(mapped.chat, enable_thinking=thinking_switch(body.get("thinking")))
+    mapped = dataclasses.replace(mapped, chat=options, normalised=applied_in_order(normalisers, normalised,
+                                                                                   mapped.normalised))
+    return MessagesRequest(mapped, stops, mapped.normalised)

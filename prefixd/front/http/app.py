@@ -10,6 +10,7 @@ namespace share one client's fair share."""
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import time
@@ -24,9 +25,11 @@ from prefixd.front.engine_link import EngineLost
 from prefixd.front.gate import GateClient
 from prefixd.front.http.answers import SSE_DONE, Answer
 from prefixd.front.http.openai_map import HttpError, MappedRequest, map_chat, map_completion
+from prefixd.front.output import reasoning_of
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.events import DoneEvent, TokenEvent
 from prefixd.scheduler.streams import TokenEvent as EngineTokens
+from prefixd.text.hygiene import DEFAULT_NORMALISERS
 
 MAX_BODY_BYTES = 8 << 20
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other in a body; the top one is 1
@@ -39,11 +42,14 @@ _STATUS = {ErrorCode.TOO_MANY_STREAMS: 429, ErrorCode.SHUTTING_DOWN: 503, ErrorC
 
 
 class HttpFront:
-    """The routes over the daemon's shared services (see connection.Services)."""
+    """The routes over the daemon's shared services (see connection.Services). `normalisers`:
+    the prompt hygiene every route applies (prefixd/text/hygiene.py, `--prompt-hygiene`)."""
 
-    def __init__(self, services: Any, *, token: str | None = None) -> None:
+    def __init__(self, services: Any, *, token: str | None = None,
+                 normalisers: tuple[str, ...] = DEFAULT_NORMALISERS) -> None:
         self.services = services
         self.token = token
+        self.normalisers = normalisers
         self.gate = services.gate
         self.streams: set[int] = set()  # engine stream ids in flight
         self.model = str(services.hello_reply()["model"].get("name", "prefixd"))
@@ -131,11 +137,11 @@ class HttpFront:
         body = await _read_json(request)
         self.check_model(body.get("model"))
         namespace = request.headers.get(NAMESPACE_HEADER) or (body.get("user") if isinstance(body.get("user"), str) else "")
-        mapped = (map_chat if chat else map_completion)(body, namespace)
+        mapped = map_chat(body, namespace, self.normalisers) if chat else map_completion(body, namespace)
         client = self.client(request, namespace)
         stream_id, built, receive = await self._start(client, mapped)
         answer = Answer(f"{'chatcmpl' if chat else 'cmpl'}-{stream_id}", self.model, int(time.time()), chat,
-                        self.services.builder.tokenizer.token_bytes)
+                        self.services.builder.tokenizer.token_bytes, normalised=mapped.normalised)
         events = self._events(stream_id, built, receive, client)
         if mapped.stream:
             return StreamingResponse(_sse(answer, events, mapped), media_type="text/event-stream",
@@ -164,7 +170,7 @@ class HttpFront:
             await self.gate.paced(client)
             self.gate.reserve(client.peer)
             held.reserved = True
-            built = await self.gate.build(client, msg, self.services.builder.generate, msg, stream_id, 2,
+            built = await self.gate.build(client, msg, self.build_function(mapped), msg, stream_id, 2,
                                           probe=lambda: False)
             if await self.gate.seat(client, owner):
                 held.owner = owner
@@ -176,6 +182,10 @@ class HttpFront:
             held.release()
             raise
         return stream_id, built, receive
+
+    def build_function(self, mapped: MappedRequest) -> Any:
+        """RequestBuilder.generate with the request's ChatOptions (thinking, reasoning)."""
+        return functools.partial(self.services.builder.generate, chat=mapped.chat)
 
     async def _events(self, stream_id: int, built: Any, receive: Any,
                       client: GateClient) -> AsyncIterator[TokenEvent | DoneEvent]:
@@ -243,7 +253,11 @@ async def _sse(answer: Answer, events: AsyncIterator[TokenEvent | DoneEvent], ma
             if isinstance(event, TokenEvent):
                 answer.add(event)
                 lps = [answer.logprob_entry(e) for e in event.logprobs or ()] if mapped.logprobs else None
-                if event.text or lps:
+                reasoning = reasoning_of(event)
+                if reasoning:  # the same text by both names clients read it by
+                    yield answer.chunk({"reasoning_content": reasoning, "reasoning": reasoning},
+                                       logprobs=None if event.text else lps)
+                if event.text or (lps and not reasoning):
                     yield answer.chunk({"content": event.text}, logprobs=lps)
                 continue
             answer.done = event

@@ -9,7 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from prefixd.front.requests import ChatOptions
+from prefixd.text.hygiene import DEFAULT_NORMALISERS, normalise_tools
+
 DEFAULT_MAX_TOKENS = 1024
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # "none" turns thinking off
 
 
 class HttpError(Exception):
@@ -36,6 +40,8 @@ class MappedRequest:
     stream: bool
     include_usage: bool
     logprobs: bool
+    chat: ChatOptions = ChatOptions()  # the thinking switch, and reasoning parsed out of the reply
+    normalised: tuple[str, ...] = ()  # the hygiene normalisers that changed the request
 
 
 def _bad(message: str, param: str | None = None) -> HttpError:
@@ -81,13 +87,53 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(raw):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise _bad(f"messages[{i}]: must be a map with a role", "messages")
-        m = {k: v for k, v in message.items() if v is not None and k != "name"}
+        m = {k: v for k, v in message.items() if v is not None and k not in ("name", "reasoning")}
+        if m["role"] == "assistant":
+            reasoning = _reasoning_text(message, f"messages[{i}]")
+            m.pop("reasoning_content", None)
+            if reasoning:
+                m["reasoning_content"] = reasoning
         content = _content_text(message.get("content"), f"messages[{i}]")
         m["content"] = content if content is not None else ""
         if m["role"] == "developer":
             m["role"] = "system"
         out.append(m)
     return out
+
+
+def _reasoning_text(message: dict[str, Any], where: str) -> str:
+    """A replayed assistant message's reasoning: `reasoning_content`, or `reasoning` (the
+    same text by its other name), rendered where the template renders reasoning_content."""
+    value = message.get("reasoning_content")
+    if value is None:
+        value = message.get("reasoning")
+    if value is not None and not isinstance(value, str):
+        raise _bad(f"{where}.reasoning_content: must be a string", "messages")
+    return value or ""
+
+
+def thinking_switch(body: dict[str, Any]) -> bool | None:
+    """The chat body's thinking switch: chat_template_kwargs.enable_thinking, else
+    enable_thinking, else reasoning_effort ("none": off, any other effort: on); None: unset."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _bad("chat_template_kwargs: must be a map", "chat_template_kwargs")
+    for value, name in (((kwargs or {}).get("enable_thinking"), "chat_template_kwargs.enable_thinking"),
+                        (body.get("enable_thinking"), "enable_thinking")):
+        if value is not None:
+            if not isinstance(value, bool):
+                raise _bad(f"{name}: must be true or false", name)
+            return value
+    return effort_switch(body.get("reasoning_effort"), "reasoning_effort")
+
+
+def effort_switch(effort: Any, name: str) -> bool | None:
+    """A reasoning effort as the thinking switch: "none" off, another effort on, None unset."""
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise _bad(f"{name}: must be one of {', '.join(REASONING_EFFORTS)}", name)
+    return effort != "none"
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
@@ -131,13 +177,18 @@ def _common(body: dict[str, Any], namespace: str) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def map_chat(body: dict[str, Any], namespace: str) -> MappedRequest:
-    """A /v1/chat/completions body as a generate map."""
+def map_chat(body: dict[str, Any], namespace: str,
+             normalisers: tuple[str, ...] = DEFAULT_NORMALISERS) -> MappedRequest:
+    """A /v1/chat/completions body as a generate map, after the prompt hygiene `normalisers`
+    (prefixd/text/hygiene.py) that apply to it."""
     generate = _common(body, namespace)
     generate["messages"] = _messages(body.get("messages"))
     for name in ("tools", "tool_choice", "response_format"):
         if body.get(name) is not None:
             generate[name] = body[name]
+    normalised: tuple[str, ...] = ()
+    if isinstance(generate.get("tools"), list):
+        generate["tools"], normalised = normalise_tools(generate["tools"], normalisers)
     if body.get("response_format") == {"type": "text"}:
         del generate["response_format"]
     want_logprobs = bool(body.get("logprobs"))
@@ -146,7 +197,8 @@ def map_chat(body: dict[str, Any], namespace: str) -> MappedRequest:
         raise _bad("top_logprobs: needs logprobs: true", "top_logprobs")
     if want_logprobs:
         generate["logprobs"] = top or 0
-    return MappedRequest(generate, bool(body.get("stream")), _include_usage(body), want_logprobs)
+    chat = ChatOptions(enable_thinking=thinking_switch(body), reasoning=True)
+    return MappedRequest(generate, bool(body.get("stream")), _include_usage(body), want_logprobs, chat, normalised)
 
 
 def map_completion(body: dict[str, Any], namespace: str) -> MappedRequest:

@@ -7,6 +7,8 @@ kept (responses_store.py, unless `store: false`) with their whole conversation, 
 next turn's `previous_response_id` continues.
 
     streamed: response.created, response.in_progress,
+              [output_item.added, reasoning_text.delta..., reasoning_text.done,
+               output_item.done]                             the reasoning, when the reply thinks
               [output_item.added, content_part.added, output_text.delta..., output_text.done,
                content_part.done, output_item.done]          the message, when there is text
               [output_item.added, function_call_arguments.delta, .done, output_item.done]...
@@ -29,6 +31,7 @@ from prefixd.front.http.app import NAMESPACE_HEADER, HttpFront, _read_json
 from prefixd.front.http.openai_map import HttpError
 from prefixd.front.http.responses_map import MappedResponse, chat_param, map_response, normalize_items
 from prefixd.front.http.responses_store import ResponseStore
+from prefixd.front.output import reasoning_of
 from prefixd.ipc.events import DoneEvent, TokenEvent
 
 _FINAL_EVENT = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}
@@ -43,13 +46,16 @@ class ResponseAnswer:
         self.created_at = created_at
         self.mapped = mapped
         self.text: list[str] = []
+        self.reasoning: list[str] = []
         self.done: DoneEvent | None = None
         self.error: dict[str, str] | None = None  # set when the generate failed
         self.message_id = "msg_" + response_id.removeprefix("resp_")
+        self.reasoning_id = "rs_" + response_id.removeprefix("resp_")
 
     def add(self, event: TokenEvent | DoneEvent) -> None:
         if isinstance(event, TokenEvent):
             self.text.append(event.text)
+            self.reasoning.append(reasoning_of(event))
         else:
             self.done = event
             if event.finish_reason == "error":
@@ -62,6 +68,20 @@ class ResponseAnswer:
         if self.done is None:
             return "in_progress"
         return "incomplete" if self.done.finish_reason == "length" else "completed"
+
+    @property
+    def has_reasoning(self) -> bool:
+        return any(self.reasoning)
+
+    @property
+    def message_index(self) -> int:
+        """The message item's output_index: after the reasoning item, when there is one."""
+        return int(self.has_reasoning)
+
+    def reasoning_item(self, *, done: bool) -> dict[str, Any]:
+        content = [{"type": "reasoning_text", "text": "".join(self.reasoning)}] if done else []
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "content": content,
+                "status": "completed" if done else "in_progress"}
 
     def message_item(self, *, done: bool) -> dict[str, Any]:
         status = "incomplete" if self.status == "incomplete" else "completed"
@@ -86,7 +106,8 @@ class ResponseAnswer:
     def output(self) -> list[dict[str, Any]]:
         if self.done is None:
             return []
-        items = [self.message_item(done=True)] if self.has_message else []
+        items = [self.reasoning_item(done=True)] if self.has_reasoning else []
+        items += [self.message_item(done=True)] if self.has_message else []
         return items + [self.call_item(k, c, done=True) for k, c in enumerate(self.done.tool_calls or ())]
 
     def body(self) -> dict[str, Any]:
@@ -104,9 +125,21 @@ class ResponseAnswer:
         if self.done is None:
             return None
         u = self.done.usage
-        return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-                "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": u.prompt_tokens + u.completion_tokens}
+        out: dict[str, Any] = {"input_tokens": u.prompt_tokens,
+                               "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                               "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                               "total_tokens": u.prompt_tokens + u.completion_tokens}
+        extension = self.extension()
+        if extension:
+            out["prefixd"] = extension
+        return out
+
+    def extension(self) -> dict[str, Any]:
+        """usage.prefixd: what prefixd adds to the Responses usage (the one place it is built)."""
+        out: dict[str, Any] = {}
+        if self.mapped.request.normalised:
+            out["normalised"] = list(self.mapped.request.normalised)
+        return out
 
 
 class ResponsesApi:
@@ -137,7 +170,8 @@ class ResponsesApi:
         self.front.check_model(body.get("model"))
         user = body.get("user") if isinstance(body.get("user"), str) else ""
         namespace = request.headers.get(NAMESPACE_HEADER) or user
-        mapped = map_response(body, namespace, self._history(namespace, body.get("previous_response_id")))
+        mapped = map_response(body, namespace, self._history(namespace, body.get("previous_response_id")),
+                              self.front.normalisers)
         client = self.front.client(request, namespace)
         try:
             stream_id, built, receive = await self.front._start(client, mapped.request)
@@ -180,47 +214,42 @@ class ResponsesApi:
         event = _EventWriter()
         yield event("response.created", response=answer.body())
         yield event("response.in_progress", response=answer.body())
-        at = {"item_id": answer.message_id, "output_index": 0}
-        opened = False
+        items = _OpenItems(answer, event)
         try:
             async with aclosing(events):
                 async for got in events:
-                    if isinstance(got, TokenEvent) and got.text:
-                        if not opened:
-                            opened = True
-                            yield event("response.output_item.added", output_index=0,
-                                        item=answer.message_item(done=False))
-                            yield event("response.content_part.added", **at, content_index=0,
-                                        part={"type": "output_text", "text": "", "annotations": []})
-                        yield event("response.output_text.delta", **at, content_index=0, delta=got.text,
-                                    logprobs=[])
-                    answer.add(got)
+                    if isinstance(got, TokenEvent):
+                        reasoning = reasoning_of(got)
+                        answer.add(got)
+                        for text in items.deltas(reasoning, got.text):
+                            yield text
+                    else:
+                        answer.add(got)
         except HttpError as e:
             answer.error = {"code": "server_error", "message": e.message}
             yield event("response.failed", response=answer.body())
             return
-        for text in self._closing(answer, event, opened):
+        for text in self._closing(answer, event, items):
             yield text
         self._keep(namespace, answer)
         yield event(_FINAL_EVENT[answer.status], response=answer.body())
 
     @staticmethod
-    def _closing(answer: ResponseAnswer, event: _EventWriter, opened: bool) -> list[str]:
-        """The events that close the message item (opening it when it had no text) and
-        give each function call."""
-        out = []
-        at = {"item_id": answer.message_id, "output_index": 0}
+    def _closing(answer: ResponseAnswer, event: _EventWriter, items: _OpenItems) -> list[str]:
+        """The events that close the reasoning and message items (opening the message when it
+        had no text) and give each function call."""
+        out = items.close_reasoning()
+        index = answer.message_index
+        at = {"item_id": answer.message_id, "output_index": index}
         if answer.has_message:
-            if not opened:
-                out.append(event("response.output_item.added", output_index=0, item=answer.message_item(done=False)))
-                out.append(event("response.content_part.added", **at, content_index=0,
-                                 part={"type": "output_text", "text": "", "annotations": []}))
+            if not items.message_open:
+                out.append(items.open_message())
             part = answer.text_part()
             out.append(event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=[]))
             out.append(event("response.content_part.done", **at, content_index=0, part=part))
-            out.append(event("response.output_item.done", output_index=0, item=answer.message_item(done=True)))
+            out.append(event("response.output_item.done", output_index=index, item=answer.message_item(done=True)))
         assert answer.done is not None, "_events ends with the done event"
-        first = 1 if answer.has_message else 0
+        first = index + int(answer.has_message)
         for k, call in enumerate(answer.done.tool_calls or ()):
             item = answer.call_item(k, call, done=True)
             where = {"item_id": item["id"], "output_index": first + k}
@@ -267,3 +296,50 @@ class _EventWriter:
         body = {"type": kind, "sequence_number": self.num_sent, **fields}
         self.num_sent += 1
         return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class _OpenItems:
+    """The output items a stream has opened: the reasoning item (index 0), then the message."""
+
+    def __init__(self, answer: ResponseAnswer, event: _EventWriter) -> None:
+        self.answer = answer
+        self.event = event
+        self.reasoning_open = False
+        self.reasoning_done = False
+        self.message_open = False
+
+    def deltas(self, reasoning: str, text: str) -> list[str]:
+        """The events for one token event's reasoning and text (already added to the answer)."""
+        out = []
+        at = {"item_id": self.answer.reasoning_id, "output_index": 0, "content_index": 0}
+        if reasoning:
+            if not self.reasoning_open:
+                self.reasoning_open = True
+                out.append(self.event("response.output_item.added", output_index=0,
+                                      item=self.answer.reasoning_item(done=False)))
+            out.append(self.event("response.reasoning_text.delta", **at, delta=reasoning))
+        if text:
+            out.extend(self.close_reasoning())
+            if not self.message_open:
+                out.append(self.open_message())
+            index = self.answer.message_index
+            out.append(self.event("response.output_text.delta", item_id=self.answer.message_id, output_index=index,
+                                  content_index=0, delta=text, logprobs=[]))
+        return out
+
+    def close_reasoning(self) -> list[str]:
+        if not self.reasoning_open or self.reasoning_done:
+            return []
+        self.reasoning_done = True
+        item = self.answer.reasoning_item(done=True)
+        at = {"item_id": self.answer.reasoning_id, "output_index": 0, "content_index": 0}
+        return [self.event("response.reasoning_text.done", **at, text=item["content"][0]["text"]),
+                self.event("response.output_item.done", output_index=0, item=item)]
+
+    def open_message(self) -> str:
+        """output_item.added and content_part.added of the message (two events, one string)."""
+        self.message_open = True
+        index = self.answer.message_index
+        return (self.event("response.output_item.added", output_index=index, item=self.answer.message_item(done=False))
+                + self.event("response.content_part.added", item_id=self.answer.message_id, output_index=index,
+                             content_index=0, part={"type": "output_text", "text": "", "annotations": []}))

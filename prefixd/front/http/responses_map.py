@@ -5,10 +5,13 @@ system message, items as messages, function tools as chat tools, `text.format` a
 `response_format`) and mapped by `openai_map.map_chat`, so the same conversation through
 either API reaches the engine as the same StreamRequest.
 
-Conversation items are kept *normalized* (message content as one string, reasoning items
-dropped): a stored response's items and a client's resent history normalize alike, so a
+Conversation items are kept *normalized* (message content as one string, a reasoning item
+as its text): a stored response's items and a client's resent history normalize alike, so a
 conversation continued by `previous_response_id` renders the same prompt as the whole
-history sent again.
+history sent again. A reasoning item becomes the `reasoning_content` of the assistant reply
+after it, which a thinking template renders as it renders every turn's (and drops where it
+drops them); a client that leaves reasoning items out gets the same prompt from such a
+template for all but the replies after the last user message.
 """
 
 from __future__ import annotations
@@ -16,11 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from prefixd.front.http.openai_map import HttpError, MappedRequest, _int, map_chat
+import dataclasses
+
+from prefixd.front.http.openai_map import HttpError, MappedRequest, _int, effort_switch, map_chat
+from prefixd.text.hygiene import DEFAULT_NORMALISERS
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
-DROPPED_ITEMS = ("reasoning",)  # never rendered: dropped alike on every turn
+REASONING_PARTS = ("reasoning_text", "summary_text")
 _CHAT_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 _SAMPLING = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty")
 _REFUSED = ("background", "conversation", "prompt")  # fields with no meaning here: a 400 when set
@@ -47,8 +53,10 @@ def chat_param(error: HttpError) -> HttpError:
     return error
 
 
-def map_response(body: dict[str, Any], namespace: str, history: tuple[dict[str, Any], ...]) -> MappedResponse:
-    """A /v1/responses body, continuing the conversation `history` (normalized items)."""
+def map_response(body: dict[str, Any], namespace: str, history: tuple[dict[str, Any], ...],
+                 normalisers: tuple[str, ...] = DEFAULT_NORMALISERS) -> MappedResponse:
+    """A /v1/responses body, continuing the conversation `history` (normalized items), after
+    the prompt hygiene `normalisers`."""
     for name in _REFUSED:
         if body.get(name):
             raise _bad(f"{name}: not supported", name)
@@ -70,10 +78,11 @@ def map_response(body: dict[str, Any], namespace: str, history: tuple[dict[str, 
     if (_int(body, "top_logprobs", 0, 20) or 0) > 0:
         raise _bad("top_logprobs: not supported on /v1/responses (use /v1/chat/completions)", "top_logprobs")
     try:
-        mapped = map_chat(chat, namespace)
+        mapped = map_chat(chat, namespace, normalisers)
     except HttpError as e:
         raise chat_param(e) from None
-    mapped = MappedRequest(mapped.generate, bool(body.get("stream")), False, False)
+    options = dataclasses.replace(mapped.chat, enable_thinking=_effort(body.get("reasoning")))
+    mapped = MappedRequest(mapped.generate, bool(body.get("stream")), False, False, options, mapped.normalised)
     return MappedResponse(mapped, items, ignored, _echo(body))
 
 
@@ -91,9 +100,9 @@ def normalize_items(raw: Any) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise _bad(f"input[{i}]: must be an item map", "input")
         kind = item.get("type", "message" if "role" in item else None)
-        if kind in DROPPED_ITEMS:
-            continue
-        if kind == "message":
+        if kind == "reasoning":
+            out.append({"type": "reasoning", "text": _reasoning_text(item, f"input[{i}]")})
+        elif kind == "message":
             out.append(_message_item(item, f"input[{i}]"))
         elif kind == "function_call":
             out.append({"type": "function_call", "call_id": _str(item, "call_id", i), "name": _str(item, "name", i),
@@ -105,6 +114,34 @@ def normalize_items(raw: Any) -> list[dict[str, Any]]:
             raise _bad(f"input[{i}].type: {kind!r} is not one of message, function_call, function_call_output, "
                        "reasoning", "input")
     return out
+
+
+def _effort(reasoning: Any) -> bool | None:
+    """`reasoning.effort` as the thinking switch ("none": off; see openai_map.effort_switch)."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise _bad("reasoning: must be a map", "reasoning")
+    return effort_switch(reasoning.get("effort"), "reasoning.effort")
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its content's reasoning_text parts, else its summary's parts."""
+    for name in ("content", "summary"):
+        parts = item.get(name)
+        if parts is None or parts == []:
+            continue
+        if not isinstance(parts, list):
+            raise _bad(f"{where}.{name}: must be a list of parts", "input")
+        texts = []
+        for k, part in enumerate(parts):
+            if not isinstance(part, dict) or part.get("type") not in REASONING_PARTS \
+                    or not isinstance(part.get("text"), str):
+                raise _bad(f"{where}.{name}[{k}]: must be a {' or '.join(REASONING_PARTS)} part with its text",
+                           "input")
+            texts.append(part["text"])
+        return "\n\n".join(texts)
+    return ""
 
 
 def _message_item(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -140,23 +177,36 @@ def _text(content: Any, where: str) -> str:
 
 def to_messages(items: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
     """Normalized items as chat messages: a function call joins the assistant message right
-    before it (as one chat reply carries its text and its tool calls)."""
+    before it (as one chat reply carries its text and its tool calls); a reasoning item is
+    the reasoning_content of the assistant message it comes before (it starts one if the
+    next item is a call)."""
     messages: list[dict[str, Any]] = []
     joinable = False  # the last message is an assistant reply the next call belongs to
+    reasoning = ""  # of the assistant message to come
     for item in items:
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            reasoning = "\n\n".join(t for t in (reasoning, item["text"]) if t)
+            joinable = False
+        elif item["type"] == "message":
             messages.append({"role": item["role"], "content": item["content"]})
             joinable = item["role"] == "assistant"
+            if joinable and reasoning:
+                messages[-1]["reasoning_content"] = reasoning
+            reasoning = ""
         elif item["type"] == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             if not joinable:
                 messages.append({"role": "assistant", "content": ""})
+                if reasoning:
+                    messages[-1]["reasoning_content"] = reasoning
+                reasoning = ""
                 joinable = True
             messages[-1].setdefault("tool_calls", []).append(call)
         else:
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
             joinable = False
+            reasoning = ""
     return messages
 
 
@@ -225,6 +275,7 @@ def _echo(body: dict[str, Any]) -> dict[str, Any]:
         "metadata": body.get("metadata") or {},
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "previous_response_id": body.get("previous_response_id"),
+        "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
         "store": body.get("store", True) is not False,
         "temperature": body.get("temperature"),
         "text": body.get("text") or {"format": {"type": "text"}},
