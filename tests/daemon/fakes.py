@@ -68,6 +68,54 @@ class ByteTokenizer:
         return Rendered(tuple(self.encode(text)), tuple(starts), text)
 
 
+# A small Qwen3-like thinking template: an assistant reply after the last user message renders
+# its reasoning_content in a think span, earlier ones drop it; enable_thinking=False writes an
+# empty span into the generation prompt. OPENS_THINK: its generation prompt opens the span.
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and loop.index0 > ns.last_query and m.reasoning_content %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}"
+)
+OPENS_THINK = THINKING_TEMPLATE.replace(
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}",
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}")
+
+
+class TemplateTokenizer(ByteTokenizer):
+    """ByteTokenizer ids with a real jinja chat template (prefixd/text/chat.py renders it)."""
+
+    named_templates: dict[str, str] = {}
+
+    def __init__(self, template: str = THINKING_TEMPLATE) -> None:
+        from prefixd.text.chat import ChatTemplate
+
+        self.chat_template = template
+        self._compiled = ChatTemplate(template)
+
+    def offsets_bytes(self, ids: Sequence[int]) -> list[int]:
+        out = [0]
+        for i in ids:
+            out.append(out[-1] + len(self.token_bytes(i)))
+        return out
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: Any = None,
+                    should_stop: Any = None, **kwargs: Any) -> Any:
+        from prefixd.text.chat import render_conversation
+
+        return render_conversation(self._compiled, messages, self, add_generation_prompt=add_generation_prompt,
+                                   tools=tools, should_stop=should_stop, **kwargs)
+
+
 class ByteDecoder:
     """UTF-8-safe incremental decode over ByteTokenizer ids."""
 
@@ -165,18 +213,18 @@ def _sha256(row: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(row, dtype=np.float32).tobytes()).hexdigest()
 
 
-def fake_runtime_factory(device: LetterDevice, *, cache: bool = True):
-    """A Server runtime factory over the real Engine and `device`."""
+def fake_runtime_factory(device: LetterDevice, *, cache: bool = True, tokenizer: ByteTokenizer | None = None):
+    """A Server runtime factory over the real Engine and `device` (and `tokenizer`, a
+    ByteTokenizer unless given)."""
     from prefixd.scheduler.config import SchedulerConfig
     from prefixd.scheduler.engine import Engine
 
     def factory(cfg: Any, observer: Any) -> Runtime:
         config = SchedulerConfig(num_lanes=device.info.num_lanes, grid=8, round_row_budget=64, cache=cache)
         engine = Engine(device, config, observer=observer)
-        tokenizer = ByteTokenizer()
         info = {"name": "letters", "family": "fake", "vocab_size": VOCAB, "max_context": engine.max_context,
                 "hidden_size": 4, "lanes": device.info.num_lanes}
-        factory.runtime = Runtime(engine=engine, tokenizer=tokenizer, model_info=info)  # type: ignore[attr-defined]
+        factory.runtime = Runtime(engine=engine, tokenizer=tokenizer or ByteTokenizer(), model_info=info)  # type: ignore[attr-defined]
         return factory.runtime  # type: ignore[attr-defined]
 
     return factory
