@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from prefixd.front.http.anthropic_map import chat_messages
+from prefixd.front.http.anthropic_map import chat_messages, map_messages
 from prefixd.text.hygiene import normalise_system, strip_billing_header
 from tests.daemon.fakes import ByteTokenizer, letter_after
 from tests.daemon.harness import running_server, wait_idle
@@ -144,6 +144,12 @@ def _body(**fields) -> bytes:
      400, "invalid_request_error", "'toolu_x' is not the id of a tool_use in an earlier assistant message"),
     (_body(messages=HI + [{"role": "assistant", "content": "pre"}]), 400, "invalid_request_error", "prefill"),
     (_body(max_tokens=0), 400, "invalid_request_error", "max_tokens:"),
+    (_body(messages=HI + [{"role": "tool", "content": "x"}]), 400, "invalid_request_error",
+     "messages[1].role: must be user, assistant or system"),
+    (_body(messages=[{"role": "system", "content": "only"}]), 400, "invalid_request_error",
+     "messages: must hold a user message"),
+    (_body(messages=HI + [{"role": "system", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]),
+     400, "invalid_request_error", "messages[1].content[0]: only text blocks may be here"),
     (_body(tool_choice={"type": "any"}), 400, "invalid_request_error", "tool_choice: needs tools"),
 ])
 async def test_bad_input_gets_an_anthropic_shaped_error(tmp_path, body, status, kind, needle):
@@ -210,12 +216,12 @@ async def test_the_billing_header_hygiene_keeps_the_next_turn_a_cache_hit(tmp_pa
                                         {"role": "user", "content": "hello there"}]).ids)
     async with running_server(tmp_path, http_addr="127.0.0.1:0") as server:
         first, second = await _two_turns(server, "You are careful.")
-        assert first["prefixd"] == second["prefixd"] == {"normalised": ["billing_header"]}
+        assert first["prefixd"]["normalised"] == second["prefixd"]["normalised"] == ["billing_header"]
         assert first["cache_read_input_tokens"] == 0
         assert second["cache_read_input_tokens"] >= first_prompt
         server.http.front.normalisers = ()
         first, second = await _two_turns(server, "You are thorough.")  # nothing in common with the above
-        assert "prefixd" not in first and "prefixd" not in second
+        assert "normalised" not in first["prefixd"] and "normalised" not in second["prefixd"]
         # the letters device is row-invariant, so a grid point (8 rows) may be a resume point too:
         # what is reused is the whole grid chunks before the nonce, not the system prompt after it
         before_nonce = len("<system>" + billing("")["text"].removesuffix(";"))
@@ -279,6 +285,24 @@ def test_thinking_goes_where_the_template_reasons_else_nowhere():
     assert chat_messages(["s"], messages, reasoning=False) == [
         {"role": "system", "content": "s"}, {"role": "user", "content": "q"},
         {"role": "assistant", "content": "", "tool_calls": [call]}, *tail]
+
+
+def test_system_messages_among_the_turns_join_the_system_prompt():
+    """Claude Code sends its environment block as a system-role message after the first user
+    message: it renders as the system prompt's last part (after the billing header is gone),
+    where it stays as the conversation grows."""
+    env = {"role": "system", "content": [{"type": "text", "text": "# Environment\ncwd: /tmp"}]}
+    late = {"model": "letters", "max_tokens": 4, "system": [billing("n1"), {"type": "text", "text": "sys"}],
+            "messages": [*HI, env]}
+    turn2 = {**late, "messages": [*HI, env, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more"}]}
+    plain = {"model": "letters", "max_tokens": 4, "system": "sys\n\n# Environment\ncwd: /tmp", "messages": HI}
+
+    def generate(body):
+        return map_messages(body, "", reasoning=False, normalisers=("billing_header",)).chat.generate
+
+    assert generate(late) == generate(plain)
+    assert generate(late)["messages"] == [{"role": "system", "content": "sys\n\n# Environment\ncwd: /tmp"}, *HI]
+    assert generate(turn2)["messages"][:2] == generate(late)["messages"]  # the first turn's prompt, unmoved
 
 
 def test_the_billing_header_normaliser_removes_only_the_header():

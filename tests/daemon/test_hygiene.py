@@ -70,7 +70,9 @@ def root(server) -> str:
 async def _chat(http, server, messages, tools) -> tuple[dict, dict]:
     body = (await http.post(f"{root(server)}/v1/chat/completions",
                             json={"messages": messages, "tools": tools, "max_tokens": 3})).json()
-    return body["usage"], {"role": "assistant", "content": body["choices"][0]["message"]["content"]}
+    usage = body["usage"]
+    return {**usage, "normalised": usage["prefixd"].get("normalised")}, \
+        {"role": "assistant", "content": body["choices"][0]["message"]["content"]}
 
 
 async def _messages(http, server, messages, tools) -> tuple[dict, dict]:
@@ -80,7 +82,7 @@ async def _messages(http, server, messages, tools) -> tuple[dict, dict]:
                             json={"messages": messages, "tools": anthropic_tools, "max_tokens": 3})).json()
     usage = body["usage"]
     usage = {"prompt_tokens": usage["input_tokens"] + usage["cache_read_input_tokens"],
-             "cached": usage["cache_read_input_tokens"], **({"prefixd": usage["prefixd"]} if "prefixd" in usage else {})}
+             "cached": usage["cache_read_input_tokens"], "normalised": usage["prefixd"].get("normalised")}
     return usage, {"role": "assistant", "content": body["content"][0]["text"]}
 
 
@@ -90,7 +92,7 @@ async def _responses(http, server, messages, tools) -> tuple[dict, dict]:
                             json={"input": messages, "tools": response_tools, "max_output_tokens": 3})).json()
     usage = body["usage"]
     usage = {"prompt_tokens": usage["input_tokens"], "cached": usage["input_tokens_details"]["cached_tokens"],
-             **({"prefixd": usage["prefixd"]} if "prefixd" in usage else {})}
+             "normalised": usage["prefixd"].get("normalised")}
     return usage, {"role": "assistant", "content": body["output"][0]["content"][0]["text"]}
 
 
@@ -113,8 +115,8 @@ async def test_reordered_tools_keep_the_prefix_with_tool_order_on(tmp_path, ask)
     device = LetterDevice(num_pages=2048, max_context=1024)  # byte tokens: the tools' prompt is long
     async with running_server(tmp_path, device, http_addr="127.0.0.1:0") as server:
         first, second = await _two_turns(server, ask)
-        assert first["prefixd"] == {"normalised": ["tool_order"]}  # listed unsorted: sorted
-        assert "prefixd" not in second  # already sorted: nothing changed
+        assert first["normalised"] == ["tool_order"]  # listed unsorted: sorted
+        assert second["normalised"] is None  # already sorted: nothing changed
         assert _cached(second) >= first["prompt_tokens"]  # the whole first prompt is reused
         await wait_idle(server)
 
@@ -125,7 +127,7 @@ async def test_reordered_tools_lose_the_prefix_with_prompt_hygiene_none(tmp_path
     async with running_server(tmp_path, device, http_addr="127.0.0.1:0", prompt_hygiene=()) as server:
         assert server.http.front.normalisers == ()
         first, second = await _two_turns(server, ask)
-        assert "prefixd" not in first and "prefixd" not in second
+        assert first["normalised"] is None and second["normalised"] is None
         # the tools are listed in the system prompt, where the two turns now differ
         assert _cached(second) < first["prompt_tokens"] // 2
         await wait_idle(server)

@@ -58,7 +58,8 @@ async def test_create_answers_text_and_usage_then_get_and_delete(tmp_path):
         n = len(TOK.render_chat(HI).ids)
         assert made.usage.to_dict() == {
             "input_tokens": n, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 4,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n + 4}
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n + 4,
+            "prefixd": {"cache": {"result": "miss", "cached_tokens": 0, "prompt_tokens": n, "reason": "namespace_empty"}}}
         got = await client.responses.retrieve(made.id)
         assert got.model_dump() == made.model_dump()
         async with httpx.AsyncClient() as http:

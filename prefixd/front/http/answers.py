@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from prefixd.front.http.extension import UsageExtension
 from prefixd.front.output import reasoning_of
 from prefixd.ipc.events import DoneEvent, TokenEvent
 
@@ -21,7 +22,7 @@ class Answer:
     created: int
     chat: bool
     token_text: Callable[[int], bytes]
-    normalised: tuple[str, ...] = ()  # the hygiene normalisers that changed the request
+    extension: UsageExtension  # usage.prefixd
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
@@ -30,6 +31,7 @@ class Answer:
     def add(self, event: TokenEvent) -> None:
         self.text.append(event.text)
         self.reasoning.append(reasoning_of(event))
+        self.extension.add(event)
         self.logprobs.extend(self.logprob_entry(entry) for entry in event.logprobs or ())
 
     def logprob_entry(self, entry: dict[str, Any]) -> dict[str, Any]:
@@ -47,17 +49,8 @@ class Answer:
         u = self.done.usage
         out: dict[str, Any] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                                "total_tokens": u.prompt_tokens + u.completion_tokens,
-                               "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
-        extension = self.extension()
-        if extension:
-            out["prefixd"] = extension
-        return out
-
-    def extension(self) -> dict[str, Any]:
-        """usage.prefixd: what prefixd adds to OpenAI's usage (the one place it is built)."""
-        out: dict[str, Any] = {}
-        if self.normalised:
-            out["normalised"] = list(self.normalised)
+                               "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+                               "prefixd": self.extension.usage(self.done)}
         return out
 
     def body(self, want_logprobs: bool) -> dict[str, Any]:

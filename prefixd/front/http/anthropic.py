@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from prefixd.front.http.anthropic_map import MessagesRequest, map_messages, user_id
 from prefixd.front.http.app import NAMESPACE_HEADER, _http_error, _read_json
+from prefixd.front.http.extension import UsageExtension
 from prefixd.front.http.openai_map import HttpError
 from prefixd.front.output import reasoning_of
 from prefixd.ipc.errors import ProtocolError
@@ -96,7 +97,7 @@ class MessagesApi:
         client = self.front.client(request, namespace)
         stream_id, built, receive = await self.front._start(client, mapped.chat)
         reply = Reply(f"msg_{stream_id}", self.front.model, self.front.services.builder.tokenizer.token_bytes,
-                      mapped.stop_sequences, mapped.normalised, len(built.request.tokens))
+                      mapped.stop_sequences, self.front.usage_extension(mapped.chat), len(built.request.tokens))
         events = self.front._events(stream_id, built, receive, client)
         if mapped.chat.stream:
             return StreamingResponse(_sse(reply, events), media_type="text/event-stream",
@@ -134,7 +135,7 @@ class Reply:
     model: str
     token_bytes: Callable[[int], bytes]
     stop_sequences: tuple[str, ...]
-    normalised: tuple[str, ...]
+    extension: UsageExtension  # usage.prefixd
     num_prompt: int
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
@@ -146,6 +147,7 @@ class Reply:
             self.text.append(event.text)
             self.reasoning.append(reasoning_of(event))
             self.ids.extend(event.ids)
+            self.extension.add(event)
         else:
             self.done = event
 
@@ -179,16 +181,9 @@ class Reply:
         else:
             out = {"input_tokens": self.num_prompt, "output_tokens": 0, "cache_read_input_tokens": 0,
                    "cache_creation_input_tokens": 0}
-        extension = self.extension()
+        extension = self.extension.usage(self.done if final else None)
         if extension:
             out["prefixd"] = extension
-        return out
-
-    def extension(self) -> dict[str, Any]:
-        """usage.prefixd: what prefixd adds to Anthropic's usage (the one place it is built)."""
-        out: dict[str, Any] = {}
-        if self.normalised:
-            out["normalised"] = list(self.normalised)
         return out
 
     def thinking(self) -> dict[str, Any] | None:

@@ -6,6 +6,7 @@ same generate map and reaches the engine as the same StreamRequest (same tokens,
 chunk starts, same bits):
 
     system (string or text blocks)        -> a system message (after prompt hygiene)
+    system-role messages in messages      -> their text after system's, in that system message
     user text blocks                      -> a user message
     user tool_result blocks               -> tool messages (tool_call_id = tool_use_id)
     assistant text / tool_use blocks      -> an assistant message with content / tool_calls
@@ -25,6 +26,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from prefixd.front.http.extension import FIELD
 from prefixd.front.http.openai_map import HttpError, MappedRequest, map_chat
 from prefixd.text.hygiene import applied_in_order, normalise_system
 
@@ -152,23 +154,42 @@ def _user(blocks: list[dict[str, Any]], where: str, made: set[str]) -> list[dict
     return out
 
 
+def late_system(messages: Any) -> list[str]:
+    """The text of the system-role messages inside `messages` (Claude Code sends its
+    environment block as one, after the first user message; chat_messages skips them). Their
+    text joins the system prompt, after `system`: many chat templates take a system
+    message only first, and a system prompt that holds it stays put as the turns grow, where a
+    system message kept among the turns would move (and end the cached prefix) each turn."""
+    if not isinstance(messages, list):
+        return []
+    texts = [_texts(m.get("content"), f"messages[{i}].content") for i, m in enumerate(messages)
+             if isinstance(m, dict) and m.get("role") == "system"]
+    return [t for t in texts if t]
+
+
 def chat_messages(system: list[str], messages: Any, *, reasoning: bool) -> list[dict[str, Any]]:
     """The chat completions messages saying what `system` (hygienic text blocks) and the
-    Messages `messages` say. `reasoning`: the chat template renders `reasoning_content`."""
+    Messages `messages` say (their system-role messages are in `system`, late_system).
+    `reasoning`: the chat template renders `reasoning_content`."""
     if not isinstance(messages, list) or not messages:
         raise _bad("messages: must be a non-empty array", "messages")
     out: list[dict[str, Any]] = [{"role": "system", "content": JOIN.join(system)}] if system else []
     made: set[str] = set()  # tool_use ids of the assistant messages so far
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise _bad(f"{where}.role: must be user or assistant", "messages")
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise _bad(f"{where}.role: must be user, assistant or system", "messages")
+        if message["role"] == "system":  # in the system prompt already (late_system)
+            continue
         blocks = _blocks(message.get("content"), where)
         if message["role"] == "assistant":
             out.append(_assistant(blocks, where, reasoning, made))
         else:
             out.extend(_user(blocks, where, made))
-    if messages[-1]["role"] == "assistant":
+    turns = [m for m in messages if m["role"] != "system"]
+    if not turns:
+        raise _bad("messages: must hold a user message", "messages")
+    if turns[-1]["role"] == "assistant":
         raise _bad("messages: a last assistant message (a prefill to continue) is not supported", "messages")
     return out
 
@@ -240,16 +261,17 @@ def map_messages(body: dict[str, Any], namespace: str, *, reasoning: bool, norma
     as a generate map, through the chat completions body that says the same."""
     if not counting and body.get("max_tokens") is None:
         raise _bad("max_tokens: required", "max_tokens")
-    system, normalised = normalise_system(_system_blocks(body.get("system")), normalisers)
+    messages = body.get("messages")
+    system, normalised = normalise_system(_system_blocks(body.get("system")) + late_system(messages), normalisers)
     stops = _stop_sequences(body)
     chat: dict[str, Any] = {
-        "messages": chat_messages(system, body.get("messages"), reasoning=reasoning),
+        "messages": chat_messages(system, messages, reasoning=reasoning),
         "max_tokens": 1 if counting else body["max_tokens"],
         "stop": list(stops) or None,
         "tools": chat_tools(body.get("tools")),
         "tool_choice": chat_tool_choice(body.get("tool_choice")),
         "stream": bool(body.get("stream")),
-        **{name: body.get(name) for name in ("temperature", "top_p", "top_k")},
+        **{name: body.get(name) for name in ("temperature", "top_p", "top_k", FIELD)},
     }
     mapped = map_chat({k: v for k, v in chat.items() if v is not None}, namespace, normalisers)
     options = dataclasses.replace(mapped.chat, enable_thinking=thinking_switch(body.get("thinking")))

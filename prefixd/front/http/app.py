@@ -24,6 +24,7 @@ from starlette.routing import Route
 from prefixd.front.engine_link import EngineLost
 from prefixd.front.gate import GateClient
 from prefixd.front.http.answers import SSE_DONE, Answer
+from prefixd.front.http.extension import UsageExtension
 from prefixd.front.http.openai_map import HttpError, MappedRequest, map_chat, map_completion
 from prefixd.front.output import reasoning_of
 from prefixd.ipc.errors import ErrorCode, ProtocolError
@@ -140,8 +141,9 @@ class HttpFront:
         mapped = map_chat(body, namespace, self.normalisers) if chat else map_completion(body, namespace)
         client = self.client(request, namespace)
         stream_id, built, receive = await self._start(client, mapped)
+        tokenizer = self.services.builder.tokenizer
         answer = Answer(f"{'chatcmpl' if chat else 'cmpl'}-{stream_id}", self.model, int(time.time()), chat,
-                        self.services.builder.tokenizer.token_bytes, normalised=mapped.normalised)
+                        tokenizer.token_bytes, self.usage_extension(mapped))
         events = self._events(stream_id, built, receive, client)
         if mapped.stream:
             return StreamingResponse(_sse(answer, events, mapped), media_type="text/event-stream",
@@ -182,6 +184,10 @@ class HttpFront:
             held.release()
             raise
         return stream_id, built, receive
+
+    def usage_extension(self, mapped: MappedRequest) -> UsageExtension:
+        """usage.prefixd of one request (extension.py), on every API."""
+        return UsageExtension.of(mapped.generate, mapped.normalised, self.services.builder.tokenizer)
 
     def build_function(self, mapped: MappedRequest) -> Any:
         """RequestBuilder.generate with the request's ChatOptions (thinking, reasoning)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from prefixd.front.http.extension import request_fields
 from prefixd.front.requests import ChatOptions
 from prefixd.text.hygiene import DEFAULT_NORMALISERS, normalise_tools
 
@@ -173,6 +174,7 @@ def _common(body: dict[str, Any], namespace: str) -> dict[str, Any]:
         "sampling": _sampling(body),
         "stop": stop or None,
         "namespace": namespace or None,
+        **request_fields(body, _bad),
     }
     return {k: v for k, v in out.items() if v is not None}
 

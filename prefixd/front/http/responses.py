@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from prefixd.front.http.app import NAMESPACE_HEADER, HttpFront, _read_json
+from prefixd.front.http.extension import UsageExtension
 from prefixd.front.http.openai_map import HttpError
 from prefixd.front.http.responses_map import MappedResponse, chat_param, map_response, normalize_items
 from prefixd.front.http.responses_store import ResponseStore
@@ -40,8 +41,10 @@ _FINAL_EVENT = {"completed": "response.completed", "incomplete": "response.incom
 class ResponseAnswer:
     """What one response has produced so far, spelled as a Responses object."""
 
-    def __init__(self, response_id: str, model: str, created_at: int, mapped: MappedResponse) -> None:
+    def __init__(self, response_id: str, model: str, created_at: int, mapped: MappedResponse,
+                 extension: UsageExtension) -> None:
         self.id = response_id
+        self.extension = extension  # usage.prefixd
         self.model = model
         self.created_at = created_at
         self.mapped = mapped
@@ -56,6 +59,7 @@ class ResponseAnswer:
         if isinstance(event, TokenEvent):
             self.text.append(event.text)
             self.reasoning.append(reasoning_of(event))
+            self.extension.add(event)
         else:
             self.done = event
             if event.finish_reason == "error":
@@ -129,16 +133,7 @@ class ResponseAnswer:
                                "input_tokens_details": {"cached_tokens": u.cached_tokens},
                                "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                                "total_tokens": u.prompt_tokens + u.completion_tokens}
-        extension = self.extension()
-        if extension:
-            out["prefixd"] = extension
-        return out
-
-    def extension(self) -> dict[str, Any]:
-        """usage.prefixd: what prefixd adds to the Responses usage (the one place it is built)."""
-        out: dict[str, Any] = {}
-        if self.mapped.request.normalised:
-            out["normalised"] = list(self.mapped.request.normalised)
+        out["prefixd"] = self.extension.usage(self.done)
         return out
 
 
@@ -177,7 +172,8 @@ class ResponsesApi:
             stream_id, built, receive = await self.front._start(client, mapped.request)
         except HttpError as e:
             raise chat_param(e) from None
-        answer = ResponseAnswer(f"resp_{secrets.token_hex(16)}", self.front.model, int(time.time()), mapped)
+        answer = ResponseAnswer(f"resp_{secrets.token_hex(16)}", self.front.model, int(time.time()), mapped,
+                                self.front.usage_extension(mapped.request))
         events = self.front._events(stream_id, built, receive, client)
         if mapped.request.stream:
             return StreamingResponse(self._sse(answer, events, namespace), media_type="text/event-stream",

@@ -21,6 +21,7 @@ from typing import Any
 
 import dataclasses
 
+from prefixd.front.http.extension import FIELD
 from prefixd.front.http.openai_map import HttpError, MappedRequest, _int, effort_switch, map_chat
 from prefixd.text.hygiene import DEFAULT_NORMALISERS
 
@@ -67,6 +68,8 @@ def map_response(body: dict[str, Any], namespace: str, history: tuple[dict[str, 
     if max_tokens is not None:
         chat["max_tokens"] = max_tokens
     chat.update({k: body[k] for k in _SAMPLING if body.get(k) is not None})
+    if body.get(FIELD) is not None:  # prefixd's own switches (extension.py)
+        chat[FIELD] = body[FIELD]
     if tools:
         chat["tools"] = tools
     choice = _tool_choice(body.get("tool_choice"))
