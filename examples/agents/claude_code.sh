@@ -8,6 +8,13 @@
 # PREFIXD_URL (default http://127.0.0.1:8080) is the daemon's HTTP front; PREFIXD_TOKEN the
 # content of its --http-token-file, if it has one (any value does on loopback without one).
 # The config directory is a fresh temporary one, so your own ~/.claude is not read or changed.
+#
+# Claude Code's own first prompt (its system prompt and 12-22 tool definitions) is about 20,000
+# tokens: more than the default model's 8,192-token context. With a model whose context holds
+# it, run as is; with the default model, narrow it (CLAUDE_ARGS, passed to every `claude -p`):
+#
+#   CLAUDE_ARGS='--tools Bash,Read --system-prompt "You are a coding agent. Use the tools."' \
+#     examples/agents/claude_code.sh
 set -euo pipefail
 
 url="${PREFIXD_URL:-http://127.0.0.1:8080}"
@@ -37,9 +44,9 @@ export DISABLE_AUTOUPDATER=1
 for turn in 1 2; do
   echo "== turn $turn"
   if [ "$turn" = 1 ]; then
-    claude -p --output-format json --max-turns 3 "$prompt" > "$config_dir/turn.json" || true
+    eval "claude -p --output-format json --max-turns 3 ${CLAUDE_ARGS:-} \"\$prompt\"" > "$config_dir/turn.json" || true
   else
-    claude -p --output-format json --max-turns 3 --continue "Say in one line what you found." \
+    eval "claude -p --output-format json --max-turns 3 --continue ${CLAUDE_ARGS:-} \"Say in one line what you found.\"" \
       > "$config_dir/turn.json" || true
   fi
   python3 - "$config_dir/turn.json" <<'PY'
