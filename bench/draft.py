@@ -5,6 +5,7 @@
     python bench/draft.py --modes int4 --draft-max 8 --threads 2
     python bench/draft.py --modes int4 --lanes 8 --workloads echo --repeat 3   # medians of 3 alternating runs
     python bench/draft.py --modes int4 --verify-cost    # only: what a verify row costs, and the rate it bounds
+    python bench/draft.py --modes int4 --sampling greedy,defaults   # also under the CLI's default sampling
 
 Two workloads built from this repository's own text, rendered with the model's chat template:
 - echo: agent-style turns: a tool listing whose paths the reply must quote back in tool calls,
@@ -19,7 +20,11 @@ then until its last lane ended, summed over batches), the same over each batch's
 (until its first lane ended: every lane decoding; a batch's makespan is its slowest reply's, and
 a reply that drafts little finishes last, on a few lanes, so the busy span is what "at 8
 lanes" measures), acceptance (accepted / drafted tokens), mean accepted drafts per verify,
-and whether the token ids of both runs are equal (they must be). Beside them, llama.cpp (llama-cpp-python) on the same GGUF with and without its
+and whether the token ids of both runs are equal (they must be). `--sampling` picks how replies
+are sampled: `greedy`, and `defaults`, what `prefixd chat` uses for the model (its own settings,
+else temperature 0.7, top-p 0.9, top-k 40), with a fixed seed per turn (so drafted and undrafted
+runs sample the same tokens: a draft is kept only where the seeded sample of its row equals it).
+Beside them, llama.cpp (llama-cpp-python) on the same GGUF with and without its
 prompt-lookup drafting (`LlamaPromptLookupDecoding`), one sequence, greedy.
 
 With --verify-cost, instead: per runner mode and lane count, the median time of a round in
@@ -130,7 +135,8 @@ class DraftCounts:
         return lambda *args, **kwargs: None
 
 
-def run_turns(runner, tokenizer, workload, lanes: int, turns: int, max_tokens: int, draft: str, draft_max: int):
+def run_turns(runner, tokenizer, workload, lanes: int, turns: int, max_tokens: int, draft: str, draft_max: int,
+              sampling: dict | None = None):
     """`turns` requests (workload(0..turns-1); at least `lanes`), `lanes` at a time, each batch run to its end:
     token ids and usage per request, decode tok/s over all batches, verifies."""
     ids, usage, verifies = {}, {}, 0
@@ -139,7 +145,7 @@ def run_turns(runner, tokenizer, workload, lanes: int, turns: int, max_tokens: i
     for first in range(0, turns, lanes):
         batch = [i for i in range(first, min(first + lanes, turns))]
         b_ids, b_usage, b_whole, b_busy, b_verifies = run_engine(
-            runner, tokenizer, workload, batch, max_tokens, draft, draft_max)
+            runner, tokenizer, workload, batch, max_tokens, draft, draft_max, sampling)
         ids.update(b_ids)
         usage.update(b_usage)
         whole.add(b_whole)
@@ -164,8 +170,10 @@ class Rate:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
-def run_engine(runner, tokenizer, workload, turns: list[int], max_tokens: int, draft: str, draft_max: int):
-    """One engine with a lane per turn: token ids and usage per turn, the decode `Rate` of the
+def run_engine(runner, tokenizer, workload, turns: list[int], max_tokens: int, draft: str, draft_max: int,
+               sampling: dict | None = None):
+    """One engine with a lane per turn (sampled with `sampling`, seeded by turn; None: greedy):
+    token ids and usage per turn, the decode `Rate` of the
     batch (tokens emitted after every lane's first token, over the seconds since then until the
     last lane ended), that of its busy span (the same until the first lane ended: every lane
     decoding), and the number of verifies."""
@@ -178,7 +186,8 @@ def run_engine(runner, tokenizer, workload, turns: list[int], max_tokens: int, d
                     observer=counts)
     for i in turns:
         tokens = tuple(tokenizer.render_chat(workload(i)).ids)
-        engine.submit(StreamRequest(i, tokens, max_tokens, sampling=SamplingParams(),
+        params = SamplingParams(**sampling, seed=1000 + i) if sampling else SamplingParams()
+        engine.submit(StreamRequest(i, tokens, max_tokens, sampling=params,
                                     stop_ids=frozenset(tokenizer.stop_ids)))
     ids: dict[int, list[int]] = {i: [] for i in turns}
     usage = {}
@@ -203,9 +212,10 @@ def run_engine(runner, tokenizer, workload, turns: list[int], max_tokens: int, d
 
 
 def llama_cpp_rates(path: str, tokenizer, workload, turns: int, max_tokens: int,
-                    draft_max: int) -> tuple[float | None, float | None]:
-    """llama.cpp's decode tok/s over the workload's turns, one at a time, greedy: without and
-    with `LlamaPromptLookupDecoding` (None, None without llama-cpp-python)."""
+                    draft_max: int, sampling: dict | None = None) -> tuple[float | None, float | None]:
+    """llama.cpp's decode tok/s over the workload's turns, one at a time (greedy, or `sampling`
+    seeded by turn): without and with `LlamaPromptLookupDecoding` (None, None without
+    llama-cpp-python)."""
     try:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -225,8 +235,13 @@ def llama_cpp_rates(path: str, tokenizer, workload, turns: int, max_tokens: int,
             llm.create_completion(tokens, max_tokens=1, temperature=0.0)
             prefill_s = time.perf_counter() - t0
             llm.reset()
+            kw = {"temperature": 0.0}
+            if sampling:
+                kw = {"temperature": sampling.get("temperature", 0.0), "top_p": sampling.get("top_p", 1.0),
+                      "top_k": sampling.get("top_k", 0), "min_p": sampling.get("min_p", 0.0),
+                      "repeat_penalty": sampling.get("repetition_penalty", 1.0), "seed": 1000 + i}
             t0 = time.perf_counter()
-            out = llm.create_completion(tokens, max_tokens=max_tokens, temperature=0.0)
+            out = llm.create_completion(tokens, max_tokens=max_tokens, **kw)
             decode_s += max(time.perf_counter() - t0 - prefill_s, 1e-9)
             tokens_n += out["usage"]["completion_tokens"] - 1
         rates.append(tokens_n / decode_s)
@@ -248,6 +263,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs per row, undrafted and drafted alternating; the table shows medians")
     parser.add_argument("--workloads", default="echo,prose", help="workloads, comma-separated")
+    parser.add_argument("--sampling", default="greedy",
+                        help="greedy and/or defaults (prefixd chat's for the model), comma-separated")
     parser.add_argument("--turns", type=int, default=0,
                         help="requests per workload, run lanes at a time (default: 8; --quick: 2)")
     parser.add_argument("--verify-cost", action="store_true",
@@ -284,37 +301,43 @@ def main() -> None:
         return
     rows = []
     workloads = [(name, WORKLOADS[name]) for name in args.workloads.split(",")]
+    samplings = [(name, bench_sampling(name, ckpt.path)) for name in args.sampling.split(",") if name]
     if args.model == "default" and not args.no_llama_cpp:
-        for name, workload in workloads:
-            plain, lookup = llama_cpp_rates(str(default_model_path()), tok, workload, turns, max_tokens, args.draft_max)
-            rows.append([f"{name} llama.cpp", 1, fmt_rate(plain), fmt_rate(lookup), fmt_ratio(lookup, plain),
-                         "-", "-", "-", "-", "-", "-"])
-            print("measured:", rows[-1], flush=True)
+        for s_name, sampling in samplings:
+            for name, workload in workloads:
+                plain, lookup = llama_cpp_rates(str(default_model_path()), tok, workload, turns, max_tokens,
+                                                args.draft_max, sampling)
+                rows.append([f"{name} llama.cpp", s_name, 1, fmt_rate(plain), fmt_rate(lookup),
+                             fmt_ratio(lookup, plain), "-", "-", "-", "-", "-", "-"])
+                print("measured:", rows[-1], flush=True)
     for mode in [m for m in args.modes.split(",") if m]:
         mode = resolve_mode(mode, ckpt.config.family, torch.device("cpu"), dtype)
         runners = [ModelRunner(ckpt, device=torch.device("cpu"), dtype=dtype, num_lanes=max(lane_counts),
                                num_pages=max(lane_counts) * 96, page_size=16, mode=mode, draft_head=head)
                    for head in ((False, True) if args.drafter == "mtp" else (False,))]
-        for name, workload in workloads:
-            for lanes in lane_counts:
-                rows.append(measure(runners[0], runners[-1], args.drafter, tok, workload, lanes, turns, max_tokens,
-                                    args.draft_max, f"{name} {mode}", args.repeat))
-                print("measured:", rows[-1], flush=True)
+        for s_name, sampling in samplings:
+            for name, workload in workloads:
+                for lanes in lane_counts:
+                    row = measure(runners[0], runners[-1], args.drafter, tok, workload, lanes, turns, max_tokens,
+                                  args.draft_max, f"{name} {mode}", args.repeat, sampling)
+                    rows.append([row[0], s_name, *row[1:]])
+                    print("measured:", rows[-1], flush=True)
         del runners
-    print(markdown_table(["workload", "lanes", "undrafted tok/s", "drafted tok/s", "ratio", "busy: undrafted",
+    print(markdown_table(["workload", "sampling", "lanes", "undrafted tok/s", "drafted tok/s", "ratio", "busy: undrafted",
                           "busy: drafted", "busy: ratio", "acceptance", "accepted per verify", "ids equal"], rows))
 
 
 def measure(plain, drafting, drafter: str, tok, workload, lanes: int, turns: int, max_tokens: int, draft_max: int,
-            label: str, repeat: int = 1) -> list:
+            label: str, repeat: int = 1, sampling: dict | None = None) -> list:
     """One table row: the workload's turns undrafted on `plain`, then drafted with `drafter` on
     `drafting` (the same runner for ngram), `repeat` times alternating; the median rates of each
     (a busy machine slows runs unevenly), over the batches and over their busy spans."""
     runs = {"off": [], "on": []}  # (batch rate, busy rate) per run
     for _ in range(repeat):
-        off_ids, _, base, base_busy, _ = run_turns(plain, tok, workload, lanes, turns, max_tokens, "off", draft_max)
+        off_ids, _, base, base_busy, _ = run_turns(plain, tok, workload, lanes, turns, max_tokens, "off", draft_max,
+                                                   sampling)
         on_ids, usage, drafted, drafted_busy, verifies = run_turns(drafting, tok, workload, lanes, turns, max_tokens,
-                                                                   drafter, draft_max)
+                                                                   drafter, draft_max, sampling)
         runs["off"].append((base, base_busy))
         runs["on"].append((drafted, drafted_busy))
         if repeat > 1:
@@ -329,6 +352,22 @@ def measure(plain, drafting, drafter: str, tok, workload, lanes: int, turns: int
             f"{accepted_n / drafted_n:.2f}" if drafted_n else "-",
             f"{accepted_n / verifies:.2f}" if verifies else "-",
             "yes" if off_ids == on_ids else "NO"]
+
+
+def bench_sampling(name: str, model_path: Path) -> dict | None:
+    """`greedy`: None; `defaults`: the sampling `prefixd chat` picks for the model with no flags
+    (the model's shipped settings over CHAT_DEFAULTS), without its per-request random seed."""
+    if name == "greedy":
+        return None
+    if name != "defaults":
+        raise SystemExit(f"--sampling: expected greedy or defaults, got {name!r}")
+    from prefixd.daemon.client_cli import CHAT_DEFAULTS, _SAMPLING_KEYS
+    from prefixd.engine.sampling_defaults import sampling_defaults
+
+    source = "gguf" if Path(model_path).suffix == ".gguf" else "hf"
+    shipped = {k: v for k, v in sampling_defaults(Path(model_path), source).items() if k in _SAMPLING_KEYS}
+    chosen = {**CHAT_DEFAULTS, **shipped}
+    return {k: chosen[k] for k in _SAMPLING_KEYS if k in chosen}
 
 
 def verify_cost_table(ckpt, mode: str, dtype, lane_counts, context: int, draft_max: int, accept: float,
