@@ -9,6 +9,12 @@ decode tok/s at 4K context, aggregate decode tok/s at 8 lanes, each beside llama
 the same run; medians of several repeats. Every runner mode that exists gets a column.
 
     python bench/runtime.py --busy-core   # also: every row again beside one busy process
+    python bench/runtime.py --accuracy    # also: bench/accuracy.py's table (KL, top-1 against fp32)
+
+Below the table, the bytes a one-lane decode token reads (weights by kind, the head, K/V at the
+context: bench/token_bytes.py, from the loaded tensors and the GGUF's), the read bandwidth a
+streaming sum reaches on the same thread count in the same run (before and after the engines;
+the higher is the bound), and the fraction of that bound each measured decode reaches.
 
 With --busy-core each engine is measured quiet, then again while one other process spins
 on a core, and a second table gives the busy rates and the slowdown (quiet / busy) of each
@@ -44,6 +50,7 @@ from bench.common import (  # noqa: E402
     rate,
     time_calls,
 )
+from bench.token_bytes import TokenBytes, gguf_account, read_bandwidth, render_account, runner_account  # noqa: E402
 from prefixd.gpu.threads import CpuThreads  # noqa: E402
 from prefixd.scheduler.records import LaneWork, RoundPlan, SamplerSetup, SamplingParams  # noqa: E402
 
@@ -232,7 +239,16 @@ def measure_engine(m: Measure, name: str, sizes: Sizes, vocab: int, busy: bool,
             busy_results[name] = measure_all(m, sizes, vocab, f"{name} (busy core)")
 
 
-def run_engines(args: argparse.Namespace, sizes: Sizes) -> tuple[Results, Results, list[str], dict[str, str]]:
+@dataclass
+class Account:
+    """The bytes account of a run: per engine, and the read bandwidth measured around the engines."""
+
+    engines: dict[str, TokenBytes] = dataclasses.field(default_factory=dict)
+    bandwidth: list[float] = dataclasses.field(default_factory=list)  # bytes/s, before and after
+
+
+def run_engines(args: argparse.Namespace, sizes: Sizes,
+                account: Account) -> tuple[Results, Results, list[str], dict[str, str]]:
     from prefixd.gpu.loading import load_checkpoint
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -246,6 +262,7 @@ def run_engines(args: argparse.Namespace, sizes: Sizes) -> tuple[Results, Result
                 "threads": str(num_threads),
                 "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "(unset)")}
     policy = None if args.fixed_threads or device.type != "cpu" else CpuThreads.up_to_current()
+    account.bandwidth.append(read_bandwidth(num_threads))
     for mode in args.modes.split(","):
         try:
             # the model takes the tensors it uses out of the dict: each mode gets its own dict
@@ -258,6 +275,8 @@ def run_engines(args: argparse.Namespace, sizes: Sizes) -> tuple[Results, Result
         graphs = m.runner.programs.status() if m.runner.programs is not None else None
         if graphs is not None:  # CUDA: decode rounds replay graphs (gpu/programs.py)
             notes.append(f"prefixd {mode}: decode programs captured as CUDA graphs: {graphs}")
+        with contextlib.suppress(ValueError):  # a family without an account (hybrid) goes without
+            account.engines[f"prefixd {mode}"] = runner_account(m.runner)
         m._prefill_lanes({0: prompt_tokens(min(2 * args.grid, sizes.longest), vocab)})  # warm-up: allocator, kernels
         measure_engine(m, f"prefixd {mode}", sizes, vocab, args.busy_core, results, busy_results)
         if args.profile:
@@ -275,10 +294,13 @@ def run_engines(args: argparse.Namespace, sizes: Sizes) -> tuple[Results, Result
             versions["llama-cpp-python"] = llama.llama.version
             llama.prefill(prompt_tokens(min(2 * args.grid, sizes.longest), vocab))  # warm-up
             measure_engine(llama, "llama.cpp", sizes, vocab, args.busy_core, results, busy_results)
+            account.engines["llama.cpp"] = gguf_account(str(checkpoint.path))
     else:
         notes.append("llama.cpp skipped: it is compared on the CPU with a GGUF model only")
     if policy is not None:
         torch.set_num_threads(policy.max_threads)
+    account.bandwidth.append(read_bandwidth(num_threads))
+    if policy is not None:
         notes.append(f"prefixd thread policy: up to {policy.max_threads} threads, the free cores each second "
                      f"(last count {policy.threads})")
     return results, busy_results, notes, versions
@@ -357,11 +379,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print the top operators of each runner mode")
+    parser.add_argument("--accuracy", action="store_true",
+                        help="also bench/accuracy.py's table for the same modes and model")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     if args.repeats:
         sizes = Sizes(sizes.prefill, sizes.decode_context, sizes.lanes, sizes.lane_context, sizes.decode_steps, args.repeats)
-    results, busy_results, notes, versions = run_engines(args, sizes)
+    account = Account()
+    results, busy_results, notes, versions = run_engines(args, sizes, account)
     print_machine(versions)
     print(render(results, sizes))
     if busy_results:
@@ -370,7 +395,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     for note in notes:
         print(f"- {note}")
     print(f"- medians of {sizes.repeats} repeats; decode: {sizes.decode_steps} rounds per repeat, greedy")
+    if account.engines:
+        print()
+        print(render_bytes(account, results, sizes))
+    if args.accuracy:
+        from bench import accuracy
+
+        print()
+        print(accuracy.report(model=args.model, modes=args.modes.split(","), llama_cpp=not args.no_llama_cpp))
     return 0
+
+
+def render_bytes(account: Account, results: Results, sizes: Sizes) -> str:
+    """The bytes account of the one-lane decode rows beside their measured rates."""
+    mean_ctx = lambda c: c + (sizes.decode_steps + 1) / 2  # noqa: E731 (a timed step at context+s reads context+s rows)
+    contexts = {f"decode 1 lane @ {c} ctx": round(mean_ctx(c)) for c in (sizes.decode_context, sizes.lane_context)}
+    bound = max(account.bandwidth)
+    lines = [render_account(account.engines, results, contexts, bound),
+             f"- read bandwidth: {', then '.join(f'{b / 1e9:.2f}' for b in account.bandwidth)} GB/s (a streaming "
+             f"sum over a 1 GiB fp32 buffer on {torch.get_num_threads()} threads, median of 5, before and after the "
+             f"engines); the bound is the higher, {bound / 1e9:.2f} GB/s",
+             "- K/V at the mean context the timed tokens read (context + steps / 2); bound = bandwidth / total"]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
