@@ -10,12 +10,13 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from prefixd.scheduler.pages import PageAllocator
 from prefixd.scheduler.chunks import Schedule
 from prefixd.scheduler.store import eviction
 from prefixd.scheduler.store.allowance import Ledger
+from prefixd.scheduler.store.announce import BlockStored, blocks_of
 from prefixd.scheduler.store.cursor import Cursor
 from prefixd.scheduler.store.entries import (CLEARED, REASONS, Entry, EntryInfo, Eviction, Hit,
                                              Node, Snapshot, StoreStats)
@@ -299,6 +300,17 @@ class PrefixStore:
         shadow = eviction.Shadow(self._ledger)
         return [EntryInfo(e.namespace, e.cut, shadow.release(e).nbytes, e.hits, e.pins > 0,
                           e.moved_past, e.shared) for e in self._tree.entries.values()]
+
+    def announce_to(self, announcer: Any) -> None:
+        """Tell `announcer` (store/announce.py) of every page and snapshot from now on; the
+        store must be empty (what it held before would never be announced)."""
+        if self._tree.entries:
+            raise RuntimeError("announce_to on a store that already holds entries")
+        self._tree.listener = announcer
+
+    def kv_blocks(self, *, snapshots: bool) -> list[BlockStored]:
+        """Every block the store holds now, as KV events announce them (computed afresh)."""
+        return blocks_of(self._tree.roots, self.page_size, snapshots=snapshots)
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if page references, byte totals or tree counts disagree."""

@@ -10,7 +10,7 @@ its page released. Each namespace has its own root, so nothing is shared across 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from prefixd.scheduler.chunks import Schedule
 from prefixd.scheduler.store.allowance import Ledger
@@ -37,6 +37,9 @@ class Tree:
         self.cursors: OrderedDict[int, Cursor] = OrderedDict()  # by id(key)
         self.log: list[Node] = []  # nodes created, given an entry or a new continuation
         self.log_base = 0  # log positions dropped from the front
+        # told of every page node made and pruned and every entry attached and detached
+        # (store/announce.py: Announcer); must not change the tree
+        self.listener: Any = None
 
     def cursor(self, key: ReuseKey, schedule: Schedule | None) -> Cursor:
         """The cursor of `key` (under `schedule`, when given), made on first use."""
@@ -106,6 +109,8 @@ class Tree:
                 variants[nk[1]] = child
                 self._logged(child)
                 cur.add_level_node(child)
+                if self.listener is not None:
+                    self.listener.page_added(child, key.namespace)
             cur.path.append(child)
             node = child
         return node
@@ -122,6 +127,8 @@ class Tree:
         self.ledger.extra_bytes += snapshot.nbytes
         self.entries[e.seq] = e
         self._logged(node)
+        if self.listener is not None:
+            self.listener.snapshot_added(e)
         walk: Node | None = node
         while walk is not None:
             walk.num_entries_below += 1
@@ -136,6 +143,8 @@ class Tree:
         del e.node.entries[e.slot]
         del self.entries[e.seq]
         self.ledger.extra_bytes -= e.snapshot.nbytes
+        if self.listener is not None:
+            self.listener.snapshot_dropped(e)
         freed = [] if e.tail_page is None else self.ledger.release(e.tail_page)
         walk: Node | None = e.node
         while walk is not None:
@@ -154,6 +163,8 @@ class Tree:
                 del node.parent.children[rk]
             freed += self.ledger.release(node.page)  # type: ignore[arg-type]
             node.alive = False
+            if self.listener is not None:
+                self.listener.page_dropped(node)
             node = node.parent
         if node.parent is None and node.num_entries_below == 0:
             node.alive = False
