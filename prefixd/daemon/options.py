@@ -153,6 +153,23 @@ def off_or_at_least(low: float) -> Callable[[Any], str | None]:
     return lambda value: None if value == 0 or low <= value < math.inf else f"must be 0 (off) or a number >= {low:g}"
 
 
+def kv_events_endpoint(value: str) -> str | None:
+    """What is wrong with a --kv-events endpoint ("" is off), pyzmq's absence included."""
+    if not value:
+        return None
+    import importlib.util
+
+    from prefixd.engine.kv_events import parse_endpoint
+
+    try:
+        parse_endpoint(value)
+    except ValueError as e:
+        return str(e)
+    if importlib.util.find_spec("zmq") is None:
+        return "needs pyzmq: pip install 'prefixd[kv-events]'"
+    return None
+
+
 _SOCKET = "$XDG_RUNTIME_DIR/prefixd/prefixd.sock, else /run/prefixd/prefixd.sock for root, else /tmp/prefixd-$UID/prefixd.sock"
 _DISK_CACHE = "$STATE_DIRECTORY under systemd, else $XDG_CACHE_HOME/prefixd, else ~/.cache/prefixd"
 
@@ -231,6 +248,13 @@ OPTIONS: tuple[Option, ...] = (
            "a Redis or Valkey server the disk tier also sends its entries to and fetches the ones it lacks from, "
            "shared by daemons of the same model and mode: redis://HOST:PORT/DB or unix:///PATH (docs/scale.md)",
            metavar="URL", shown="off"),
+    Option("--kv-events", "kv_events", "PREFIXD_KV_EVENTS", "",
+           "publish the prefix store's pages (and a hybrid family's snapshots) as vLLM KV events on this ZMQ "
+           "PUB endpoint, tcp://HOST:PORT or ipc://PATH, ?topic=NAME to name the topic (docs/scale.md)",
+           metavar="URL", shown="off", check=kv_events_endpoint),
+    Option("--kv-events-replay", "kv_events_replay", "PREFIXD_KV_EVENTS_REPLAY", "",
+           "with --kv-events, a ZMQ ROUTER endpoint where a router that missed events asks for them again (or "
+           "for a snapshot of the store)", metavar="URL", shown="off", check=kv_events_endpoint),
     Option("--idle-exit", "idle_exit_s", "PREFIXD_IDLE_EXIT", None,
            "flush the disk tier and exit after this many seconds with no client and no request; for "
            "socket-activated units", parse=seconds_or_never, metavar="SECONDS", shown="never", check=above(0)),

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from prefixd.engine.contract import OBSERVED, REFUSAL_CODES, VERSION, EngineSpec, encode, decode, message, \
     pack_object, unpack_object
+from prefixd.engine.kv_events import open_kv_events
 from prefixd.engine.link import BlockingLink, LinkClosed, inherit
 from prefixd.engine.memory import IDLE_TRIM_S, one_malloc_arena, retain_freed_memory, return_idle_memory
 
@@ -77,8 +78,10 @@ class EngineLoop:
     """Serves one engine over one link until told to stop or the link closes."""
 
     def __init__(self, link: BlockingLink, runtime: Any, observer: RecordingObserver, *,
-                 idle_trim_s: float | None = IDLE_TRIM_S, trim: Callable[[], object] = return_idle_memory) -> None:
+                 idle_trim_s: float | None = IDLE_TRIM_S, trim: Callable[[], object] = return_idle_memory,
+                 kv_events: Any = None) -> None:
         self.link = link
+        self.kv_events = kv_events  # engine/kv_events.KvEvents, or None
         self.runtime = runtime
         self.engine = runtime.engine
         self.observer = observer
@@ -98,7 +101,7 @@ class EngineLoop:
                 engine = self.engine
                 if engine.idle:
                     wait = None if self._trim_at is None else self._trim_at - time.monotonic()
-                    msgs = self.link.receive(wait) if wait is None or wait > 0 else None
+                    msgs = self._receive_idle(wait) if wait is None or wait > 0 else None
                     if msgs is None:
                         self._trim_idle()
                         continue
@@ -112,6 +115,8 @@ class EngineLoop:
                     break
                 events = self._step() if not engine.idle else []
                 self._report(events)
+                if self.kv_events is not None:
+                    self.kv_events.after_round()
                 if self._deferred:  # commands that came while an overlapped round ran
                     deferred, self._deferred = self._deferred, []
                     self._apply(deferred, host_only=False)
@@ -122,6 +127,21 @@ class EngineLoop:
                 self._device.shutdown()
                 os.close(self._wake_r)
                 os.close(self._wake_w)
+
+    def _receive_idle(self, wait: float | None) -> list[dict[str, Any]] | None:
+        """`link.receive(wait)`, answering KV-event replay requests while it waits."""
+        replay = self.kv_events.fileno() if self.kv_events is not None else None
+        if replay is None:
+            return self.link.receive(wait)
+        deadline = None if wait is None else time.monotonic() + wait
+        while True:
+            self.kv_events.serve_replay()  # drains the edge-triggered descriptor
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self.link, replay], [], [], left)
+            if self.link in ready:
+                return self.link.receive(0)
+            if not ready:
+                return None
 
     # -- commands ---------------------------------------------------------------------------
 
@@ -170,6 +190,8 @@ class EngineLoop:
             except RuntimeError as e:
                 problem = str(e)
         device = self.runtime.device_status() if self.runtime.device_status is not None else {}
+        if self.kv_events is not None:
+            device = {**device, "kv_events": self.kv_events.status()}
         self.link.send(message("status", q=msg["q"], status=encode({**engine.status(), **device}), idle=engine.idle,
                                integrity=problem, trims=self.num_trims, failed_rounds=self.num_failed_rounds))
 
@@ -321,13 +343,20 @@ def serve_link(link: BlockingLink, factory: Callable[[Any, Any], Any], config: A
         link.send(message("failed", message=f"{type(e).__name__}: {e}", startup=False))
         return 1
     observer.take()  # the load's own observations are not a round's
+    try:
+        kv_events = open_kv_events(config, runtime.engine)
+    except StartupError as e:
+        link.send(message("failed", message=str(e), startup=True))
+        return 2
     freeze_loaded_heap()
     link.send(ready_message(runtime, local))
-    loop = EngineLoop(link, runtime, observer)
+    loop = EngineLoop(link, runtime, observer, kv_events=kv_events)
     try:
         loop.run()
     finally:
         loop.close()
+        if kv_events is not None:
+            kv_events.close()
     return 0
 
 

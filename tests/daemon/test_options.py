@@ -91,7 +91,8 @@ def test_each_variable_reaches_its_field(opt):
     text = {"--model": "m.gguf", "--device": "cuda:1", "--socket": "/s.sock", "--allow-group": "users",
             "--metrics-addr": "127.0.0.1:1", "--cache-budget": "1GiB", "--no-cache": "0", "--disk-cache": "/d",
             "--disk-budget": "1GiB", "--http": "127.0.0.1:8080", "--http-token-file": "/t",
-            "--page-size": "32", "--grid": "256", "--prompt-hygiene": "tool_order"}.get(opt.flag)
+            "--page-size": "32", "--grid": "256", "--prompt-hygiene": "tool_order",
+            "--kv-events": "ipc:///run/kv.sock", "--kv-events-replay": "tcp://127.0.0.1:5558"}.get(opt.flag)
     if text is None:
         text = opt.choices[-1] if opt.choices else "3"
     expected = opt.parse(text)
@@ -134,3 +135,25 @@ def test_size_or_auto_reads_units():
     assert [size_or_auto(t) for t in ("1000", "512M", "4GiB", "1.5Ki")] == [1000, 512_000_000, 4 << 30, 1536]
     with pytest.raises(ValueError, match="expected BYTES"):
         size_or_auto("lots")
+
+
+def test_kv_events_endpoints_are_checked_at_start_up():
+    from prefixd.daemon.config import ConfigError
+
+    cfg = config_from_args(argparse.Namespace(), env={"PREFIXD_KV_EVENTS": "tcp://127.0.0.1:5557?topic=kv@a@m"})
+    assert cfg.kv_events == "tcp://127.0.0.1:5557?topic=kv@a@m" and cfg.kv_events_replay == ""
+    with pytest.raises(ConfigError, match=r"--kv-events udp://x:1: expected tcp://HOST:PORT or ipc://PATH"):
+        config_from_args(argparse.Namespace(), env={"PREFIXD_KV_EVENTS": "udp://x:1"})
+    with pytest.raises(ConfigError, match=r"--kv-events-replay ipc:///r\?x=1: the only parameter is topic=NAME"):
+        config_from_args(argparse.Namespace(), env={"PREFIXD_KV_EVENTS_REPLAY": "ipc:///r?x=1"})
+
+
+def test_kv_events_without_pyzmq_is_a_clear_start_up_error(monkeypatch):
+    import importlib.util
+
+    from prefixd.daemon.config import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "zmq" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"--kv-events ipc:///k: needs pyzmq: pip install 'prefixd\[kv-events\]'"):
+        config_from_args(argparse.Namespace(), env={"PREFIXD_KV_EVENTS": "ipc:///k"})
