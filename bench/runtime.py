@@ -50,6 +50,7 @@ from bench.common import (  # noqa: E402
     rate,
     time_calls,
 )
+from bench.heads import apply_head, split_mode  # noqa: E402
 from bench.token_bytes import TokenBytes, gguf_account, read_bandwidth, render_account, runner_account  # noqa: E402
 from prefixd.gpu.threads import CpuThreads  # noqa: E402
 from prefixd.scheduler.records import LaneWork, RoundPlan, SamplerSetup, SamplingParams  # noqa: E402
@@ -96,6 +97,7 @@ class RunnerMeasure(Measure):
                  threads: CpuThreads | None = None):
         from prefixd.gpu.runner import ModelRunner
 
+        mode, head = split_mode(mode)  # a bench-only head variant ("int4+head=4x2": bench/heads.py)
         page_size = 16
         big = math.ceil(sizes.longest / page_size)
         small = math.ceil(sizes.lane_rows / page_size)
@@ -108,6 +110,7 @@ class RunnerMeasure(Measure):
             page_size=page_size,
             mode=mode,
         )
+        apply_head(self.runner.model, head)
         self.page_size = page_size
         self.tables = [tuple(range(big))] + [
             tuple(range(big + i * small, big + (i + 1) * small)) for i in range(sizes.lanes - 1)
@@ -372,7 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="default", help='"default", a .gguf path or a HF directory')
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    parser.add_argument("--modes", default="invariant,int4", help="runner modes to measure, comma separated")
+    parser.add_argument("--modes", default="invariant,int4",
+                        help="runner modes to measure, comma separated (bench/heads.py's head variants too)")
     parser.add_argument("--busy-core", action="store_true", help="measure again beside one spinning process")
     parser.add_argument("--fixed-threads", action="store_true", help="no thread policy: torch's count throughout")
     parser.add_argument("--grid", type=int, default=256, help="prefill chunk rows per round")

@@ -44,7 +44,7 @@ class TokenBytes:
 def _nbytes(weight: object) -> int:
     if weight is None:
         return 0
-    return int(weight.nbytes)  # torch.Tensor and linear.Int4Weight both say their bytes
+    return int(weight.nbytes)  # torch.Tensor and linear's Int4Weight and Int8Weight all say their bytes
 
 
 def _format(weight: object) -> str:
@@ -52,7 +52,7 @@ def _format(weight: object) -> str:
         return str(weight.dtype).removeprefix("torch.")
     if getattr(weight, "residual", False):
         return "two 4-bit layers"
-    return "4-bit"
+    return "8-bit" if int(weight.codes.shape[2]) == 8 else "4-bit"  # the kernel's layouts (cpu_kernels)
 
 
 def runner_account(runner) -> TokenBytes:
