@@ -30,6 +30,7 @@ from prefixd.disk.shared import Fetched, SharedTier
 from prefixd.disk.writer import FAILED, OFF, WRITTEN, DiskWriter, WriteJob, parts_of
 from prefixd.scheduler.pages import PageAllocator
 from prefixd.scheduler.chunks import Schedule
+from prefixd.scheduler.device import TierSource
 from prefixd.scheduler.records import DiskLoad, FromDisk, PageExport, PageLoad, PagePayload
 from prefixd.scheduler.store import PRESENT, REPLACED, SAVED, PrefixStore, ReuseKey, Snapshot
 
@@ -264,7 +265,9 @@ class DiskTier:
             self.writer.submit_delete(victim.digest)
 
     def poll(self) -> None:
-        """Take the writer's results: entries become servable, failed ones leave the index."""
+        """Take the writer's results: entries become servable, failed ones leave the index.
+        Reports the stats when anything changed (the shared tier's threads change its counts
+        and state between calls)."""
         results = self.writer.drain()
         for r in results:
             entry = self.index.entries.get(r.digest) if r.digest is not None else None
@@ -281,30 +284,30 @@ class DiskTier:
                 self.index.remove_subtree(entry)
             elif r.kind == OFF:
                 self.off = r.message
-        if results:
+        if results or self.stats() != self._reported:
             self._report()
 
     # -- read -------------------------------------------------------------------------
-    def fetch(self, key: ReuseKey, schedule: Schedule, have_rows: int) -> bool:
+    def fetch(self, key: ReuseKey, schedule: Schedule, have_rows: int) -> TierSource | None:
         """Put the deepest entry of `key` deeper than `have_rows` into the RAM store: from the
-        shared store when it holds one deeper than this disk, else from this disk. True when
-        the store now holds it (a lookup will hit it); False changes nothing the request can
-        see (a bad file found on the way is removed and counted)."""
+        shared store when it holds one deeper than this disk, else from this disk. "shared" or
+        "disk" (where it came from) when the store now holds it (a lookup will hit it); None
+        changes nothing the request can see (a bad file found on the way is removed and counted)."""
         if self.off is not None or (not self.index.entries and self.shared is None):
-            return False
+            return None
         self.poll()
         entry = self.index.find(key, schedule, observe=True) if self.index.entries else None
         if self.shared is not None:
             chain = self.shared.fetch(key, schedule, max(have_rows, entry.cut if entry is not None else 0))
             bodies = self._adopt(chain) if chain is not None else None
             if bodies is not None:
-                return self._serve(key, schedule, bodies, shared=True)
+                return "shared" if self._serve(key, schedule, bodies, shared=True) else None
         if entry is None or entry.cut <= have_rows:
-            return False
+            return None
         bodies = self._read_chain(entry)
         if bodies is None:
-            return False
-        return self._serve(key, schedule, bodies, shared=False)
+            return None
+        return "disk" if self._serve(key, schedule, bodies, shared=False) else None
 
     def _adopt(self, chain: list[Fetched]) -> list[tuple[DiskEntry, bytearray, FileMeta]] | None:
         """Index a chain fetched from the shared store and queue its files here (so the next
@@ -432,7 +435,8 @@ class DiskTier:
                          self.corrupt, self.skipped, self.hit_tokens, self.off, **shared)
 
     def _report(self) -> None:
-        self.observer.on_disk(self.stats())
+        self._reported = self.stats()
+        self.observer.on_disk(self._reported)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for every queued write (and take their results); False on timeout."""

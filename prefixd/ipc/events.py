@@ -13,7 +13,7 @@ from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.fields import MAX_TOKEN_ID, FieldReader
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error", "tool_calls")  # tool_calls: v2
-CACHE_RESULTS = ("miss", "hit", "resident", "off")
+CACHE_RESULTS = ("miss", "hit", "shared", "resident", "off")
 SHA256_HEX_CHARS = 64
 
 
@@ -152,7 +152,7 @@ class Usage:
     completion_tokens: int = 0
     ttft_s: float = 0.0  # from receipt of the request to its first token
     total_s: float = 0.0
-    cache: str = "miss"  # miss | hit | resident | off
+    cache: str = "miss"  # miss | hit | shared | resident | off
     draft_tokens: int = 0  # drafted tokens verified
     accepted_tokens: int = 0  # of them, accepted
     cache_reason: str | None = None  # why nothing (or not more) was reused; None: not known

@@ -15,9 +15,12 @@ _LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )
 # Label values known up front, exported at 0 so dashboards see zeros, not gaps.
-CACHE_RESULTS = ("miss", "hit", "resident", "off")
-LOOKUP_RESULTS = ("hit", "miss", "resident")
+CACHE_RESULTS = ("miss", "hit", "shared", "resident", "off")
+LOOKUP_RESULTS = ("hit", "shared", "miss", "resident")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+SHARED_STATES = ("up", "busy", "down")  # the shared tier's (disk/shared.py); all 0 while it is off
+# the shared tier's running totals (DiskStats.shared_*) and the counters they feed
+SHARED_COUNTS = ("hit_tokens", "fetched", "published", "dropped", "errors", "skipped")
 _ROUND_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -91,6 +94,24 @@ class Metrics:
             "prefixd_disk_cache_corrupt",
             "Disk tier files never served (torn, truncated, corrupt or foreign), removed.", registry=r,
         )
+        self.shared_state = Gauge(
+            "prefixd_shared_cache_state", "1 for the shared tier's state (up, busy, down); all 0 when it is off.",
+            ["state"], registry=r,
+        )
+        self.shared_counts = {
+            "hit_tokens": Counter("prefixd_shared_cache_hits_tokens",
+                                  "Prompt tokens served from entries fetched from the shared tier.", registry=r),
+            "fetched": Counter("prefixd_shared_cache_fetched", "Chains fetched from the shared tier and verified.",
+                               registry=r),
+            "published": Counter("prefixd_shared_cache_published", "Entry files sent to the shared tier.", registry=r),
+            "dropped": Counter("prefixd_shared_cache_dropped",
+                               "Shared tier values that failed a check (corrupt, partial, foreign): never served, "
+                               "deleted there.", registry=r),
+            "errors": Counter("prefixd_shared_cache_errors",
+                              "Times the shared tier's server failed or did not answer in time.", registry=r),
+            "skipped": Counter("prefixd_shared_cache_skipped",
+                               "Entry files not sent: the shared tier down, its queue full, or too big.", registry=r),
+        }
         self.draft_tokens = Counter(
             "prefixd_draft_tokens", "Drafted tokens verified, by result.", ["result"], registry=r
         )
@@ -114,6 +135,8 @@ class Metrics:
             self.cache_evictions.labels(reason=reason)
         for reason in FINISH_REASONS:
             self.requests.labels(finish_reason=reason)
+        for state in SHARED_STATES:
+            self.shared_state.labels(state=state)
         for direction in ("save", "restore"):
             self.snapshot_copy_bytes.labels(direction=direction)
         for result in ("accepted", "rejected"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixd.metrics.collectors import Metrics
+from prefixd.metrics.collectors import SHARED_COUNTS, SHARED_STATES, Metrics
 
 
 class MetricsObserver:
@@ -16,6 +16,7 @@ class MetricsObserver:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self._disk_seen = (0, 0, 0)  # hit tokens, written bytes, corrupt files already counted
+        self._shared_seen = dict.fromkeys(SHARED_COUNTS, 0)  # the shared tier's totals already counted
 
     def on_round(self, duration_s: float, forward_s: float, num_rows: int, lanes_busy: int, waiting: int) -> None:
         m = self.metrics
@@ -67,6 +68,19 @@ class MetricsObserver:
             if new > old:
                 counter.inc(new - old)
         self._disk_seen = now
+        self._on_shared(stats)
+
+    def _on_shared(self, stats: Any) -> None:
+        """The shared tier's state ("up", "busy: why", "down: why" or None: off) and totals."""
+        m = self.metrics
+        state = stats.shared.split(":", 1)[0] if stats.shared is not None else None
+        for s in SHARED_STATES:
+            m.shared_state.labels(state=s).set(1 if s == state else 0)
+        for name in SHARED_COUNTS:
+            new = getattr(stats, f"shared_{name}")
+            if new > self._shared_seen[name]:
+                m.shared_counts[name].inc(new - self._shared_seen[name])
+            self._shared_seen[name] = new
 
     def on_draft(self, num_drafted: int, num_accepted: int) -> None:
         m = self.metrics

@@ -162,7 +162,8 @@ class Admitter:
             hit, rows = None, 0
             if not self.free_pages(self._pages_to_seat(stream, 0), spare=(lane,), last_resort=True):
                 return None
-        result = "hit" if hit is not None else "miss" if self.reuse_allowed(stream) else "off"
+        result = ("shared" if stream.hit_shared else "hit") if hit is not None \
+            else "miss" if self.reuse_allowed(stream) else "off"
         if result == "off":
             stream.diagnosis = Diagnosis(CACHE_OFF)
         return self._place(stream, lane, rows, result, hit)
@@ -172,8 +173,11 @@ class Admitter:
         on, so making room for the stream cannot evict what it resumes from."""
         stream.looked_up = True
         hit = self.store.lookup(stream.key, stream.schedule)
-        if self.disk is not None and self.disk.fetch(stream.key, stream.schedule, hit.rows if hit is not None else 0):
+        source = self.disk.fetch(stream.key, stream.schedule, hit.rows if hit is not None else 0) \
+            if self.disk is not None else None
+        if source:
             hit = self.store.lookup(stream.key, stream.schedule, count=False)  # the disk entry, now in RAM
+            stream.hit_shared = source == "shared"
         if not full_hit(stream, hit):  # read-only: what it finds goes to usage, never to the seating
             stream.diagnosis = diagnose(stream, hit, self.store, self.lanes, invariant_rows=self.invariant_rows)
         if hit is not None:

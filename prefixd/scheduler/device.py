@@ -11,7 +11,7 @@ never imports it (the disk package depends on the scheduler, not the reverse).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, Sequence
 
 from prefixd.scheduler.records import DiskLoad, PageExport, PagePayload, RoundPlan, RoundResult
 
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from prefixd.scheduler.pages import PageAllocator
     from prefixd.scheduler.chunks import Schedule
     from prefixd.scheduler.store import PrefixStore, ReuseKey
+
+TierSource = Literal["disk", "shared"]  # where a `LowerTier.fetch` found the entry: this machine's disk, or the shared store
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +78,10 @@ class LowerTier(Protocol):
         """Wire to the engine's RAM store and page allocator, once, before any round; the
         store's keeps are offered to the tier from then on."""
 
-    def fetch(self, key: ReuseKey, schedule: Schedule, have_rows: int) -> bool:
+    def fetch(self, key: ReuseKey, schedule: Schedule, have_rows: int) -> TierSource | None:
         """Publish into the RAM store the deepest entry of `key` deeper than `have_rows`.
-        True when the store now holds it (a lookup will hit it); False changes nothing the
-        request can see."""
+        Where it came from when the store now holds it (a lookup will hit it); None changes
+        nothing the request can see."""
 
     def take_work(self) -> tuple[tuple[DiskLoad, ...], tuple[PageExport, ...]]:
         """The loads and exports for the round being planned (the plan's `loads`, `exports`)."""

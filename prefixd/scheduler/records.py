@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol
 _MAX_FLOAT = 1.7976931348623157e308
 
 # Enumerations that travel as these strings (the wire, the metrics' labels, the status).
-CacheResult = Literal["miss", "hit", "resident", "off"]  # what a prompt reused; "off": it may not
+CacheResult = Literal["miss", "hit", "shared", "resident", "off"]  # what a prompt reused; "off": it may not
 FinishReason = Literal["stop", "length", "cancelled", "error"]  # why a stream ended
 DraftMode = Literal["mtp", "ngram", "off"]  # the device's draft head, prompt lookup, or no drafting
 

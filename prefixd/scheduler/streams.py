@@ -131,6 +131,7 @@ class Stream:
     key: object | None = None  # store.ReuseKey of the prompt; None: may not reuse or keep
     hit: object | None = None  # a pinned store.Hit (pages held) found while waiting
     looked_up: bool = False
+    hit_shared: bool = False  # `hit` resumes from an entry the shared tier sent for this lookup
     diagnosis: object | None = None  # diagnosis.Diagnosis: why the cache gave no more (usage only)
     drafter: object | None = None  # drafting.StreamDrafter while the stream drafts
     draft_tokens: int = 0

@@ -31,6 +31,13 @@ NAMES = [
     "prefixd_disk_cache_hits_tokens_total",
     "prefixd_disk_cache_written_bytes_total",
     "prefixd_disk_cache_corrupt_total",
+    "prefixd_shared_cache_state",
+    "prefixd_shared_cache_hits_tokens_total",
+    "prefixd_shared_cache_fetched_total",
+    "prefixd_shared_cache_published_total",
+    "prefixd_shared_cache_dropped_total",
+    "prefixd_shared_cache_errors_total",
+    "prefixd_shared_cache_skipped_total",
     "prefixd_draft_tokens_total",
     "prefixd_draft_rollbacks_total",
 ]
@@ -136,6 +143,32 @@ def test_disk_tier_totals_become_counter_increments_and_a_gauge():
     assert samples[("prefixd_disk_cache_written_bytes_total", ())] == 6500
     assert samples[("prefixd_disk_cache_hits_tokens_total", ())] == 45
     assert samples[("prefixd_disk_cache_corrupt_total", ())] == 1
+    # no shared tier: every state 0, every count 0
+    assert [samples[("prefixd_shared_cache_state", (("state", s),))] for s in ("up", "busy", "down")] == [0, 0, 0]
+    assert samples[("prefixd_shared_cache_hits_tokens_total", ())] == 0
+
+
+def test_shared_tier_state_is_one_gauge_per_state_and_its_totals_become_counter_increments():
+    from prefixd.disk.tier import DiskStats
+
+    metrics = Metrics()
+    observer = MetricsObserver(metrics)
+    names = ("hits_tokens", "fetched", "published", "dropped", "errors", "skipped")
+
+    def seen(*totals: int, state: str | None) -> tuple[list[float], list[float]]:
+        observer.on_disk(DiskStats(0, 10**9, 0, 0, 0, 0, 0, None, state, *totals))
+        samples = _samples(metrics)
+        return ([samples[("prefixd_shared_cache_state", (("state", s),))] for s in ("up", "busy", "down")],
+                [samples[(f"prefixd_shared_cache_{n}_total", ())] for n in names])
+
+    assert seen(0, 0, 0, 0, 0, 0, state="up") == ([1, 0, 0], [0, 0, 0, 0, 0, 0])
+    assert seen(70, 1, 4, 0, 0, 0, state="up") == ([1, 0, 0], [70, 1, 4, 0, 0, 0])
+    assert seen(70, 1, 4, 0, 1, 0, state="busy: no answer in 1 s") == ([0, 1, 0], [70, 1, 4, 0, 1, 0])
+    assert seen(70, 1, 4, 2, 2, 3, state="down: ConnectionError: refused") == ([0, 0, 1], [70, 1, 4, 2, 2, 3])
+    # an engine restart starts its totals again: counters never go back, and count on from there
+    assert seen(5, 0, 0, 0, 0, 0, state="up") == ([1, 0, 0], [70, 1, 4, 2, 2, 3])
+    assert seen(9, 0, 1, 0, 0, 0, state="up") == ([1, 0, 0], [74, 1, 5, 2, 2, 3])
+    assert seen(state=None) == ([0, 0, 0], [74, 1, 5, 2, 2, 3])  # the tier off
 
 
 def test_draft_counters_split_accepted_and_rejected_and_count_rollbacks():

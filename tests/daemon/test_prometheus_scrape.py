@@ -234,7 +234,8 @@ async def test_every_dashboard_query_returns_data_and_the_alert_rules_load(tmp_p
             if key not in required:
                 assert await anyio.to_thread.run_sync(prom.query, query) in ([], None), key
     assert sorted(rule["name"] for rule in rules) == [
-        "PrefixdCacheHitRatioCollapsed", "PrefixdDiskCacheCorruptFiles", "PrefixdQueueGrowing"]
+        "PrefixdCacheHitRatioCollapsed", "PrefixdDiskCacheCorruptFiles", "PrefixdQueueGrowing",
+        "PrefixdSharedCacheDown"]
     assert {rule["state"] for rule in rules} == {"inactive"}
 
 

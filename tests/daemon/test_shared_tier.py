@@ -1,7 +1,8 @@
 """Daemons sharing snapshots through a real Redis/Valkey server (skips without one, or without
 the redis package): a daemon with an empty disk serves another's next turn from the shared
 tier with a cold run's bits; a corrupt entry is never served; a store that dies mid-run costs
-hits, never a request."""
+hits, never a request: the
+usage says `shared` where the rows came from there, and the metrics say the store is down."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from prefixd.front.engine_link import ProcessLauncher
 from prefixd.ipc.client import AsyncClient
-from tests.daemon.test_engine_process import letters_config, process_server
+from tests.daemon.test_engine_process import letters_config, metric, process_server
 from tests.helpers.redis_server import redis_server  # noqa: F401 (a fixture)
 from tests.helpers.tiny_models import make_tiny_hf_dir
 
@@ -44,6 +45,18 @@ async def disk_status(server) -> dict:
     return (await server.link.status())["disk"]
 
 
+STATES = [f'prefixd_shared_cache_state{{state="{s}"}}' for s in ("up", "busy", "down")]
+
+
+async def metrics_reach(server, want: dict[str, float]) -> None:
+    """Wait until the exporter reads `want` (the engine reports the tier's stats with its next
+    round or status reply, after the status that saw them)."""
+    with anyio.fail_after(30):
+        while {n: await anyio.to_thread.run_sync(metric, server, n) for n in want} != want:
+            await disk_status(server)  # a status polls the tier, which reports what changed
+            await anyio.sleep(0.05)
+
+
 async def generate(server, tokens, **kw):
     async with await AsyncClient.connect(server.socket_path) as client:
         return await client.generate(tokens=tokens, max_tokens=5, logits=True,
@@ -61,13 +74,17 @@ async def test_daemons_share_snapshots_exactly_and_survive_a_bad_or_dead_store(t
             while (s := await disk_status(a))["shared_published"] < s["entries"] or not s["entries"]:
                 await anyio.sleep(0.05)
         assert len(redis_server.keys()) == s["entries"]
+        await metrics_reach(a, {**dict(zip(STATES, (1, 0, 0))), "prefixd_shared_cache_published_total": s["entries"]})
 
         # B has an empty disk and RAM: turn 2 resumes from A's entries, with a cold run's bits
         resumed = await generate(b, NEXT)
         assert (resumed.ids, resumed.logits_sha256) == (cold_next.ids, cold_next.logits_sha256)
-        assert resumed.usage.cached_tokens == len(PROMPT) and resumed.usage.cache == "hit"
+        assert (resumed.usage.cached_tokens, resumed.usage.cache) == (len(PROMPT), "shared")
         s = await disk_status(b)
         assert (s["shared"], s["shared_hit_tokens"], s["hit_tokens"]) == ("up", len(PROMPT), 0)
+        await metrics_reach(b, {**dict(zip(STATES, (1, 0, 0))), "prefixd_shared_cache_hits_tokens_total": len(PROMPT),
+                                "prefixd_shared_cache_fetched_total": 1,
+                                'prefixd_time_to_first_token_seconds_count{cache="shared"}': 1})
 
         # every value spoilt in its body: C (empty disk) never serves one, and prefills cold
         for key in redis_server.keys():
@@ -78,8 +95,10 @@ async def test_daemons_share_snapshots_exactly_and_survive_a_bad_or_dead_store(t
             fresh = await generate(c, NEXT)
             assert (fresh.ids, fresh.logits_sha256) == (cold_next.ids, cold_next.logits_sha256)
             assert fresh.usage.cached_tokens == 0
+            assert fresh.usage.cache == "miss"
             s = await disk_status(c)
             assert s["shared_dropped"] >= 1 and s["shared_hit_tokens"] == 0
+            await metrics_reach(c, {"prefixd_shared_cache_dropped_total": s["shared_dropped"]})
 
             # the store dies: every daemon keeps serving, from its own RAM and disk or cold
             redis_server.stop()
@@ -93,6 +112,10 @@ async def test_daemons_share_snapshots_exactly_and_survive_a_bad_or_dead_store(t
                 assert again.usage.cached_tokens > 0  # its own RAM still holds turn 2 (or turn 1)
             for server in (a, b, c):
                 assert (await disk_status(server))["shared"].startswith("down: ")
+                s = await disk_status(server)
+                await metrics_reach(server, {**dict(zip(STATES, (0, 0, 1))),
+                                             "prefixd_shared_cache_errors_total": s["shared_errors"]})
+                assert s["shared_errors"] >= 1
 
 
 def test_an_unusable_url_leaves_the_shared_tier_off_with_a_warning(caplog):

@@ -184,7 +184,7 @@ def test_image_hidden_size_comes_from_rows() -> None:
     ("data", "message"),
     [
         ({"type": "done", "id": 1, "finish_reason": "bored", "usage": Usage().to_wire()}, "finish_reason: 'bored' is not one of stop, length, cancelled, error, tool_calls"),
-        ({"type": "done", "id": 1, "finish_reason": "stop", "usage": {**Usage().to_wire(), "cache": "maybe"}}, "usage.cache: 'maybe' is not one of miss, hit, resident, off"),
+        ({"type": "done", "id": 1, "finish_reason": "stop", "usage": {**Usage().to_wire(), "cache": "maybe"}}, "usage.cache: 'maybe' is not one of miss, hit, shared, resident, off"),
         ({"type": "token", "id": 1, "ids": [1, 2], "text": "", "logits_sha256": ["0" * 64]}, "logits_sha256: 1 digests for 2 ids"),
         ({"type": "party", "id": 1}, "type: unknown event type 'party'"),
     ],

@@ -55,7 +55,7 @@ def test_a_daemon_with_an_empty_disk_resumes_another_daemons_turn_from_the_share
     engine, device, b = shared_engine(tmp_path / "b", redis_server.url)
     tokens, done = turn(engine, LATER)
     assert tokens == cold(LATER)
-    assert done.usage.cached_tokens == 13
+    assert (done.usage.cached_tokens, done.usage.cache) == (13, "shared")
     stats = b.stats()
     assert (stats.shared, stats.shared_hit_tokens, stats.shared_fetched, stats.hit_tokens) == ("up", 13, 1, 0)
     assert sum(len(p) for p in device.loaded) == 4  # pages 0..3, through the disk tier's load
@@ -67,7 +67,8 @@ def test_a_daemon_with_an_empty_disk_resumes_another_daemons_turn_from_the_share
     # a restart of B on its own directory, the shared tier off: the adopted files serve locally
     engine, _, b2 = disk_engine(tmp_path / "b")
     tokens, done = turn(engine, req(3, LATER.tokens, max_tokens=5))
-    assert done.usage.cached_tokens == 16 and b2.stats().hit_tokens == 16 and b2.stats().corrupt == 0
+    assert (done.usage.cached_tokens, done.usage.cache) == (16, "hit")  # from its own disk: not shared
+    assert b2.stats().hit_tokens == 16 and b2.stats().corrupt == 0
 
 
 def test_a_hybrid_state_from_the_shared_store_resumes_at_a_cut_of_the_requests_schedule(tmp_path, redis_server):
@@ -79,7 +80,7 @@ def test_a_hybrid_state_from_the_shared_store_resumes_at_a_cut_of_the_requests_s
     r2 = req(2, SYSTEM + [1, 2, 3, 4, 5], max_tokens=3, chunk_starts=(10, 12))
     engine, _, b = shared_engine(tmp_path / "b", redis_server.url, **kw)
     tokens, done = turn(engine, r2)
-    assert done.usage.cached_tokens == 12 and b.stats().shared_hit_tokens == 12
+    assert (done.usage.cached_tokens, done.usage.cache) == (12, "shared") and b.stats().shared_hit_tokens == 12
     assert tokens == cold(r2, **kw)
 
 
@@ -128,7 +129,7 @@ def test_a_dead_store_costs_hits_and_one_warning_never_a_request(tmp_path, redis
             tokens, done = turn(engine_b, r)
             assert done.usage.cached_tokens == 0 and tokens == cold(r)
         tokens, done = turn(engine_a, req(4, LATER.tokens, max_tokens=5))  # A still hits in RAM
-        assert done.usage.cached_tokens == 13 and tokens == cold(LATER)
+        assert (done.usage.cached_tokens, done.usage.cache) == (13, "hit") and tokens == cold(LATER)
         b.flush(30)
     assert b.stats().shared.startswith("down: ") and b.stats().shared_errors == 1
     assert b.stats().shared_skipped > 0 and b.stats().entries > 0  # B still caches on its own disk
