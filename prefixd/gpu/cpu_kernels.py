@@ -152,9 +152,24 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> tuple[
     return packed, scales
 
 
+def pack8(codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's 8-bit layout of codes (N, K) in 0..255 and scale, base (N, K/32), as `pack`'s.
+
+    Returns (codes uint8 (NB, G, 8, 2, 64), scales bf16 (NB, G, 2, 32)): byte 4*l + b of
+    [nb, g, i, h] is the code of input 32g + 4i + b for output nb*32 + 16h + l."""
+    n, k = codes.shape
+    g = k // GROUP
+    nb = -(-n // BLOCK_N)
+    q = torch.zeros(nb * BLOCK_N, k, dtype=torch.uint8)
+    q[:n] = codes.to(torch.uint8)
+    # (nb, h, l, g, i, b): output nb*32 + 16h + l, input 32g + 4i + b
+    q = q.reshape(nb, 2, 16, g, 8, 4).permute(0, 3, 4, 1, 2, 5).reshape(nb, g, 8, 2, 64).contiguous()
+    return q, pack(torch.zeros(n, GROUP * g, dtype=torch.int32), scale, base)[1]
+
+
 def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, path: str = "auto",
            norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-    """fp32 (M, n) = x (M, Kx) @ W.T, W packed by `pack` (K a multiple of Kx); x bf16 or fp32.
+    """fp32 (M, n) = x (M, Kx) @ W.T, W packed by `pack` or `pack8` (K a multiple of Kx); x bf16 or fp32.
 
     norm = (weight fp32 (Kx,), eps): x's rows RMS-normalized first, in the call (csrc/int4_mm.cpp)."""
     if norm is None:

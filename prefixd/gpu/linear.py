@@ -18,7 +18,9 @@ quantized to 8 bits per group of 32 inside the call, the group products are exac
 so a row's bits depend on that row alone, at every M, thread count and instruction set.
 A weight whose 4-bit rounding costs too much accuracy (the lm_head) is kept as two 4-bit
 layers, the weight's codes and those of its rounding error, side by side along the inputs
-(`quantize_int4_residual`): one call of the kernel, which reads the input twice.
+(`quantize_int4_residual`): one call of the kernel, which reads the input twice; or as 8-bit
+codes with the same group scale and base (`quantize_int8`, 9 bits per weight streamed), which
+the same kernel reads with the same arithmetic.
 """
 
 from __future__ import annotations
@@ -105,16 +107,52 @@ def quantize_int4_residual(weight: torch.Tensor) -> Int4Weight:
     return Int4Weight(codes=codes, scales=scales, shape=(n, k), residual=True)
 
 
-Weight = torch.Tensor | Int4Weight
+@dataclass(frozen=True)
+class Int8Weight:
+    """A (out, in) projection as 8-bit codes: w[n, k] = q[n, k] * scale[n, g] + base[n, g], q in
+    0..255, g = k // INT4_GROUP; `codes` and `scales` are the kernel's layout (`cpu_kernels.pack8`)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
+def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes (N, K) int32 in 0..255, scale (N, K/32), base (N, K/32)) of an (N, K) weight:
+    `int4_codes` with 255 steps (scale = (max - min) / 255, base = min, both bf16)."""
+    n, k = weight.shape
+    if k % INT4_GROUP:
+        raise ValueError(f"int8 weights need in_features divisible by {INT4_GROUP}, got {k}")
+    groups = weight.float().reshape(n, k // INT4_GROUP, INT4_GROUP)  # (N, G, 32)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (N, G)
+    scale = ((high - low) / 255).to(torch.bfloat16).float()
+    base = low.to(torch.bfloat16).float()
+    step = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((groups - base[..., None]) / step[..., None]).clamp_(0, 255)
+    return codes.reshape(n, k).to(torch.int32), scale, base
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """The (N, K) weight as 8-bit group-32 codes in the kernel's layout (`int8_codes`)."""
+    n, k = weight.shape
+    codes, scales = cpu_kernels.pack8(*int8_codes(weight))
+    return Int8Weight(codes=codes, scales=scales, shape=(n, k))
+
+
+Weight = torch.Tensor | Int4Weight | Int8Weight
 
 
 def matmul(x: torch.Tensor, weight: Weight, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-    """x (M, in) @ weight.T in the GEMM's own output dtype (the weight's; fp32 for int4).
+    """x (M, in) @ weight.T in the GEMM's own output dtype (the weight's; fp32 for int4 and int8).
 
     x must already hold `invariant_rows(M, dtype)` rows (any M for int4); it is cast to the
     GEMM's input dtype (a no-op when it has it; int4 reads bf16 or fp32 as they are).
     norm = (weight, eps), int4 only: x's rows RMS-normalized inside the kernel first."""
-    if isinstance(weight, Int4Weight):
+    if isinstance(weight, (Int4Weight, Int8Weight)):
         return cpu_kernels.matmul(x, weight.codes, weight.scales, weight.shape[0], norm=norm)
     if norm is not None:
         raise ValueError("a norm inside the product is mode int4's")

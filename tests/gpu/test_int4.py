@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from prefixd.gpu import cpu_kernels
-from prefixd.gpu.linear import (INT4_GROUP, Int4Weight, dequantize_int4, int4_codes, linear, quantize_int4,
-                                quantize_int4_residual)
+from prefixd.gpu.linear import (INT4_GROUP, Int4Weight, Int8Weight, dequantize_int4, int4_codes, int8_codes, linear,
+                                quantize_int4, quantize_int4_residual, quantize_int8)
 from prefixd.gpu.model import check_mode
 
 KERNEL_OK, KERNEL_WHY = cpu_kernels.available()
@@ -82,6 +82,26 @@ def test_the_kernel_has_the_reference_arithmetics_bits_on_every_path(n, k, kx):
         want = reference_int4_mm(xd, codes, scale, base)
         for path in kernel_paths():
             for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 33, 64, 65, 70):
+                got = cpu_kernels.matmul(xd[:m], packed, scales, n, path)
+                assert torch.equal(got.view(torch.int32), want[:m].view(torch.int32)), (dtype, path, m)
+
+
+@pytest.mark.parametrize(("n", "k", "kx"), [(960, 576, 576), (50, 64, 64), (1000, 1152, 576)])
+def test_the_8bit_kernel_has_the_reference_arithmetics_bits_on_every_path(n, k, kx):
+    """8-bit codes (the int4 lm_head's format), read by the same kernel with the same arithmetic,
+    bit for bit against `reference_int4_mm` with codes 0..255: outputs not a multiple of 32, a
+    weight wider than x, bf16 and fp32 inputs, an all-zero row, row counts to 70."""
+    g = torch.Generator().manual_seed(n + k + 8)
+    codes, scale, base = int8_codes(torch.randn(n, k, generator=g) * 0.05)
+    assert int(codes.min()) == 0 and int(codes.max()) == 255
+    packed, scales = cpu_kernels.pack8(codes, scale, base)
+    x = torch.randn(70, kx, generator=g) * 3
+    x[5] = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        xd = x.to(dtype)
+        want = reference_int4_mm(xd, codes, scale, base)
+        for path in kernel_paths():
+            for m in (1, 2, 3, 4, 5, 7, 8, 13, 33, 70):
                 got = cpu_kernels.matmul(xd[:m], packed, scales, n, path)
                 assert torch.equal(got.view(torch.int32), want[:m].view(torch.int32)), (dtype, path, m)
 
@@ -228,10 +248,34 @@ def test_residual_int4_keeps_about_eight_bits_where_one_layer_keeps_four():
     assert two < 3 * bf16, (two, bf16)
 
 
+def test_int8_keeps_about_eight_bits_as_the_two_layers_do():
+    """The lm_head's 8-bit codes: an error against the exact product many times below one 4-bit
+    layer's and no more than about the two 4-bit layers' it replaced."""
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(512, 576, generator=g) * 0.05
+    x = torch.randn(6, 576, generator=g)
+    exact = x.double() @ weight.double().T
+    error = lambda w: (linear(x, w).double() - exact).abs().mean().item()  # noqa: E731
+    one, two, eight = error(quantize_int4(weight)), error(quantize_int4_residual(weight)), error(quantize_int8(weight))
+    assert eight * 10 < one, (one, eight)
+    assert eight < 1.5 * two, (eight, two)
+
+
 def test_residual_int4_lm_head_rows_have_the_same_bits_for_every_row_count():
     """The lm_head shape of the default model (49152 x 576, read as 49152 x 1152)."""
     g = torch.Generator().manual_seed(6)
     weight = quantize_int4_residual(torch.randn(49152, 576, generator=g) * 0.05)
+    x = torch.randn(40, 576, generator=g)
+    ref = linear(x, weight)
+    for m in (1, 2, 3, 4, 5, 8, 9, 17, 33):
+        assert torch.equal(linear(x[:m], weight), ref[:m]), f"{m} rows"
+    assert torch.equal(linear(x.roll(3, 0), weight), ref.roll(3, 0)), "rows moved in the call"
+
+
+def test_int8_lm_head_rows_have_the_same_bits_for_every_row_count():
+    """The lm_head shape of the default model (49152 x 576) as 8-bit codes."""
+    g = torch.Generator().manual_seed(6)
+    weight = quantize_int8(torch.randn(49152, 576, generator=g) * 0.05)
     x = torch.randn(40, 576, generator=g)
     ref = linear(x, weight)
     for m in (1, 2, 3, 4, 5, 8, 9, 17, 33):
@@ -250,12 +294,18 @@ def test_int4_mode_runs_unpadded_rounds_and_a_two_layer_lm_head(tiny_llama_dir):
     assert int4.lm_head.shape == tuple(bf16.lm_head.shape)
 
 
+def test_int8_weights_take_9_bits_a_weight():
+    n, k = 1000, 576  # 8-bit codes, a bf16 scale and base per 32 inputs, outputs padded to 32
+    weight = quantize_int8(torch.randn(n, k))
+    assert isinstance(weight, Int8Weight) and weight.nbytes == 32 * 32 * (k + k // 32 * 4)
+
+
 def test_the_disk_tier_keys_a_mode_on_its_revision():
-    """int4's bits changed (its own kernel, 8-bit activations): disk entries of revision 3 and
+    """int4's bits changed (its K/V pages as 8-bit codes): disk entries of revision 6 and
     earlier must never be served."""
     from prefixd.gpu.families import mode_identity
 
-    assert mode_identity("int4") == "int4@6"
+    assert mode_identity("int4") == "int4@7"
     assert mode_identity("invariant") == "invariant@5"
     with pytest.raises(ValueError, match="no revision"):
         mode_identity("int3")

@@ -15,12 +15,15 @@
 //   acc  = acc + d[m, j] * (float(dot) * scale[g, n] + base[g, n] * float(s[m, j]))
 // each * and + one rounded fp32 operation (no fused multiply-add: built with -ffp-contract=off).
 // K may be a multiple of Kx: a residual weight holds W's codes, then those of its rounding
-// error, and reads x twice.
+// error, and reads x twice. The codes may also be 8-bit (q in 0..255, the same arithmetic:
+// |dot| < 2^20 stays exact): the lm_head's format.
 //
 // Layout (prefixd/gpu/cpu_kernels.py packs it), N padded to NB blocks of 32 outputs:
 //   codes  uint8 (NB, G, 4, 2, 64): byte 4*l + b of [nb, g, i, h] holds, for output
 //          nb*32 + 16h + l, the code of input 32g + 8i + b in its low nibble and of input
 //          32g + 8i + 4 + b in its high nibble (the order VNNI's 4-byte lanes read);
+//   8-bit codes uint8 (NB, G, 8, 2, 64): byte 4*l + b of [nb, g, i, h] holds the code of input
+//          32g + 4i + b for output nb*32 + 16h + l;
 //   scales bf16 (NB, G, 2, 32): [nb, g, 0, c] the scale of output nb*32 + c, [.., 1, c] its base.
 
 #include <ATen/ATen.h>
@@ -65,7 +68,10 @@ struct Call {
   const uint16_t* scales;
   float* out;  // (M, N)
   int64_t M, N, K, Kx;
+  int bits;  // of a code: 4 or 8
 };
+
+inline int64_t group_bytes(int bits) { return bits * 128; }  // 32 outputs x 32 inputs x bits / 8
 
 // ---- the activations ---------------------------------------------------------------------------
 
@@ -129,13 +135,18 @@ void tile_scalar(const Call& c, int64_t m0, int rows, int64_t nb) {
       float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t j = g % gx;
-        const uint8_t* q = c.codes + ((nb * groups + g) * 8 + h) * 64 + 4 * l;
+        const uint8_t* q = c.codes + (nb * groups + g) * group_bytes(c.bits) + h * 64 + 4 * l;
         const int8_t* a = c.x.xq + m * c.Kx + j * GROUP;
         int32_t dot = 0;
-        for (int i = 0; i < 4; ++i) {
-          for (int b = 0; b < 4; ++b) {
-            const uint8_t byte = q[i * 128 + b];
-            dot += static_cast<int32_t>(byte & 15) * a[8 * i + b] + static_cast<int32_t>(byte >> 4) * a[8 * i + 4 + b];
+        if (c.bits == 8) {
+          for (int i = 0; i < 8; ++i)
+            for (int b = 0; b < 4; ++b) dot += static_cast<int32_t>(q[i * 128 + b]) * a[4 * i + b];
+        } else {
+          for (int i = 0; i < 4; ++i) {
+            for (int b = 0; b < 4; ++b) {
+              const uint8_t byte = q[i * 128 + b];
+              dot += static_cast<int32_t>(byte & 15) * a[8 * i + b] + static_cast<int32_t>(byte >> 4) * a[8 * i + 4 + b];
+            }
           }
         }
         const uint16_t* sz = c.scales + (nb * groups + g) * 2 * BLOCK_N;
@@ -161,44 +172,60 @@ void tile_scalar(const Call& c, int64_t m0, int rows, int64_t nb) {
 // FETCH_ROWS rows a block's arithmetic is too short to hide the lines behind, the read is a
 // plain stream the hardware prefetches, and the hints would only add instructions. A prefetch
 // is a hint (it cannot fault past the end) and changes no arithmetic.
-template <int R>
+template <int R, int BITS>
 PREFIXD_VNNI inline void tile_vnni_rows(const Call& c, int64_t m0, int64_t nb, float* out_tile /* (R, 32) */,
                                         bool fetch_next) {
+  constexpr int64_t GB = BITS * 128;  // `group_bytes`
   const int64_t groups = c.K / GROUP, gx = c.Kx / GROUP;
   const __m512i low4 = _mm512_set1_epi8(15);
   __m512 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const uint8_t* q = c.codes + nb * groups * 512;
+  const uint8_t* q = c.codes + nb * groups * GB;
   const uint16_t* sz = c.scales + nb * groups * 2 * BLOCK_N;
-  for (int64_t g = 0; g < groups; ++g, q += 512, sz += 2 * BLOCK_N) {
+  for (int64_t g = 0; g < groups; ++g, q += GB, sz += 2 * BLOCK_N) {
     const int64_t j = g % gx;
-    if (fetch_next) {  // block nb + 1's group g: 8 lines of codes, 2 of scales
-      const char* next_q = reinterpret_cast<const char*>(q + groups * 512);
+    if (fetch_next) {  // block nb + 1's group g: 8 (4-bit) or 16 lines of codes, 2 of scales
+      const char* next_q = reinterpret_cast<const char*>(q + groups * GB);
       const char* next_s = reinterpret_cast<const char*>(sz + groups * 2 * BLOCK_N);
-#pragma GCC unroll 8
-      for (int l = 0; l < 8; ++l) _mm_prefetch(next_q + 64 * l, _MM_HINT_T0);
+#pragma GCC unroll 16
+      for (int l = 0; l < GB / 64; ++l) _mm_prefetch(next_q + 64 * l, _MM_HINT_T0);
       _mm_prefetch(next_s, _MM_HINT_T0);
       _mm_prefetch(next_s + 64, _MM_HINT_T0);
     }
     __m512i dot[R][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      const __m512i p0 = _mm512_loadu_si512(q + i * 128);
-      const __m512i p1 = _mm512_loadu_si512(q + i * 128 + 64);
-      const __m512i w00 = _mm512_and_si512(p0, low4), w01 = _mm512_and_si512(_mm512_srli_epi16(p0, 4), low4);
-      const __m512i w10 = _mm512_and_si512(p1, low4), w11 = _mm512_and_si512(_mm512_srli_epi16(p1, 4), low4);
+    if constexpr (BITS == 8) {
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const int8_t* a = c.x.xq + (m0 + r) * c.Kx + j * GROUP + 8 * i;
-        int32_t lo, hi;
-        std::memcpy(&lo, a, 4);
-        std::memcpy(&hi, a + 4, 4);
-        const __m512i b0 = _mm512_set1_epi32(lo), b1 = _mm512_set1_epi32(hi);
-        dot[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][0], w00, b0), w01, b1);
-        dot[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][1], w10, b0), w11, b1);
+      for (int i = 0; i < 8; ++i) {  // inputs 4i..4i+3 of the group, each output's 4-byte lane
+        const __m512i w0 = _mm512_loadu_si512(q + i * 128), w1 = _mm512_loadu_si512(q + i * 128 + 64);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, c.x.xq + (m0 + r) * c.Kx + j * GROUP + 4 * i, 4);
+          const __m512i b = _mm512_set1_epi32(four);
+          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, b);
+          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, b);
+        }
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m512i p0 = _mm512_loadu_si512(q + i * 128);
+        const __m512i p1 = _mm512_loadu_si512(q + i * 128 + 64);
+        const __m512i w00 = _mm512_and_si512(p0, low4), w01 = _mm512_and_si512(_mm512_srli_epi16(p0, 4), low4);
+        const __m512i w10 = _mm512_and_si512(p1, low4), w11 = _mm512_and_si512(_mm512_srli_epi16(p1, 4), low4);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = c.x.xq + (m0 + r) * c.Kx + j * GROUP + 8 * i;
+          int32_t lo, hi;
+          std::memcpy(&lo, a, 4);
+          std::memcpy(&hi, a + 4, 4);
+          const __m512i b0 = _mm512_set1_epi32(lo), b1 = _mm512_set1_epi32(hi);
+          dot[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][0], w00, b0), w01, b1);
+          dot[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][1], w10, b0), w11, b1);
+        }
       }
     }
 #pragma GCC unroll 2
@@ -274,6 +301,7 @@ PREFIXD_VNNI void quantize_rows_vnni(const T* x, int64_t rows, int64_t kx, const
   }
 }
 
+template <int BITS>
 PREFIXD_VNNI void tile_vnni(const Call& c, int64_t m0, int rows, int64_t nb) {
   alignas(64) float tile[ROW_TILE * BLOCK_N];
   const int64_t n0 = nb * BLOCK_N;
@@ -282,12 +310,12 @@ PREFIXD_VNNI void tile_vnni(const Call& c, int64_t m0, int rows, int64_t nb) {
     const int n = std::min(ROW_TILE, rows - r);
     const bool fetch = r == 0 && rows >= FETCH_ROWS;
     switch (n) {
-      case 6: tile_vnni_rows<6>(c, m0 + r, nb, tile, fetch); break;
-      case 5: tile_vnni_rows<5>(c, m0 + r, nb, tile, fetch); break;
-      case 4: tile_vnni_rows<4>(c, m0 + r, nb, tile, fetch); break;
-      case 3: tile_vnni_rows<3>(c, m0 + r, nb, tile, fetch); break;
-      case 2: tile_vnni_rows<2>(c, m0 + r, nb, tile, fetch); break;
-      default: tile_vnni_rows<1>(c, m0 + r, nb, tile, fetch); break;
+      case 6: tile_vnni_rows<6, BITS>(c, m0 + r, nb, tile, fetch); break;
+      case 5: tile_vnni_rows<5, BITS>(c, m0 + r, nb, tile, fetch); break;
+      case 4: tile_vnni_rows<4, BITS>(c, m0 + r, nb, tile, fetch); break;
+      case 3: tile_vnni_rows<3, BITS>(c, m0 + r, nb, tile, fetch); break;
+      case 2: tile_vnni_rows<2, BITS>(c, m0 + r, nb, tile, fetch); break;
+      default: tile_vnni_rows<1, BITS>(c, m0 + r, nb, tile, fetch); break;
     }
     for (int i = 0; i < n; ++i) std::memcpy(c.out + (m0 + r + i) * c.N + n0, tile + i * BLOCK_N, cols * sizeof(float));
   }
@@ -312,9 +340,10 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                    const std::optional<at::Tensor>& norm_weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.device().is_cpu(),
               "int4_mm: x must be a 2-D CPU bf16 or fp32 tensor");
-  TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == 4 &&
-                  codes.size(3) == 2 && codes.size(4) == 64,
-              "int4_mm: codes must be contiguous uint8 (NB, G, 4, 2, 64)");
+  TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  (codes.size(2) == 4 || codes.size(2) == 8) && codes.size(3) == 2 && codes.size(4) == 64,
+              "int4_mm: codes must be contiguous uint8 (NB, G, 4, 2, 64), or (NB, G, 8, 2, 64) for 8-bit codes");
+  const int bits = static_cast<int>(codes.size(2));
   const int64_t nblocks = codes.size(0), groups = codes.size(1), k = groups * GROUP;
   TORCH_CHECK(n > 0 && nblocks == (n + BLOCK_N - 1) / BLOCK_N, "int4_mm: codes do not hold ", n, " outputs in blocks of 32");
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 4 && scales.size(0) == nblocks &&
@@ -363,7 +392,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   Call c{{xq.const_data_ptr<int8_t>(), d.const_data_ptr<float>(), s.const_data_ptr<float>()},
          codes.const_data_ptr<uint8_t>(),
          reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::BFloat16>()),
-         out.mutable_data_ptr<float>(), m, n, k, kx};
+         out.mutable_data_ptr<float>(), m, n, k, kx, bits};
   const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
   at::parallel_for(0, chunks * nblocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -371,7 +400,8 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
       const int64_t m0 = chunk * ROW_CHUNK;
       const int rows = static_cast<int>(std::min<int64_t>(ROW_CHUNK, m - m0));
 #ifdef PREFIXD_X86
-      if (vnni) tile_vnni(c, m0, rows, nb);
+      if (vnni && bits == 8) tile_vnni<8>(c, m0, rows, nb);
+      else if (vnni) tile_vnni<4>(c, m0, rows, nb);
       else tile_scalar(c, m0, rows, nb);
 #else
       tile_scalar(c, m0, rows, nb);
