@@ -181,6 +181,10 @@ async def test_a_real_prometheus_scrape_matches_the_usage_of_the_requests(tmp_pa
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DISK_METRICS = ("prefixd_disk_cache_bytes", "prefixd_disk_cache_hits_tokens_total",
                 "prefixd_disk_cache_written_bytes_total", "prefixd_disk_cache_corrupt_total")
+SHARED_METRICS = ("prefixd_shared_cache_state", "prefixd_shared_cache_hits_tokens_total",
+                  "prefixd_shared_cache_fetched_total", "prefixd_shared_cache_published_total",
+                  "prefixd_shared_cache_dropped_total", "prefixd_shared_cache_errors_total",
+                  "prefixd_shared_cache_skipped_total")
 
 
 def dashboard_queries() -> dict[str, str]:
@@ -203,7 +207,7 @@ def test_the_dashboard_has_the_panels_the_operators_need():
                    "Disk cache bytes"):
         assert any(needle in title for title in titles), needle
     text = "\n".join(queries.values())
-    for name in DISK_METRICS:
+    for name in DISK_METRICS + SHARED_METRICS:
         assert name in text, name
 
 
