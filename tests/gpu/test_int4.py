@@ -301,11 +301,11 @@ def test_int8_weights_take_9_bits_a_weight():
 
 
 def test_the_disk_tier_keys_a_mode_on_its_revision():
-    """int4's bits changed (its K/V pages as 8-bit codes): disk entries of revision 6 and
+    """int4's bits changed (its own kernel, 8-bit activations): disk entries of revision 3 and
     earlier must never be served."""
     from prefixd.gpu.families import mode_identity
 
-    assert mode_identity("int4") == "int4@7"
+    assert mode_identity("int4") == "int4@6"
     assert mode_identity("invariant") == "invariant@5"
     with pytest.raises(ValueError, match="no revision"):
         mode_identity("int3")
