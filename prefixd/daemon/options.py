@@ -250,7 +250,8 @@ OPTIONS: tuple[Option, ...] = (
            metavar="URL", shown="off"),
     Option("--kv-events", "kv_events", "PREFIXD_KV_EVENTS", "",
            "publish the prefix store's pages (and a hybrid family's snapshots) as vLLM KV events on this ZMQ "
-           "PUB endpoint, tcp://HOST:PORT or ipc://PATH, ?topic=NAME to name the topic (docs/scale.md)",
+           "PUB endpoint, tcp://HOST:PORT or ipc://PATH, ?topic=NAME to name the topic, &layout=map for vLLM's "
+           "tagged-map events (vllm-router's kv_aware) instead of the array ones (docs/scale.md)",
            metavar="URL", shown="off", check=kv_events_endpoint),
     Option("--kv-events-replay", "kv_events_replay", "PREFIXD_KV_EVENTS_REPLAY", "",
            "with --kv-events, a ZMQ ROUTER endpoint where a router that missed events asks for them again (or "

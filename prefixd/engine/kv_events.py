@@ -1,6 +1,7 @@
 """`--kv-events`: the engine process publishes its store's KV events over ZMQ (docs/scale.md).
 
     PUB    endpoint       [topic, seq (8 bytes big-endian), msgpack EventBatch] per round with changes
+                          (each event an array, or with ?layout=map a tagged map)
     ROUTER replay         in: [start seq (8 bytes)]   out: [seq, batch] per batch from the ring
                           (or one snapshot batch), then [-1 (8 bytes, signed), b""]
 
@@ -15,12 +16,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 from urllib.parse import parse_qs
 
 import msgpack
 
-from prefixd.scheduler.store.announce import AllBlocksCleared, Announcer, BlockStored, KvEvent, batch_to_wire
+from prefixd.scheduler.store.announce import (LAYOUTS, AllBlocksCleared, Announcer, BlockStored, KvEvent,
+                                              batch_to_wire)
 
 log = logging.getLogger("prefixd.kv_events")
 
@@ -29,17 +31,26 @@ SEND_HWM = 10_000  # messages ZMQ queues per subscriber before it drops
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
-def parse_endpoint(text: str) -> tuple[str, bytes]:
-    """`tcp://HOST:PORT` or `ipc://PATH`, with an optional `?topic=NAME`: (endpoint, topic).
+class Endpoint(NamedTuple):
+    address: str  # tcp://HOST:PORT or ipc://PATH
+    topic: bytes  # the first frame of every message
+    layout: str  # each event as vLLM's legacy "array" or its tagged "map" (announce.LAYOUTS)
+
+
+def parse_endpoint(text: str) -> Endpoint:
+    """`tcp://HOST:PORT` or `ipc://PATH`, with optional `?topic=NAME` and `layout=array|map`.
     Raises ValueError with what was expected."""
     endpoint, _, query = text.partition("?")
     if not (endpoint.startswith("tcp://") and ":" in endpoint[6:]) and not (
             endpoint.startswith("ipc://") and len(endpoint) > 6):
         raise ValueError("expected tcp://HOST:PORT or ipc://PATH")
-    topics = parse_qs(query, keep_blank_values=True).get("topic", [""])
-    if set(parse_qs(query, keep_blank_values=True)) - {"topic"}:
-        raise ValueError("the only parameter is topic=NAME")
-    return endpoint, topics[-1].encode()
+    params = parse_qs(query, keep_blank_values=True)
+    if set(params) - {"topic", "layout"}:
+        raise ValueError("the only parameters are topic=NAME and layout=array|map")
+    layout = params.get("layout", ["array"])[-1]
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout}: expected one of {', '.join(LAYOUTS)}")
+    return Endpoint(endpoint, params.get("topic", [""])[-1].encode(), layout)
 
 
 class KvEventPublisher:
@@ -50,7 +61,7 @@ class KvEventPublisher:
         import zmq
 
         self._zmq = zmq
-        self.endpoint, self.topic = parse_endpoint(endpoint)
+        self.endpoint, self.topic, self.layout = parse_endpoint(endpoint)
         self.medium = medium
         self._clock = clock
         self._ctx = zmq.Context()
@@ -63,7 +74,7 @@ class KvEventPublisher:
             if replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(parse_endpoint(replay_endpoint)[0])
+                self._replay.bind(parse_endpoint(replay_endpoint).address)
         except zmq.ZMQError:
             self.close()
             raise
@@ -80,7 +91,7 @@ class KvEventPublisher:
         if not events:
             return
         seq, self.next_seq = self.next_seq, self.next_seq + 1
-        payload = msgpack.packb(batch_to_wire(self._clock(), events, self.medium))
+        payload = msgpack.packb(batch_to_wire(self._clock(), events, self.medium, layout=self.layout))
         self._ring.append((seq, payload))
         self.num_batches += 1
         self._send(self._pub, [self.topic, seq.to_bytes(8, "big"), payload])
@@ -117,7 +128,8 @@ class KvEventPublisher:
             return [item for item in self._ring if item[0] >= start]
         self.num_snapshots += 1
         events: list[KvEvent] = [AllBlocksCleared(), *snapshot()]
-        return [(self._ring[-1][0], msgpack.packb(batch_to_wire(self._clock(), events, self.medium)))]
+        batch = batch_to_wire(self._clock(), events, self.medium, layout=self.layout)
+        return [(self._ring[-1][0], msgpack.packb(batch))]
 
     def _send(self, sock: Any, frames: list[bytes]) -> None:
         try:

@@ -144,8 +144,13 @@ def test_kv_events_endpoints_are_checked_at_start_up():
     assert cfg.kv_events == "tcp://127.0.0.1:5557?topic=kv@a@m" and cfg.kv_events_replay == ""
     with pytest.raises(ConfigError, match=r"--kv-events udp://x:1: expected tcp://HOST:PORT or ipc://PATH"):
         config_from_args(argparse.Namespace(), env={"PREFIXD_KV_EVENTS": "udp://x:1"})
-    with pytest.raises(ConfigError, match=r"--kv-events-replay ipc:///r\?x=1: the only parameter is topic=NAME"):
+    with pytest.raises(ConfigError, match=r"--kv-events-replay ipc:///r\?x=1: the only parameters are topic=NAME "
+                                          r"and layout=array\|map"):
         config_from_args(argparse.Namespace(), env={"PREFIXD_KV_EVENTS_REPLAY": "ipc:///r?x=1"})
+    cfg = config_from_args(argparse.Namespace(), env={"PREFIXD_KV_EVENTS": "ipc:///p?layout=map"})
+    assert cfg.kv_events == "ipc:///p?layout=map"
+    with pytest.raises(ConfigError, match=r"--kv-events ipc:///p\?layout=json: layout=json: expected one of array, map"):
+        config_from_args(argparse.Namespace(), env={"PREFIXD_KV_EVENTS": "ipc:///p?layout=json"})
 
 
 def test_kv_events_without_pyzmq_is_a_clear_start_up_error(monkeypatch):

@@ -258,20 +258,30 @@ def held(blocks: Iterable[BlockStored]) -> set[tuple[int, int]]:
 
 # ---- the wire: vLLM's array-like tagged structs as plain lists (msgpack them as they are) --
 
-def to_wire(event: KvEvent, medium: str) -> list:
-    """vLLM's shape: [tag, fields...] with BlockStored's lora_id, lora_name and extra_keys
-    None; group_idx last, so a decoder that predates it ignores it."""
+LAYOUTS = ("array", "map")  # an event as vLLM's legacy array, or as the tagged map vLLM now sends
+
+
+def to_wire(event: KvEvent, medium: str, layout: str = "array") -> list | dict:
+    """vLLM's shape. "array": [tag, fields...] with BlockStored's lora_id, lora_name and
+    extra_keys None, group_idx last, so a decoder that predates it ignores it. "map": the same
+    fields by name under "type" (vLLM's tagged structs without array_like; vllm-router reads it)."""
     if isinstance(event, BlockStored):
-        return ["BlockStored", list(event.block_hashes), event.parent_block_hash, list(event.token_ids),
-                event.block_size, None, medium, None, None, event.group]
-    if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", list(event.block_hashes), medium, event.group]
-    return ["AllBlocksCleared"]
+        fields: dict = {"block_hashes": list(event.block_hashes), "parent_block_hash": event.parent_block_hash,
+                        "token_ids": list(event.token_ids), "block_size": event.block_size, "lora_id": None,
+                        "medium": medium, "lora_name": None, "extra_keys": None, "group_idx": event.group}
+    elif isinstance(event, BlockRemoved):
+        fields = {"block_hashes": list(event.block_hashes), "medium": medium, "group_idx": event.group}
+    else:
+        fields = {}
+    if layout == "map":
+        return {"type": type(event).__name__, **fields}
+    assert layout == "array", f"unknown KV event layout {layout!r}"
+    return [type(event).__name__, *fields.values()]
 
 
-def batch_to_wire(ts: float, events: Sequence[KvEvent], medium: str, rank: int = 0) -> list:
-    """One EventBatch: [ts, events, data_parallel_rank]."""
-    return [ts, [to_wire(e, medium) for e in events], rank]
+def batch_to_wire(ts: float, events: Sequence[KvEvent], medium: str, rank: int = 0, layout: str = "array") -> list:
+    """One EventBatch: [ts, events, data_parallel_rank] (an array in either layout, as vLLM's)."""
+    return [ts, [to_wire(e, medium, layout) for e in events], rank]
 
 
 class View:
@@ -284,6 +294,11 @@ class View:
 
     def apply_wire(self, batch: list) -> None:
         for ev in batch[1]:
+            if isinstance(ev, dict):  # the map layout, as the array one
+                names = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                         "lora_name", "extra_keys", "group_idx") if ev["type"] == "BlockStored" else (
+                    "block_hashes", "medium", "group_idx") if ev["type"] == "BlockRemoved" else ()
+                ev = [ev["type"], *(ev[n] for n in names)]
             tag = ev[0]
             group = ev[9] if tag == "BlockStored" and len(ev) > 9 else ev[3] if tag == "BlockRemoved" and len(ev) > 3 else PAGES
             if tag == "BlockStored":
