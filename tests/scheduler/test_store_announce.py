@@ -59,6 +59,15 @@ def test_stored_pages_are_the_prompts_full_pages_in_hashes_a_router_computes() -
     assert events == [BlockStored(tuple(h), None, TEXT[:8], P)]  # page 2 holds a tail: not a full page
     assert view.blocks == {(PAGES, h[0]), (PAGES, h[1])} == store_view(rig)
     assert to_wire(events[0], "CPU") == ["BlockStored", h, None, list(TEXT[:8]), P, None, "CPU", None, None, 0]
+    assert to_wire(events[0], "CPU", "map") == {
+        "type": "BlockStored", "block_hashes": h, "parent_block_hash": None, "token_ids": list(TEXT[:8]),
+        "block_size": P, "lora_id": None, "medium": "CPU", "lora_name": None, "extra_keys": None, "group_idx": 0}
+    assert to_wire(BlockRemoved((h[1],)), "GPU", "map") == {"type": "BlockRemoved", "block_hashes": [h[1]],
+                                                            "medium": "GPU", "group_idx": 0}
+    assert to_wire(AllBlocksCleared(), "GPU", "map") == {"type": "AllBlocksCleared"}
+    mapped = View()
+    mapped.apply_wire(batch_to_wire(1.0, events, "CPU", layout="map"))
+    assert mapped.blocks == view.blocks
     rig.serve(key(TEXT[:9] + (7, 7, 7)))  # shares page 0 and 1, adds page 3 under page 1
     other = prompt_hashes(TEXT[:9] + (7, 7, 7), P)
     assert deliver(announcer, view) == [BlockStored((other[2],), h[1], TEXT[8:9] + (7, 7, 7), P)]
