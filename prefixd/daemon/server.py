@@ -33,6 +33,7 @@ from prefixd.front.connection import Connection, Services
 from prefixd.front.engine_link import EngineLink, Launcher, ProcessLauncher, RestartPolicy
 from prefixd.front.gate import Gate
 from prefixd.front.http.serve import HttpServer
+from prefixd.front.http.worker import KvEventSource
 from prefixd.front.listener import PeerCred, PeerPolicy, SocketPathError, peer_cred
 from prefixd.front.requests import RequestBuilder
 from prefixd.ipc.framing import Limits
@@ -149,7 +150,7 @@ class Server:
                 conns.start_soon(self._accept_loop, conns)
                 if self.cfg.http_addr:
                     self.http = HttpServer.build(self._services(), self.cfg.http_addr, self.cfg.http_token_file,
-                                                 self.cfg.prompt_hygiene)
+                                                 self.cfg.prompt_hygiene, kv_event_source(self.cfg))
                     await conns.start(self.http.serve)
                 self._announce()
                 await self._exit_event.wait()
@@ -383,6 +384,18 @@ class Server:
             "socket": str(self.socket_path) if self.socket_path else None,
             "shutting_down": self.should_exit,
         }
+
+
+def kv_event_source(cfg: DaemonConfig) -> KvEventSource | None:
+    """Where the engine publishes KV events, for the HTTP front's router probes; None without --kv-events."""
+    if not cfg.kv_events:
+        return None
+    from prefixd.engine.kv_events import RING_BATCHES, SEND_HWM, parse_endpoint
+
+    endpoint = parse_endpoint(cfg.kv_events)
+    replay = parse_endpoint(cfg.kv_events_replay).address if cfg.kv_events_replay else None
+    return KvEventSource(endpoint=endpoint.address, topic=endpoint.topic.decode(), replay_endpoint=replay,
+                         buffer_steps=RING_BATCHES, hwm=SEND_HWM)
 
 
 def freeze_loaded_heap() -> None:

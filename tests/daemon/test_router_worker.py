@@ -5,9 +5,13 @@ answered from the daemon's real state, over the letters device."""
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from pathlib import Path
 
 import anyio
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.daemon.fakes import ByteTokenizer, LetterDevice
@@ -125,5 +129,47 @@ async def test_router_probes_need_no_token_while_the_api_does(tmp_path):
             probes = [(await client.get(url(server, p))).status_code
                       for p in ("/health", "/v1/loads", "/get_load", "/get_server_info", "/model_info", "/metrics")]
             models = (await client.get(url(server, "/v1/models"))).status_code
+            tokenize = (await client.post(url(server, "/tokenize"), json={"prompt": "abc"})).status_code
     assert probes == [200] * 6
-    assert models == 401
+    assert models == tokenize == 401  # /tokenize carries a prompt
+
+
+async def test_kv_event_probes_say_where_the_engine_publishes_only_while_it_does(tmp_path):
+    pytest.importorskip("zmq")
+    short = Path(tempfile.mkdtemp(prefix="kvw-", dir="/tmp"))  # ipc:// paths have ~107 bytes
+    device = LetterDevice(num_lanes=2, num_pages=64, page_size=8, max_context=256)
+    try:
+        async with running_server(tmp_path, device, http_addr="127.0.0.1:0",
+                                  kv_events=f"ipc://{short}/kv.sock?topic=kv@a@letters&layout=map",
+                                  kv_events_replay=f"ipc://{short}/replay.sock") as server:
+            async with httpx.AsyncClient() as client:
+                sources = (await client.get(url(server, "/kv_event_sources"))).json()
+                info = (await client.get(url(server, "/get_server_info"))).json()
+        async with running_server(tmp_path / "off", http_addr="127.0.0.1:0") as server:
+            async with httpx.AsyncClient() as client:
+                off = (await client.get(url(server, "/kv_event_sources"))).status_code
+                off_info = (await client.get(url(server, "/get_server_info"))).json()
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+    assert sources == {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{short}/kv.sock",
+                             "replay_endpoint": f"ipc://{short}/replay.sock", "topic": "kv@a@letters",
+                             "buffer_steps": 10_000, "hwm": 10_000}}
+    assert (info["kv_block_size"], info["page_size"]) == (8, 8)
+    assert off == 404 and "kv_block_size" not in off_info
+
+
+async def test_tokenize_gives_the_ids_a_generate_of_the_same_body_prefills(tmp_path):
+    async with running_server(tmp_path, http_addr="127.0.0.1:0") as server:
+        async with httpx.AsyncClient() as client:
+            chat = (await client.post(url(server, "/tokenize"), json={"model": "letters", "messages": HI})).json()
+            reply = (await client.post(url(server, "/v1/chat/completions"),
+                                       json={"model": "letters", "messages": HI, "max_tokens": 2})).json()
+            plain = (await client.post(url(server, "/tokenize"), json={"model": "letters", "prompt": "abc"})).json()
+            refused = await client.post(url(server, "/tokenize"), json={"model": "letters", "messages": HI,
+                                                                        "continue_final_message": True})
+            other = await client.post(url(server, "/tokenize"), json={"model": "gpt-4", "prompt": "abc"})
+    assert chat["count"] == len(chat["tokens"]) == reply["usage"]["prompt_tokens"]
+    assert chat["max_model_len"] == server.device.info.max_context
+    assert plain == {"count": 3, "max_model_len": server.device.info.max_context, "tokens": TOK.encode("abc")}
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+    assert other.status_code == 404

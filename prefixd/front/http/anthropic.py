@@ -32,11 +32,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from prefixd.front.http.anthropic_map import MessagesRequest, map_messages, user_id
-from prefixd.front.http.app import NAMESPACE_HEADER, _http_error, _read_json
+from prefixd.front.http.app import NAMESPACE_HEADER, _read_json
 from prefixd.front.http.extension import UsageExtension
 from prefixd.front.http.openai_map import HttpError
 from prefixd.front.output import reasoning_of
-from prefixd.ipc.errors import ProtocolError
 from prefixd.ipc.events import DoneEvent, TokenEvent
 
 if TYPE_CHECKING:
@@ -113,17 +112,7 @@ class MessagesApi:
         """The prompt's tokens as a generate would render them (system, messages, tools),
         built through the gate's pacing and heavy-work slots; nothing is generated."""
         mapped, namespace = await self._mapped(request, counting=True)
-        client = self.front.client(request, namespace)
-        # tool_choice only picks a grammar for the reply; the rendering is the same without it
-        msg = {k: v for k, v in mapped.chat.generate.items() if k != "tool_choice"} | {"id": 0}
-        try:
-            await self.front.gate.paced(client)
-            built = await self.front.gate.build(client, msg, self.front.build_function(mapped.chat), msg, 0, 2,
-                                                probe=lambda: False)
-        except ProtocolError as e:
-            raise _http_error(e) from None
-        finally:
-            self.front.gate.leave(client)
+        built = await self.front.build_only(request, mapped.chat, namespace)
         return JSONResponse({"input_tokens": len(built.request.tokens)})
 
 

@@ -44,13 +44,15 @@ _STATUS = {ErrorCode.TOO_MANY_STREAMS: 429, ErrorCode.SHUTTING_DOWN: 503, ErrorC
 
 class HttpFront:
     """The routes over the daemon's shared services (see connection.Services). `normalisers`:
-    the prompt hygiene every route applies (prefixd/text/hygiene.py, `--prompt-hygiene`)."""
+    the prompt hygiene every route applies (prefixd/text/hygiene.py, `--prompt-hygiene`);
+    `kv_events`: where the engine publishes KV events, for the router probes (worker.py)."""
 
     def __init__(self, services: Any, *, token: str | None = None,
-                 normalisers: tuple[str, ...] = DEFAULT_NORMALISERS) -> None:
+                 normalisers: tuple[str, ...] = DEFAULT_NORMALISERS, kv_events: Any = None) -> None:
         self.services = services
         self.token = token
         self.normalisers = normalisers
+        self.kv_events = kv_events  # worker.KvEventSource with --kv-events, else None
         self.gate = services.gate
         self.streams: set[int] = set()  # engine stream ids in flight
         self.model = str(services.hello_reply()["model"].get("name", "prefixd"))
@@ -184,6 +186,20 @@ class HttpFront:
             held.release()
             raise
         return stream_id, built, receive
+
+    async def build_only(self, request: Request, mapped: MappedRequest, namespace: str) -> Any:
+        """The request built as its generate would be (the prompt rendered and tokenized),
+        through the gate's pacing and heavy-work slots, and never submitted: its BuiltGenerate."""
+        client = self.client(request, namespace)
+        # tool_choice only picks a grammar for the reply; the rendering is the same without it
+        msg = {k: v for k, v in mapped.generate.items() if k != "tool_choice"} | {"id": 0}
+        try:
+            await self.gate.paced(client)
+            return await self.gate.build(client, msg, self.build_function(mapped), msg, 0, 2, probe=lambda: False)
+        except ProtocolError as e:
+            raise _http_error(e) from None
+        finally:
+            self.gate.leave(client)
 
     def usage_extension(self, mapped: MappedRequest) -> UsageExtension:
         """usage.prefixd of one request (extension.py), on every API."""

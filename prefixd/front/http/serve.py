@@ -36,9 +36,10 @@ class HttpServer:
         self._server: _InLoopServer | None = None
 
     @classmethod
-    def build(cls, services: Any, addr: str, token_file: Any, normalisers: tuple[str, ...]) -> HttpServer:
+    def build(cls, services: Any, addr: str, token_file: Any, normalisers: tuple[str, ...],
+              kv_events: Any = None) -> HttpServer:
         token = read_token(token_file) if token_file is not None else None
-        return cls(HttpFront(services, token=token, normalisers=normalisers), addr)
+        return cls(HttpFront(services, token=token, normalisers=normalisers, kv_events=kv_events), addr)
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
