@@ -261,21 +261,12 @@ def test_int8_keeps_about_eight_bits_as_the_two_layers_do():
     assert eight < 1.5 * two, (eight, two)
 
 
-def test_residual_int4_lm_head_rows_have_the_same_bits_for_every_row_count():
-    """The lm_head shape of the default model (49152 x 576, read as 49152 x 1152)."""
+@pytest.mark.parametrize("quantize", [quantize_int4_residual, quantize_int8], ids=["two_4bit_layers", "8bit"])
+def test_lm_head_rows_have_the_same_bits_for_every_row_count(quantize):
+    """The lm_head shape of the default model (49152 x 576; two 4-bit layers are read as
+    49152 x 1152), in both head formats."""
     g = torch.Generator().manual_seed(6)
-    weight = quantize_int4_residual(torch.randn(49152, 576, generator=g) * 0.05)
-    x = torch.randn(40, 576, generator=g)
-    ref = linear(x, weight)
-    for m in (1, 2, 3, 4, 5, 8, 9, 17, 33):
-        assert torch.equal(linear(x[:m], weight), ref[:m]), f"{m} rows"
-    assert torch.equal(linear(x.roll(3, 0), weight), ref.roll(3, 0)), "rows moved in the call"
-
-
-def test_int8_lm_head_rows_have_the_same_bits_for_every_row_count():
-    """The lm_head shape of the default model (49152 x 576) as 8-bit codes."""
-    g = torch.Generator().manual_seed(6)
-    weight = quantize_int8(torch.randn(49152, 576, generator=g) * 0.05)
+    weight = quantize(torch.randn(49152, 576, generator=g) * 0.05)
     x = torch.randn(40, 576, generator=g)
     ref = linear(x, weight)
     for m in (1, 2, 3, 4, 5, 8, 9, 17, 33):
