@@ -70,15 +70,21 @@ def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     block (x = d*q + m, q spanning 0..15) come back with their own codes q, and d, m up to
     their rounding to bf16.
     """
+    return _group_codes(weight, 15, "int4")
+
+
+def _group_codes(weight: torch.Tensor, top: int, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes in 0..top per group of INT4_GROUP inputs: scale = (max - min) / top and base =
+    min, both rounded to bf16, codes rounded to the nearest step from base."""
     n, k = weight.shape
     if k % INT4_GROUP:
-        raise ValueError(f"int4 weights need in_features divisible by {INT4_GROUP}, got {k}")
+        raise ValueError(f"{name} weights need in_features divisible by {INT4_GROUP}, got {k}")
     groups = weight.float().reshape(n, k // INT4_GROUP, INT4_GROUP)  # (N, G, 32)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (N, G)
-    scale = ((high - low) / 15).to(torch.bfloat16).float()
+    scale = ((high - low) / top).to(torch.bfloat16).float()
     base = low.to(torch.bfloat16).float()
     step = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round((groups - base[..., None]) / step[..., None]).clamp_(0, 15)
+    codes = torch.round((groups - base[..., None]) / step[..., None]).clamp_(0, top)
     return codes.reshape(n, k).to(torch.int32), scale, base
 
 
@@ -124,16 +130,7 @@ class Int8Weight:
 def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes (N, K) int32 in 0..255, scale (N, K/32), base (N, K/32)) of an (N, K) weight:
     `int4_codes` with 255 steps (scale = (max - min) / 255, base = min, both bf16)."""
-    n, k = weight.shape
-    if k % INT4_GROUP:
-        raise ValueError(f"int8 weights need in_features divisible by {INT4_GROUP}, got {k}")
-    groups = weight.float().reshape(n, k // INT4_GROUP, INT4_GROUP)  # (N, G, 32)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (N, G)
-    scale = ((high - low) / 255).to(torch.bfloat16).float()
-    base = low.to(torch.bfloat16).float()
-    step = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round((groups - base[..., None]) / step[..., None]).clamp_(0, 255)
-    return codes.reshape(n, k).to(torch.int32), scale, base
+    return _group_codes(weight, 255, "int8")
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
