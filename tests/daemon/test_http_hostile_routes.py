@@ -6,6 +6,7 @@ logits digests and tokens equal those it gets alone; over the letters device."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -199,3 +200,56 @@ async def test_hostile_tokenize_kv_sources_and_count_tokens_callers_change_and_l
             assert (server.gate.heavy_running, server.gate.heavy_waiting) == (0, 0)
     finally:
         shutil.rmtree(short, ignore_errors=True)
+
+
+BODY_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+               "/v1/responses", "/tokenize"]
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+async def test_a_body_cut_short_is_refused_quietly_on_every_body_route(tmp_path, monkeypatch):
+    """A client that hangs up part-way through its body is one refusal like any other: no
+    traceback in the server's log (one per cheap connection would let anyone fill it), and
+    the next caller is served."""
+    from prefixd.front.http.app import HttpFront
+
+    ended: list[str] = []  # requests whose handling has ended, by path
+    make_app = HttpFront.app
+
+    def counting_app(front):
+        app = make_app(front)
+
+        async def wrapped(scope, receive, send):
+            try:
+                await app(scope, receive, send)
+            finally:
+                ended.append(scope.get("path", ""))
+        return wrapped
+
+    monkeypatch.setattr(HttpFront, "app", counting_app)
+    records = _Records()
+    log = logging.getLogger("uvicorn.error")  # where the ASGI server logs an application's exception
+    try:
+        async with running_server(tmp_path, http_addr="127.0.0.1:0") as server:
+            log.addHandler(records)  # once the server has set up its logging (which drops handlers)
+            for path in BODY_ROUTES:
+                await abandon_mid_body(server, path)
+                with anyio.fail_after(30):
+                    while path not in ended:
+                        await anyio.sleep(0.01)
+            assert [r.getMessage() for r in records.records] == []
+            async with httpx.AsyncClient(timeout=60) as http:
+                r = await http.post(f"http://127.0.0.1:{server.http.port}/v1/completions",
+                                    json={"prompt": "ab", "max_tokens": 2})
+                assert r.status_code == 200
+            await wait_idle(server)
+    finally:
+        log.removeHandler(records)

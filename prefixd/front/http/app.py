@@ -309,7 +309,16 @@ def _http_error(e: ProtocolError) -> HttpError:
 async def _read_json(request: Request) -> dict[str, Any]:
     """The request body as a JSON object. 413 past MAX_BODY_BYTES, once the rest of the body
     is read and dropped (up to MAX_DROPPED_BODY_BYTES); 400 when it is not JSON, nests deeper
-    than MAX_JSON_DEPTH or is not an object. Every route that takes a body reads it here."""
+    than MAX_JSON_DEPTH or is not an object; 400 too when the client hangs up before the body
+    is whole (the answer then goes nowhere: a refusal like any other, not a server error).
+    Every route that takes a body reads it here."""
+    try:
+        return await _read_body(request)
+    except ClientDisconnect:
+        raise HttpError(400, "the client hung up before its body was whole") from None
+
+
+async def _read_body(request: Request) -> dict[str, Any]:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
         if int(length) <= MAX_DROPPED_BODY_BYTES:
