@@ -135,8 +135,10 @@ def isa() -> str:
 def pack(codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's layout (csrc/int4_mm.cpp) of codes (N, K) in 0..15 and scale, base (N, K/32).
 
-    Returns (codes uint8 (NB, G, 4, 2, 64), scales bf16 (NB, G, 2, 32)); padding outputs get
-    code 0 and zero scale and base."""
+    Returns (codes uint8 (NB, G, 4, 2, 64), scales (NB, G, 2, 32)); padding outputs get code 0
+    and zero scale and base. The scales are fp16 when every scale and base is exact in fp16
+    (linear.int4_codes rounds them so), else bf16 when exact in bf16; the kernel widens either
+    exactly, so only their values count."""
     n, k = codes.shape
     g = k // GROUP
     nb = -(-n // BLOCK_N)
@@ -148,14 +150,17 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> tuple[
     packed = packed.permute(0, 3, 4, 1, 2, 5).reshape(nb, g, 4, 2, 64).contiguous()
     sb = torch.zeros(2, nb * BLOCK_N, g)
     sb[0, :n], sb[1, :n] = scale.float(), base.float()
-    scales = sb.reshape(2, nb, BLOCK_N, g).permute(1, 3, 0, 2).to(torch.bfloat16).contiguous()
-    return packed, scales
+    scales = sb.reshape(2, nb, BLOCK_N, g).permute(1, 3, 0, 2).contiguous()
+    for dtype in (torch.float16, torch.bfloat16):
+        if torch.equal(scales.to(dtype).float(), scales):
+            return packed, scales.to(dtype)
+    raise ValueError("pack: scales and bases must be exact in fp16 or in bf16 (linear.int4_codes rounds them)")
 
 
 def pack8(codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's 8-bit layout of codes (N, K) in 0..255 and scale, base (N, K/32), as `pack`'s.
 
-    Returns (codes uint8 (NB, G, 8, 2, 64), scales bf16 (NB, G, 2, 32)): byte 4*l + b of
+    Returns (codes uint8 (NB, G, 8, 2, 64), scales as `pack`'s (NB, G, 2, 32)): byte 4*l + b of
     [nb, g, i, h] is the code of input 32g + 4i + b for output nb*32 + 16h + l."""
     n, k = codes.shape
     g = k // GROUP

@@ -10,8 +10,9 @@ then runs bf16 products as calls of a fixed row count). docs/runtime.md has the 
 On CUDA the product runs in kernels.py (one fixed Triton configuration for every M); the
 padding is harmless there. Its invariance is checked by the CUDA tests.
 
-Mode "int4" (CPU, bf16) keeps each projection as 4-bit codes in groups of 32 inputs with a
-bf16 scale and base per group (`Int4Weight`: w = q * scale + base, 5 bits per weight streamed),
+Mode "int4" (CPU, bf16) keeps each projection as 4-bit codes in groups of 32 inputs with an
+fp16 scale and base per group (`Int4Weight`: w = q * scale + base, 5 bits per weight streamed;
+bf16 for a weight whose scales fp16 would hold less closely: `scale_dtype`),
 run by prefixd's own CPU kernel (cpu_kernels.py, csrc/int4_mm.cpp): each row of the input is
 quantized to 8 bits per group of 32 inside the call, the group products are exact integer sums
 (AVX-512 VNNI where the CPU has it) and the rest a fixed sequence of fp32 operations per output,
@@ -66,23 +67,39 @@ def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     """(codes (N, K) int32 in 0..15, scale (N, K/32), base (N, K/32)) of an (N, K) weight.
 
     Asymmetric per group of 32 inputs: scale = (max - min) / 15 and base = min, both rounded to
-    bf16, codes rounded to the nearest step from base. Weights dequantized from a GGUF Q4_1
-    block (x = d*q + m, q spanning 0..15) come back with their own codes q, and d, m up to
-    their rounding to bf16.
+    `scale_dtype` (fp16 for a model's weights), codes rounded to the nearest step from base.
+    Weights dequantized from a GGUF Q4_1 block (x = d*q + m, q spanning 0..15, d and m stored
+    as fp16) come back exactly: their own codes q, d and m.
     """
     return _group_codes(weight, 15, "int4")
 
 
+BF16_ROUNDING = 2.0 ** -8  # bf16's largest relative rounding error: half a step of 8 significant bits
+
+
+def scale_dtype(values: torch.Tensor) -> torch.dtype:
+    """The dtype a weight's group scales and bases are kept in: fp16 when it holds every one of
+    `values` within bf16's relative rounding error (fp16 has 11 significant bits in its normal
+    range, and a GGUF's own block scales are fp16: exact), else bf16 (values beyond fp16's
+    range, or so small that its subnormals keep fewer bits than bf16)."""
+    values = values.float()
+    rounded = values.to(torch.float16).float()
+    if bool(torch.isfinite(rounded).all()) and bool(((rounded - values).abs() <= values.abs() * BF16_ROUNDING).all()):
+        return torch.float16
+    return torch.bfloat16
+
+
 def _group_codes(weight: torch.Tensor, top: int, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes in 0..top per group of INT4_GROUP inputs: scale = (max - min) / top and base =
-    min, both rounded to bf16, codes rounded to the nearest step from base."""
+    min, both rounded to `scale_dtype`, codes rounded to the nearest step from base."""
     n, k = weight.shape
     if k % INT4_GROUP:
         raise ValueError(f"{name} weights need in_features divisible by {INT4_GROUP}, got {k}")
     groups = weight.float().reshape(n, k // INT4_GROUP, INT4_GROUP)  # (N, G, 32)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (N, G)
-    scale = ((high - low) / top).to(torch.bfloat16).float()
-    base = low.to(torch.bfloat16).float()
+    scale = (high - low) / top
+    dtype = scale_dtype(torch.stack([scale, low]))
+    scale, base = scale.to(dtype).float(), low.to(dtype).float()
     step = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round((groups - base[..., None]) / step[..., None]).clamp_(0, top)
     return codes.reshape(n, k).to(torch.int32), scale, base
@@ -128,9 +145,30 @@ class Int8Weight:
 
 
 def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes (N, K) int32 in 0..255, scale (N, K/32), base (N, K/32)) of an (N, K) weight:
-    `int4_codes` with 255 steps (scale = (max - min) / 255, base = min, both bf16)."""
-    return _group_codes(weight, 255, "int8")
+    """(codes (N, K) int32 in 0..255, scale (N, K/32), base (N, K/32)) of an (N, K) weight.
+
+    Per group of 32 inputs, the better (smaller largest error) of two grids: `int4_codes`' with
+    255 steps (scale = (max - min) / 255, base = min) and a symmetric one (scale = max|w| / 127,
+    base = -128 * scale), each `scale_dtype`. Weights dequantized from a GGUF Q8_0 block
+    (x = d*q, q in -127..127, d fp16) come back exactly on the symmetric grid: scale d, codes
+    q + 128 (base is d times a power of two, exact)."""
+    codes, scale, base = _group_codes(weight, 255, "int8")
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // INT4_GROUP, INT4_GROUP)
+    amax = groups.abs().amax(dim=-1)
+    step = (amax / 127).to(scale_dtype(torch.stack([amax / 127, amax / 127 * -128]))).float()
+    sym_base = step * -128
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    sym = (torch.round(groups / safe[..., None]) + 128).clamp_(0, 255)
+    err_asym = (codes.reshape(n, -1, INT4_GROUP).float() * scale[..., None] + base[..., None] - groups).abs().amax(-1)
+    err_sym = (sym * step[..., None] + sym_base[..., None] - groups).abs().amax(-1)
+    take = err_sym < err_asym
+    if not bool(take.any()):
+        return codes, scale, base
+    if scale_dtype(torch.stack([scale, base, step, sym_base])) != torch.float16:
+        return codes, scale, base  # one dtype for every group's scales: keep the asymmetric grid
+    codes = torch.where(take[..., None], sym.to(torch.int32), codes.reshape(n, -1, INT4_GROUP)).reshape(n, k)
+    return codes, torch.where(take, step, scale), torch.where(take, sym_base, base)
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:

@@ -8,14 +8,16 @@ Per layer, every row of the round in one batch::
 
 The residual stream, norms, rope, attention and the SiLU product are fp32; GEMM inputs and
 weights are in the compute dtype (bf16 by default) and their outputs come back as fp32.
-Mode "int4" keeps the four projections of every layer as 4-bit group-32 codes (linear.py);
-embeddings and the lm_head stay in the compute dtype.
+Mode "int4" keeps the four projections of every layer as 4-bit group-32 codes and the lm_head
+as 8-bit ones (linear.py), each packed from the file's own values where the loader has them
+(`Checkpoint.exact`); the embedding stays in the compute dtype.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -23,8 +25,7 @@ from prefixd.gpu import cpu_kernels, fused, kernels
 from prefixd.gpu.attention import AttentionSpan, AttentionTile, attend_into
 from prefixd.gpu.config import ModelConfig
 from prefixd.gpu.kv_pool import KVPool
-from prefixd.gpu.linear import (Weight, fuse, invariant_rows, linear, matmul, quantize_int4,
-                               quantize_int4_residual)
+from prefixd.gpu.linear import Weight, fuse, invariant_rows, linear, matmul, quantize_int4, quantize_int8
 from prefixd.gpu.rope import RopeTable, rotate, rotation_tables
 
 
@@ -107,7 +108,8 @@ class LlamaModel:
     lane_state_bytes = 0
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], *,
-                 device: torch.device, dtype: torch.dtype, mode: str = "invariant") -> None:
+                 device: torch.device, dtype: torch.dtype, mode: str = "invariant",
+                 exact: Callable[[str], torch.Tensor | None] | None = None) -> None:
         check_mode(mode, device, dtype)
         self.config = config
         self.device = device
@@ -119,10 +121,18 @@ class LlamaModel:
         self.num_kv_layers = config.num_layers
         f32 = lambda t: t.to(device=device, dtype=torch.float32)  # noqa: E731
         lin = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+        # int4 requantizes each weight it packs from the file's own values where the loader has
+        # them (`exact`: fp32, one tensor at a time), not from their rounding to the compute dtype
+        self._exact = exact if mode == "int4" and exact is not None else (lambda name: None)
         self.embed = lin(_take(tensors, "model.embed_tokens.weight"))
+        head_name = "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
         head = self.embed if config.tie_embeddings else lin(_take(tensors, "lm_head.weight"))
         tensors.pop("lm_head.weight", None)
-        self.lm_head: Weight = quantize_int4_residual(head) if mode == "int4" else head
+        if mode == "int4":  # 8-bit codes: a GGUF Q8_0 head's own (linear.int8_codes)
+            source = self._exact(head_name)
+            self.lm_head: Weight = quantize_int8(head if source is None else source)
+        else:
+            self.lm_head = head
         self.final_norm = f32(_take(tensors, "model.norm.weight"))
         self.layers = [self._layer(tensors, i, f32, lin) for i in range(config.num_layers)]
         self.rope = RopeTable(config, device=device)
@@ -132,18 +142,26 @@ class LlamaModel:
         p = f"model.layers.{i}."
         a = p + "self_attn."
         pack = quantize_int4 if self.mode == "int4" else lin
-        qkv = fuse([_take(t, a + f"{n}_proj.weight").to(self.dtype) for n in "qkv"])
+        weight = lambda name: self._weight(t, name)  # noqa: E731
+        qkv = fuse([weight(a + f"{n}_proj.weight") for n in "qkv"])
         bias = None
         if self.config.attention_bias:
             bias = f32(torch.cat([_take(t, a + f"{n}_proj.bias").float() for n in "qkv"]))
         qn = f32(_take(t, a + "q_norm.weight")) if self.config.qk_norm else None
         kn = f32(_take(t, a + "k_norm.weight")) if self.config.qk_norm else None
-        gate_up = fuse([_take(t, p + f"mlp.{n}_proj.weight").to(self.dtype) for n in ("gate", "up")])
+        gate_up = fuse([weight(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
         return _Layer(
             input_norm=f32(_take(t, p + "input_layernorm.weight")), qkv=pack(qkv), qkv_bias=bias,
-            q_norm=qn, k_norm=kn, o=pack(lin(_take(t, a + "o_proj.weight"))),
+            q_norm=qn, k_norm=kn, o=pack(weight(a + "o_proj.weight")),
             post_norm=f32(_take(t, p + "post_attention_layernorm.weight")),
-            gate_up=pack(gate_up), down=pack(lin(_take(t, p + "mlp.down_proj.weight"))))
+            gate_up=pack(gate_up), down=pack(weight(p + "mlp.down_proj.weight")))
+
+    def _weight(self, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """A projection to pack: the file's own values (int4, where the loader has them) or the
+        loaded tensor in the compute dtype."""
+        loaded = _take(tensors, name)
+        source = self._exact(name)
+        return loaded.to(device=self.device, dtype=self.dtype) if source is None else source.to(self.device)
 
     # FamilyModel: lane state (none for attention-only families)
     def new_lane_states(self, num_lanes: int) -> None:
@@ -329,5 +347,6 @@ class EmptyState:
 
 
 def build_llama(checkpoint, device: torch.device, dtype: torch.dtype, mode: str) -> LlamaModel:
-    return LlamaModel(checkpoint.config, checkpoint.tensors, device=device, dtype=dtype, mode=mode)
+    return LlamaModel(checkpoint.config, checkpoint.tensors, device=device, dtype=dtype, mode=mode,
+                      exact=getattr(checkpoint, "exact", None))
 

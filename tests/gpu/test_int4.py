@@ -12,7 +12,7 @@ import torch
 
 from prefixd.gpu import cpu_kernels
 from prefixd.gpu.linear import (INT4_GROUP, Int4Weight, Int8Weight, dequantize_int4, int4_codes, int8_codes, linear,
-                                quantize_int4, quantize_int4_residual, quantize_int8)
+                                quantize_int4, quantize_int4_residual, quantize_int8, scale_dtype)
 from prefixd.gpu.model import check_mode
 
 KERNEL_OK, KERNEL_WHY = cpu_kernels.available()
@@ -21,22 +21,48 @@ pytestmark = pytest.mark.skipif(not KERNEL_OK, reason=KERNEL_WHY)
 
 def q4_1_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weight, q, d, m): x = d*q + m per group of 32, each group using codes 0 and 15 (as
-    ggml's Q4_1 quantizer does); d and m are exact in bf16 so the codes can be exact too."""
+    ggml's Q4_1 quantizer does); d and m are fp16, as a GGUF stores them (most not exact in bf16)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k // INT4_GROUP, INT4_GROUP), generator=g)
     q[..., 0], q[..., 1] = 0, 15
-    d = (torch.rand(n, k // INT4_GROUP, 1, generator=g) * 0.01 + 1e-4).to(torch.bfloat16).float()
-    m = (-torch.rand(n, k // INT4_GROUP, 1, generator=g) * 0.05).to(torch.bfloat16).float()
+    d = (torch.rand(n, k // INT4_GROUP, 1, generator=g) * 0.01 + 1e-4).to(torch.float16).float()
+    m = (-torch.rand(n, k // INT4_GROUP, 1, generator=g) * 0.05).to(torch.float16).float()
     return torch.addcmul(m, d, q.float()).reshape(n, k), q.reshape(n, k), d[..., 0], m[..., 0]
 
 
 def test_codes_of_q4_1_weights_are_the_blocks_own():
+    """A GGUF Q4_1 block's fp16 d and m come back exactly (bf16 would round most of them), and
+    the packed scales keep them as fp16."""
     weight, q, d, m = q4_1_weight(96, 128, seed=1)
+    assert not torch.equal(d.bfloat16().float(), d)  # the case that needs fp16
     codes, scale, base = int4_codes(weight)
     assert torch.equal(codes, q.to(torch.int32))
     assert torch.equal(scale, d)
     assert torch.equal(base, m)
     assert torch.equal(dequantize_int4(codes, scale, base), weight)
+    assert quantize_int4(weight).scales.dtype == torch.float16
+
+
+def test_scales_fp16_would_hold_less_closely_than_bf16_stay_bf16():
+    """Groups so small that fp16's subnormals keep fewer bits than bf16 (or too large for fp16):
+    the whole weight's scales stay bf16, within bf16's rounding of the exact ones."""
+    g = torch.Generator().manual_seed(4)
+    for factor in (1e-7, 1e6):
+        weight = torch.randn(64, 128, generator=g) * factor
+        assert scale_dtype(torch.tensor([1e-3, factor])) == torch.bfloat16
+        codes, scale, base = int4_codes(weight)
+        groups = weight.reshape(64, 4, INT4_GROUP)
+        exact = (groups.amax(-1) - groups.amin(-1)) / 15
+        assert ((scale - exact).abs() <= exact.abs() * 2 ** -8).all()
+        assert quantize_int4(weight).scales.dtype == torch.bfloat16
+    assert scale_dtype(torch.tensor([1e-3, 0.0, -2.5])) == torch.float16
+
+
+def test_packing_refuses_scales_neither_fp16_nor_bf16_holds():
+    codes = torch.zeros(32, 32, dtype=torch.int32)
+    scale = torch.full((32, 1), 1.0 + 2 ** -20)  # 21 significant bits
+    with pytest.raises(ValueError, match="exact in fp16 or in bf16"):
+        cpu_kernels.pack(codes, scale, torch.zeros(32, 1))
 
 
 def test_codes_refuse_inputs_not_a_multiple_of_the_group():
@@ -68,13 +94,16 @@ def kernel_paths() -> list[str]:
     return ["vnni", "portable"] if cpu_kernels.isa() == "avx512-vnni" else ["portable"]
 
 
+@pytest.mark.parametrize(("magnitude", "scales_dtype"), [(0.05, torch.float16), (1e-7, torch.bfloat16)])
 @pytest.mark.parametrize(("n", "k", "kx"), [(960, 576, 576), (576, 1536, 1536), (50, 64, 64), (1000, 1152, 576)])
-def test_the_kernel_has_the_reference_arithmetics_bits_on_every_path(n, k, kx):
+def test_the_kernel_has_the_reference_arithmetics_bits_on_every_path(n, k, kx, magnitude, scales_dtype):
     """Bit for bit against `reference_int4_mm`: outputs not a multiple of 32, a residual weight
-    (k = 2 kx: x read twice), bf16 and fp32 inputs, an all-zero row, every row count to 70."""
+    (k = 2 kx: x read twice), bf16 and fp32 inputs, an all-zero row, every row count to 70, and
+    scales held as fp16 (a model's) or bf16 (tiny weights)."""
     g = torch.Generator().manual_seed(n + k)
-    codes, scale, base = int4_codes(torch.randn(n, k, generator=g) * 0.05)
+    codes, scale, base = int4_codes(torch.randn(n, k, generator=g) * magnitude)
     packed, scales = cpu_kernels.pack(codes, scale, base)
+    assert scales.dtype == scales_dtype
     x = torch.randn(70, kx, generator=g) * 3
     x[5] = 0
     for dtype in (torch.bfloat16, torch.float32):
@@ -274,15 +303,63 @@ def test_lm_head_rows_have_the_same_bits_for_every_row_count(quantize):
     assert torch.equal(linear(x.roll(3, 0), weight), ref.roll(3, 0)), "rows moved in the call"
 
 
-def test_int4_mode_runs_unpadded_rounds_and_a_two_layer_lm_head(tiny_llama_dir):
+def test_int4_mode_runs_unpadded_rounds_and_an_8bit_lm_head(tiny_llama_dir):
     from tests.gpu.runner_helpers import make_runner
 
     int4 = make_runner(tiny_llama_dir, torch.bfloat16, mode="int4", num_lanes=1, num_pages=8).model
     bf16 = make_runner(tiny_llama_dir, torch.bfloat16, mode="invariant", num_lanes=1, num_pages=8).model
     assert [int4.padded_rows(n) for n in (1, 2, 3, 5)] == [1, 2, 3, 5]
     assert [bf16.padded_rows(n) for n in (1, 2, 3, 5)] == [4, 4, 4, 5]
-    assert isinstance(int4.lm_head, Int4Weight) and int4.lm_head.residual
+    assert isinstance(int4.lm_head, Int8Weight)
     assert int4.lm_head.shape == tuple(bf16.lm_head.shape)
+
+
+def test_int8_codes_of_q8_0_weights_are_the_blocks_own():
+    """A GGUF Q8_0 block (x = d * q, q in -127..127, d fp16) on the symmetric grid: scale d,
+    codes q + 128, the weights back exactly; other groups keep the finer asymmetric grid."""
+    g = torch.Generator().manual_seed(6)
+    d = (torch.rand(64, 4, 1, generator=g) * 0.01 + 1e-4).to(torch.float16).float()
+    q = torch.randint(-127, 128, (64, 4, INT4_GROUP), generator=g)
+    q[..., 0] = 127
+    weight = (d * q).reshape(64, 128)
+    codes, scale, base = int8_codes(weight)
+    assert torch.equal(scale, d[..., 0]) and torch.equal(codes, (q + 128).reshape(64, 128).to(torch.int32))
+    assert torch.equal(dequantize_int4(codes, scale, base), weight)
+    skewed = torch.rand(8, 32, generator=g) * 0.05 + 0.01  # all positive: half the symmetric grid unused
+    codes, scale, base = int8_codes(skewed)
+    assert int(codes.min()) == 0 and int(codes.max()) == 255
+
+
+def test_int4_packs_a_gguf_from_its_own_values_not_their_bf16_rounding(tmp_path, tiny_llama_dir):
+    """Q8_0 embedding (the tied head) and Q4_1 projections, which a bf16 load rounds: int4's
+    packs are made from the file's values (`Checkpoint.exact`), so the head's 8-bit codes give
+    back the Q8_0 values exactly and the projections' codes are those of the Q4_1 values."""
+    from gguf import GGMLQuantizationType as QT
+
+    from prefixd.gpu.loading import load_checkpoint
+    from prefixd.gpu.model import LlamaModel
+    from tests.helpers.tiny_gguf import write_tiny_gguf
+
+    qtypes = {"token_embd.weight": QT.Q8_0, "blk.0.attn_q.weight": QT.Q4_1, "blk.0.attn_k.weight": QT.Q4_1,
+              "blk.0.attn_v.weight": QT.Q4_1, "blk.0.ffn_down.weight": QT.Q4_1}
+    path = write_tiny_gguf(tmp_path / "q.gguf", tiny_llama_dir, qtypes=qtypes)
+    cpu = torch.device("cpu")
+    exact = load_checkpoint(path, device=cpu, dtype=torch.float32).tensors
+    low = load_checkpoint(path, device=cpu, dtype=torch.bfloat16)
+    embed = exact["model.embed_tokens.weight"]
+    assert not torch.equal(low.tensors["model.embed_tokens.weight"].float(), embed)  # bf16 rounds it
+    assert torch.equal(low.exact("model.embed_tokens.weight"), embed)
+    assert low.exact("model.layers.0.input_layernorm.weight") is None  # stored plain: loaded as it is
+    model = LlamaModel(low.config, dict(low.tensors), device=cpu, dtype=torch.bfloat16, mode="int4", exact=low.exact)
+    codes, scale, base = int8_codes(embed)
+    assert torch.equal(dequantize_int4(codes, scale, base), embed)
+    want = cpu_kernels.pack8(codes, scale, base)
+    assert torch.equal(model.lm_head.codes, want[0]) and torch.equal(model.lm_head.scales, want[1])
+    a = "model.layers.0.self_attn."
+    qkv = quantize_int4(torch.cat([exact[a + f"{n}_proj.weight"] for n in "qkv"]))
+    assert torch.equal(model.layers[0].qkv.codes, qkv.codes) and torch.equal(model.layers[0].qkv.scales, qkv.scales)
+    down = quantize_int4(exact["model.layers.0.mlp.down_proj.weight"])
+    assert torch.equal(model.layers[0].down.codes, down.codes)
 
 
 def test_int8_weights_take_9_bits_a_weight():
@@ -292,11 +369,11 @@ def test_int8_weights_take_9_bits_a_weight():
 
 
 def test_the_disk_tier_keys_a_mode_on_its_revision():
-    """int4's bits changed (its own kernel, 8-bit activations): disk entries of revision 3 and
-    earlier must never be served."""
+    """int4's bits changed (lately its scales kept as fp16): disk entries of an earlier
+    revision must never be served."""
     from prefixd.gpu.families import mode_identity
 
-    assert mode_identity("int4") == "int4@6"
+    assert mode_identity("int4") == "int4@7"
     assert mode_identity("invariant") == "invariant@5"
     with pytest.raises(ValueError, match="no revision"):
         mode_identity("int3")

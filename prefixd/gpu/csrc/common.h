@@ -1,5 +1,5 @@
 // What both of prefixd's CPU kernels (int4_mm.cpp, attention.cpp) share: the x86 switch, exact
-// bf16 reads and the fixed order in which 16 lane sums are joined.
+// bf16 and fp16 reads and the fixed order in which 16 lane sums are joined.
 #pragma once
 
 #if (defined(__x86_64__) || defined(__i386__)) && !defined(PREFIXD_PORTABLE_ONLY)  // the latter: to check the other build
@@ -19,10 +19,32 @@ inline float bf16_to_float(uint16_t h) {  // exact
   return f;
 }
 
+inline float fp16_to_float(uint16_t h) {  // exact, subnormals included (every fp16 is an fp32)
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1fu) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf, NaN
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+  } else {  // zero or subnormal: mantissa * 2^-24, exact in fp32
+    float f = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 #ifdef PREFIXD_X86
 // 16 bf16 widened to fp32, exactly (each value's bits shifted into the high half of its lane).
 __attribute__((target("avx512f"))) inline __m512 load_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// 16 fp16 widened to fp32, exactly (the conversion is exact whatever the rounding mode).
+__attribute__((target("avx512f"))) inline __m512 load_fp16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 #endif
 

@@ -1,5 +1,5 @@
 // prefixd's CPU product for mode "int4": out (M, N) fp32 = x (M, Kx) @ W.T, with W (N, K) held as
-// 4-bit codes q in groups of 32 inputs, a bf16 scale and base per group and output
+// 4-bit codes q in groups of 32 inputs, an fp16 (or bf16) scale and base per group and output
 // (w = q * scale + base), and each row of x quantized to 8 bits per group of 32 inputs inside the
 // call. The inner products are exact integer sums; the rest is a fixed sequence of fp32
 // operations per output, so a row's bits depend on that row alone: not on the row count, the
@@ -24,7 +24,8 @@
 //          32g + 8i + 4 + b in its high nibble (the order VNNI's 4-byte lanes read);
 //   8-bit codes uint8 (NB, G, 8, 2, 64): byte 4*l + b of [nb, g, i, h] holds the code of input
 //          32g + 4i + b for output nb*32 + 16h + l;
-//   scales bf16 (NB, G, 2, 32): [nb, g, 0, c] the scale of output nb*32 + c, [.., 1, c] its base.
+//   scales fp16 or bf16 (NB, G, 2, 32): [nb, g, 0, c] the scale of output nb*32 + c, [.., 1, c]
+//          its base; either is widened to fp32 exactly, so only the values count.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -46,6 +47,7 @@ namespace {
 using prefixd_cpu::halve16;
 #ifdef PREFIXD_X86
 using prefixd_cpu::load_bf16;
+using prefixd_cpu::load_fp16;
 #endif
 
 constexpr int GROUP = 32;
@@ -54,7 +56,6 @@ constexpr int ROW_TILE = 6;    // rows whose sums stay in registers
 constexpr int ROW_CHUNK = 64;  // rows of one task (its activations stay in cache)
 constexpr int FETCH_ROWS = 4;  // from this many rows a task prefetches the next block (`tile_vnni_rows`)
 
-constexpr auto bf16_value = prefixd_cpu::bf16_to_float;
 
 struct Quantized {  // x's rows, quantized
   const int8_t* xq;   // (M, Kx)
@@ -68,7 +69,8 @@ struct Call {
   const uint16_t* scales;
   float* out;  // (M, N)
   int64_t M, N, K, Kx;
-  int bits;  // of a code: 4 or 8
+  int bits;   // of a code: 4 or 8
+  bool half;  // scales are fp16 (else bf16)
 };
 
 inline int64_t group_bytes(int bits) { return bits * 128; }  // 32 outputs x 32 inputs x bits / 8
@@ -128,6 +130,7 @@ void tile_scalar(const Call& c, int64_t m0, int rows, int64_t nb) {
   const int64_t groups = c.K / GROUP, gx = c.Kx / GROUP;
   const int64_t n0 = nb * BLOCK_N;
   const int cols = static_cast<int>(std::min<int64_t>(BLOCK_N, c.N - n0));
+  const auto widen = c.half ? prefixd_cpu::fp16_to_float : prefixd_cpu::bf16_to_float;
   for (int r = 0; r < rows; ++r) {
     const int64_t m = m0 + r;
     for (int col = 0; col < cols; ++col) {
@@ -150,8 +153,8 @@ void tile_scalar(const Call& c, int64_t m0, int rows, int64_t nb) {
           }
         }
         const uint16_t* sz = c.scales + (nb * groups + g) * 2 * BLOCK_N;
-        const float t = static_cast<float>(dot) * bf16_value(sz[col]);
-        const float u = bf16_value(sz[BLOCK_N + col]) * c.x.sf[m * gx + j];
+        const float t = static_cast<float>(dot) * widen(sz[col]);
+        const float u = widen(sz[BLOCK_N + col]) * c.x.sf[m * gx + j];
         const float sum = t + u;
         const float step = c.x.d[m * gx + j] * sum;
         acc = acc + step;
@@ -230,8 +233,8 @@ PREFIXD_VNNI inline void tile_vnni_rows(const Call& c, int64_t m0, int64_t nb, f
     }
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      const __m512 scale = load_bf16(sz + 16 * h);
-      const __m512 base = load_bf16(sz + BLOCK_N + 16 * h);
+      const __m512 scale = c.half ? load_fp16(sz + 16 * h) : load_bf16(sz + 16 * h);
+      const __m512 base = c.half ? load_fp16(sz + BLOCK_N + 16 * h) : load_bf16(sz + BLOCK_N + 16 * h);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512 s = _mm512_set1_ps(c.x.sf[(m0 + r) * gx + j]);
@@ -346,9 +349,10 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   const int bits = static_cast<int>(codes.size(2));
   const int64_t nblocks = codes.size(0), groups = codes.size(1), k = groups * GROUP;
   TORCH_CHECK(n > 0 && nblocks == (n + BLOCK_N - 1) / BLOCK_N, "int4_mm: codes do not hold ", n, " outputs in blocks of 32");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 4 && scales.size(0) == nblocks &&
-                  scales.size(1) == groups && scales.size(2) == 2 && scales.size(3) == BLOCK_N,
-              "int4_mm: scales must be contiguous bf16 (NB, G, 2, 32)");
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK((half || scales.scalar_type() == at::kBFloat16) && scales.is_contiguous() && scales.dim() == 4 &&
+                  scales.size(0) == nblocks && scales.size(1) == groups && scales.size(2) == 2 && scales.size(3) == BLOCK_N,
+              "int4_mm: scales must be contiguous fp16 or bf16 (NB, G, 2, 32)");
   const int64_t m = x.size(0), kx = x.size(1);
   TORCH_CHECK(kx > 0 && kx % GROUP == 0 && k % kx == 0, "int4_mm: x's width ", kx, " does not divide the weight's ", k);
   TORCH_CHECK(path == "auto" || path == "vnni" || path == "portable", "int4_mm: path must be auto, vnni or portable");
@@ -391,8 +395,8 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 
   Call c{{xq.const_data_ptr<int8_t>(), d.const_data_ptr<float>(), s.const_data_ptr<float>()},
          codes.const_data_ptr<uint8_t>(),
-         reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::BFloat16>()),
-         out.mutable_data_ptr<float>(), m, n, k, kx, bits};
+         static_cast<const uint16_t*>(scales.const_data_ptr()),
+         out.mutable_data_ptr<float>(), m, n, k, kx, bits, half};
   const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
   at::parallel_for(0, chunks * nblocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {

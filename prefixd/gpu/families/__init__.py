@@ -79,9 +79,10 @@ CPU_DEFAULT_MODE = "int4"
 # pairs, q and k flushed below 2^-30: int4 6; the hybrid family's products and rope became the
 # shared ones, its rope in fp32: invariant 4; on CUDA, paged flash attention with an online
 # max and the fused norm, rope and SiLU kernels, flash's key blocks and warps by head width:
-# invariant 5), so that
+# invariant 5; int4's group scales and bases kept as fp16, a GGUF's own, where bf16 rounded
+# them: int4 7), so that
 # the disk tier, which keys on `mode_identity`, never serves rows computed by an earlier revision.
-MODE_REVISIONS = {"invariant": 5, "int4": 6}
+MODE_REVISIONS = {"invariant": 5, "int4": 7}
 
 
 def mode_identity(mode: str) -> str:

@@ -36,6 +36,9 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     weights_bytes: int
+    # a tensor's stored values in fp32, read again from the file, where the compute dtype may
+    # round them (GGUF block types; `load_gguf`), else None: what int4 requantizes from
+    exact: Callable[[str], torch.Tensor | None] | None = None
 
 
 def resolve_spec(spec: str | Path) -> tuple[Path, str]:
@@ -69,7 +72,10 @@ def load_checkpoint(
     (`stderr_progress()` prints it).
     """
     path, source = resolve_spec(spec)
-    loader = load_gguf if source == "gguf" else load_hf_dir
-    config, tensors, tokenizer = loader(path, device=torch.device(device), dtype=dtype, progress=progress)
+    exact = None
+    if source == "gguf":
+        config, tensors, tokenizer, exact = load_gguf(path, device=torch.device(device), dtype=dtype, progress=progress)
+    else:
+        config, tensors, tokenizer = load_hf_dir(path, device=torch.device(device), dtype=dtype, progress=progress)
     weights = sum(t.numel() * t.element_size() for t in tensors.values())
-    return Checkpoint(path, source, config, tensors, tokenizer, weights)
+    return Checkpoint(path, source, config, tensors, tokenizer, weights, exact)

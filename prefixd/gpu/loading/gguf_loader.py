@@ -23,7 +23,7 @@ from prefixd.gpu.config import (
     gguf_unpermute_heads,
     tensor_shapes,
 )
-from prefixd.gpu.loading.dequant import SUPPORTED_TYPES, dequantize
+from prefixd.gpu.loading.dequant import PLAIN_TYPES, SUPPORTED_TYPES, dequantize
 from prefixd.gpu.loading.errors import ModelLoadError, same_up_to_unit_dims
 from prefixd.gpu.loading.gguf_file import GGUFFile, GGUFFormatError, GGUFTensor
 from prefixd.text.tokenizer import Tokenizer, TokenizerError
@@ -122,27 +122,43 @@ def load_gguf(
     device: torch.device,
     dtype: torch.dtype,
     progress: Callable[[str, int, int], None] | None,
-) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """(config, tensors, tokenizer) from a GGUF; everything is checked before any tensor is built."""
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, Callable[[str], torch.Tensor | None]]:
+    """(config, tensors, tokenizer, exact) from a GGUF; everything is checked before any tensor
+    is built. `exact(name)`: the tensor's stored values in fp32, read again from the file (a
+    block type's d * q (+ m) exactly, which the compute dtype may round), or None where the
+    loaded tensor already holds them (a plain type) or the family rewrites its tensors after
+    the load. A mode that requantizes weights (int4) starts from these, one tensor at a time."""
     gf, config, tokenizer = read_gguf_header(path)
     plan = _plan(path, gf, config)
     heads = gguf_unpermute_heads(config)
     total = sum(e.num_bytes for e, _ in plan.values())
     done = 0
+
+    def build(hf_name: str, dtype: torch.dtype) -> torch.Tensor:
+        entry, shape = plan[hf_name]
+        raw = torch.from_numpy(gf.raw(entry.name)).to(device)
+        assert isinstance(entry.qtype, GGMLQuantizationType), "validated in _plan"
+        value = dequantize(raw, entry.qtype, entry.shape, dtype)
+        if hf_name in heads:
+            value = unpermute_rope_rows(value, heads[hf_name])
+        return value.reshape(shape).contiguous()
+
     tensors: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for hf_name, (entry, shape) in plan.items():
-            raw = torch.from_numpy(gf.raw(entry.name)).to(device)
-            assert isinstance(entry.qtype, GGMLQuantizationType), "validated in _plan"
-            value = dequantize(raw, entry.qtype, entry.shape, dtype)
-            if hf_name in heads:
-                value = unpermute_rope_rows(value, heads[hf_name])
-            tensors[hf_name] = value.reshape(shape).contiguous()
+        for hf_name, (entry, _) in plan.items():
+            tensors[hf_name] = build(hf_name, dtype)
             done += entry.num_bytes
             if progress is not None:
                 progress(f"loading {path.name}", done, total)
     fix = gguf_fixup(config)
     if fix is not None:
         fix(config, tensors)
-    return config, tensors, tokenizer
+
+    def exact(hf_name: str) -> torch.Tensor | None:
+        if fix is not None or hf_name not in plan or plan[hf_name][0].qtype in PLAIN_TYPES:
+            return None
+        with torch.no_grad():
+            return build(hf_name, torch.float32)
+
+    return config, tensors, tokenizer, exact
 
