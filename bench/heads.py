@@ -1,14 +1,15 @@
 """Bench-only output-head variants of a runner mode, to compare head formats in one run.
 
-    "int4"             the mode as it is
+    "int4"             the mode as it is (its head: 8-bit codes of the file's own values)
     "int4+head=bf16"   the mode with its lm_head replaced after loading: bf16 (the compute dtype),
-    "int4+head=4x2"    two 4-bit layers (linear.quantize_int4_residual),
+    "int4+head=4x2"    two 4-bit layers (linear.quantize_int4_residual; the head of revisions 2-6),
     "int4+head=4"      one 4-bit layer (linear.quantize_int4)
     "int4+head=8"      one 8-bit layer (linear.quantize_int8), where linear has it
 
 A variant is not a mode: the daemon never runs one, and the disk tier never sees its rows. The
-replacement head is made from the model's embedding (the head is tied on the default model) or,
-untied, from the head itself where it is still a tensor.
+replacement head is made from the model's embedding as loaded, in the compute dtype (the head is
+tied on the default model), or, untied, from the head itself where it is still a tensor; so
+"int4+head=8" is not "int4": the mode packs its head from the file's values.
 """
 
 from __future__ import annotations

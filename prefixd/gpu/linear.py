@@ -17,11 +17,12 @@ run by prefixd's own CPU kernel (cpu_kernels.py, csrc/int4_mm.cpp): each row of 
 quantized to 8 bits per group of 32 inside the call, the group products are exact integer sums
 (AVX-512 VNNI where the CPU has it) and the rest a fixed sequence of fp32 operations per output,
 so a row's bits depend on that row alone, at every M, thread count and instruction set.
-A weight whose 4-bit rounding costs too much accuracy (the lm_head) is kept as two 4-bit
-layers, the weight's codes and those of its rounding error, side by side along the inputs
-(`quantize_int4_residual`): one call of the kernel, which reads the input twice; or as 8-bit
-codes with the same group scale and base (`quantize_int8`, 9 bits per weight streamed), which
-the same kernel reads with the same arithmetic.
+A weight whose 4-bit rounding costs too much accuracy (the lm_head) is kept as 8-bit codes
+with a group scale and base (`quantize_int8`, 9 bits per weight streamed; a GGUF Q8_0 weight's
+own values), which the same kernel reads with the same arithmetic; or (a bench variant, the
+head of revisions 2 to 6) as two 4-bit layers, the weight's codes and those of its rounding
+error, side by side along the inputs (`quantize_int4_residual`): one call of the kernel, which
+reads the input twice.
 """
 
 from __future__ import annotations
