@@ -1,5 +1,5 @@
 """The CLI's default sampling on the default model (its GGUF ships no settings: temperature
-0.7, top-p 0.9, top-k 40 and no repetition penalty): a plain question's answer does not loop,
+0.7, top-p 0.9, top-k 40 and no repetition penalty): a plain question's answer rarely loops,
 and a function asked back verbatim comes back unchanged with the defaults' penalty (none)."""
 
 from __future__ import annotations
@@ -29,14 +29,33 @@ def _most_repeated_trigram(text: str) -> int:
     return max(Counter(zip(words, words[1:], words[2:])).values(), default=0)
 
 
-def test_the_default_answer_to_a_plain_question_does_not_loop(default_daemon: DaemonProcess):
+SEEDS = range(1, 17)
+MODEL_CARD_TEMPERATURE = 0.2  # SmolLM2's card; the defaults do not take it (docs/benchmarks.md, *Sampling defaults*)
+
+
+def _loops(client, question: list[dict], sampling: dict) -> list[int]:
+    """The seeds whose 64-token answer repeats a trigram more than 3 times."""
+    looped = []
+    for seed in SEEDS:
+        reply = client.generate(messages=question, max_tokens=64, sampling={**sampling, "seed": seed},
+                                cache=False).collect()
+        if _most_repeated_trigram(reply.text) > 3:
+            looped.append(seed)
+    return looped
+
+
+def test_the_default_answer_to_a_plain_question_rarely_loops(default_daemon: DaemonProcess):
+    """Over 16 seeds, at most 2 default answers loop (measured: 0 with int4 revision 6, 1 with
+    revision 7), where the model card's temperature loops on most (measured 14 of 16 with
+    both): which answer loops moves with any change to the numerics, how often does not."""
     question = [{"role": "user", "content": "What is the capital of France?"}]
     with default_daemon.client() as client:
-        for seed in (1, 2, 3):
-            sampling = _cli_sampling(client, seed)
-            assert sampling == {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.0, "seed": seed}
-            reply = client.generate(messages=question, max_tokens=64, sampling=sampling, cache=False).collect()
-            assert _most_repeated_trigram(reply.text) <= 3, reply.text
+        sampling = _cli_sampling(client, 0)
+        assert sampling == {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.0, "seed": 0}
+        defaults = _loops(client, question, sampling)
+        card = _loops(client, question, {**sampling, "temperature": MODEL_CARD_TEMPERATURE})
+    assert len(defaults) <= 2, f"default answers looped for seeds {defaults}"
+    assert len(card) >= len(SEEDS) // 2, f"temperature {MODEL_CARD_TEMPERATURE} looped only for seeds {card}"
 
 
 @pytest.mark.parametrize("function", FUNCTIONS, ids=["add", "square"])
