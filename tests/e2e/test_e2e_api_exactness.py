@@ -96,7 +96,7 @@ def test_every_api_gives_the_socket_s_ids_logits_and_logprobs(daemon, first_repl
         solo = client.generate(messages=messages, max_tokens=MAX_TOKENS, sampling={"temperature": 0},
                                logits=True, logprobs=0, namespace="socket-cold").collect()
     want = (tuple(solo.ids), tuple(solo.logits_sha256))
-    assert len(solo.ids) == MAX_TOKENS
+    assert len(solo.ids) >= MAX_TOKENS // 2  # several tokens to compare (the model may end before MAX_TOKENS)
     assert solo.usage.draft_tokens > 0  # it drafts (--draft ngram): draft "off" below differs in its rounds
     for name, api in APIS.items():
         got = api(base, turn(first_reply), f"{name}-cold")
