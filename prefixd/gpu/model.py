@@ -135,6 +135,7 @@ class LlamaModel:
             self.lm_head = head
         self.final_norm = f32(_take(tensors, "model.norm.weight"))
         self.layers = [self._layer(tensors, i, f32, lin) for i in range(config.num_layers)]
+        del self._exact  # it holds the file open: not kept past the load
         self.rope = RopeTable(config, device=device)
         self.scale = 1.0 / math.sqrt(config.head_dim)
 

@@ -26,6 +26,15 @@ def open_fds() -> set[int]:
     return {int(name) for name in os.listdir("/proc/self/fd")}
 
 
+async def fds_once_closed(server) -> set[int]:
+    """`open_fds()` once the server has closed every connection: a client's close reaches the
+    server's side of the socket only when that connection's task sees it end."""
+    with anyio.fail_after(60):  # a connection that never ends is a failure of its own
+        while server._connections:
+            await anyio.sleep(0.01)
+    return open_fds()
+
+
 @asynccontextmanager
 async def running_server(tmp_path: Path, device: LetterDevice | None = None, **overrides) -> AsyncIterator[Server]:
     device = device or LetterDevice()

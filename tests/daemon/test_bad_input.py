@@ -15,7 +15,7 @@ from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.framing import Dtype, MemfdRef, encode_frame
 from prefixd.ipc.transport import FramedStream
 from tests.daemon.fakes import LetterDevice
-from tests.daemon.harness import open_fds, running_server, wait_idle
+from tests.daemon.harness import fds_once_closed, open_fds, running_server, wait_idle
 
 
 async def _raw_session(path, data: bytes, fds: list[int] | None = None) -> list[dict]:
@@ -71,7 +71,7 @@ async def test_broken_framing_closes_only_that_connection(tmp_path, data, code):
         assert frames[-1] == {"closed": True}
         await _still_serves(server)
         await wait_idle(server)
-        assert open_fds() == before
+        assert await fds_once_closed(server) == before
 
 
 async def test_truncated_frame_then_close_is_a_clean_close(tmp_path):
@@ -81,7 +81,7 @@ async def test_truncated_frame_then_close_is_a_clean_close(tmp_path):
         assert frames in ([], [{"closed": True}]) or frames[0]["code"] == "bad_frame"
         await _still_serves(server)
         await wait_idle(server)
-        assert open_fds() == before
+        assert await fds_once_closed(server) == before
 
 
 @pytest.mark.parametrize(
@@ -141,7 +141,7 @@ async def test_forged_memfd_is_bad_payload_and_leaks_no_fd(tmp_path, declared, s
         assert frames[0]["code"] == "bad_payload"
         await _still_serves(server)
         await wait_idle(server)
-        assert open_fds() == before
+        assert await fds_once_closed(server) == before
 
 
 async def test_disconnect_mid_stream_cancels_its_streams(tmp_path):
@@ -158,7 +158,7 @@ async def test_disconnect_mid_stream_cancels_its_streams(tmp_path):
         assert status["pages_used"] == sum(lane["pages"] for lane in status["lanes"])
         await _still_serves(server)
         await wait_idle(server)
-        assert open_fds() == before
+        assert await fds_once_closed(server) == before
 
 
 async def test_a_client_that_never_reads_is_disconnected_and_its_stream_cancelled(tmp_path):
@@ -177,7 +177,7 @@ async def test_a_client_that_never_reads_is_disconnected_and_its_stream_cancelle
         await _still_serves(server)
         sock.close()
         await wait_idle(server)
-        assert open_fds() == before
+        assert await fds_once_closed(server) == before
 
 
 async def test_a_bug_in_one_request_closes_only_that_connection(tmp_path, monkeypatch):
@@ -234,7 +234,7 @@ async def test_more_descriptors_than_allowed_close_that_connection_and_leak_none
         assert frames[-1] == {"closed": True}
         await _still_serves(server)
         await wait_idle(server)
-        assert open_fds() == before
+        assert await fds_once_closed(server) == before
 
 
 async def test_600_frames_in_one_write_are_all_answered_to_a_reading_client(tmp_path):
@@ -304,7 +304,7 @@ async def test_three_64_mib_segments_are_refused_before_any_is_read(tmp_path, ex
         assert peak_growth_kib < 32 << 10  # nothing near one 64 MiB segment was ever held
         await _still_serves(server)
         await wait_idle(server)
-        assert open_fds() == before
+        assert await fds_once_closed(server) == before
 
 
 async def test_an_unknown_field_is_refused_before_its_segment_is_checked(tmp_path):
