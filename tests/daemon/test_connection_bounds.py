@@ -16,7 +16,7 @@ from prefixd.front.bounds import ConnectionBounds
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.framing import encode_frame
 from prefixd.ipc.transport import FramedStream
-from tests.daemon.harness import open_fds, running_server, wait_idle
+from tests.daemon.harness import fds_once_closed, open_fds, running_server, wait_idle
 
 
 async def _read_until_closed(stream: anyio.abc.ByteStream) -> list[dict]:
@@ -83,7 +83,7 @@ async def test_a_trickled_frame_is_closed_at_its_deadline_and_an_idle_connection
             assert (await framed.receive())["id"] == 2
         await wait_idle(server)
         assert server.buffers.used_bytes == 0
-        assert open_fds() == before
+        assert await fds_once_closed(server) == before
 
 
 async def test_the_connection_over_the_cap_gets_a_clear_error(tmp_path):
