@@ -54,9 +54,12 @@ def kv_status(daemon: DaemonProcess) -> dict[str, Any]:
 
 
 @contextmanager
-def kv_router(workdir: Path, urls: list[str], pub: list[int], replay: list[int]) -> Iterator[str]:
+def kv_router(workdir: Path, daemons: list[DaemonProcess], urls: list[str], pub: list[int],
+              replay: list[int]) -> Iterator[str]:
     """vllm-router --policy kv_aware with each daemon's event endpoints given (--kv-event-source),
-    as 0.1.17 subscribes only to those; yields its base URL once it lists both workers."""
+    as 0.1.17 subscribes only to those; yields its base URL once it lists both workers and has
+    applied a batch from each daemon (its subscriptions are live: a PUB drops what it sends
+    before a subscription arrives)."""
     port = free_port()
     sources = [a for i, url in enumerate(urls) for a in (
         "--kv-event-source", f"{url}=tcp://127.0.0.1:{pub[i]}",
@@ -75,7 +78,15 @@ def kv_router(workdir: Path, urls: list[str], pub: list[int], replay: list[int])
                 f"subscriber for {url} rank0" in _plain(log_path) for url in urls)):
             assert proc.poll() is None and time.monotonic() < deadline, _plain(log_path)
             time.sleep(0.1)
-        time.sleep(0.5)  # its SUB sockets connect and subscribe (ZMQ drops what a PUB sends before)
+        subscribed, attempt = [False] * len(urls), 0
+        while not all(subscribed):  # a probe of its own (new pages) to each daemon not yet seen
+            attempt += 1
+            for i, (daemon, url) in enumerate(zip(daemons, urls)):
+                if not subscribed[i]:
+                    before = kv_status(daemon)["batches"]
+                    chat(url, [{"role": "user", "content": f"Probe {attempt}: only the subscription is checked."}])
+                    subscribed[i] = applied(daemon, url, log_path, before, wait=False)
+            assert proc.poll() is None and time.monotonic() < deadline, _plain(log_path)
         yield base
     finally:
         proc.terminate()
@@ -99,14 +110,26 @@ def chat(base: str, messages: list[dict[str, str]]) -> dict[str, Any]:
     return post_json(f"{base}/v1/chat/completions", body)
 
 
-def published(daemon: DaemonProcess, batches_before: int) -> None:
-    """Wait until `daemon` has published a batch since `batches_before` (the turn's pages),
-    then a little for loopback delivery to the router's subscriber."""
+APPLIED = re.compile(r"kv_index live sequence advanced source=(\S+) rank=0 seq=(\d+)")
+
+
+def applied(daemon: DaemonProcess, url: str, log_path: Path, batches_before: int, *, wait: bool = True) -> bool:
+    """Whether the router has applied `daemon`'s latest batch, once the daemon has published one
+    since `batches_before` (the turn's pages): vllm-router logs each batch's sequence number as
+    it applies it (debug level). With `wait`, until it has; else after the deadline's first
+    tenth (a subscription not yet live never sees that batch)."""
     deadline = time.monotonic() + LIVENESS_S
-    while kv_status(daemon)["batches"] <= batches_before:
+    while (status := kv_status(daemon))["batches"] <= batches_before:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    time.sleep(0.2)
+    last = status["next_seq"] - 1
+    give_up = deadline if wait else time.monotonic() + LIVENESS_S / 10
+    while not any(source == url and int(seq) >= last for source, seq in APPLIED.findall(_plain(log_path))):
+        if time.monotonic() > give_up:
+            assert not wait, f"the router never applied {url}'s batch {last}"
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def next_turn(messages: list[dict[str, str]], reply: dict[str, Any], turn: int) -> None:
@@ -140,12 +163,13 @@ def test_kv_aware_vllm_router_follows_each_daemons_events_with_the_same_bits(kv_
     conversations = conversation_starts()
     replies: list[list[dict]] = [[] for _ in conversations]
     served: list[list[int]] = [[] for _ in conversations]
-    with kv_router(tmp_path, routed, pub, replay) as base:
+    log_path = tmp_path / "vllm-router.log"
+    with kv_router(tmp_path, daemons[:2], routed, pub, replay) as base:
         # vllm-router 0.1.17 asks for no replay when it starts: it knows what is published from now on
         for c, messages in enumerate(conversations):  # turn 1 of conversation c straight to daemon c
             before = kv_status(daemons[c])["batches"]
             replies[c].append(chat(routed[c], messages))
-            published(daemons[c], before)
+            applied(daemons[c], routed[c], log_path, before)
             next_turn(messages, replies[c][0], 0)
         for turn in range(1, TURNS):
             for c, messages in enumerate(conversations):
@@ -154,10 +178,10 @@ def test_kv_aware_vllm_router_follows_each_daemons_events_with_the_same_bits(kv_
                 reply = chat(base, messages)
                 after = [num_requests(u) for u in routed]
                 served[c].append([i for i in range(2) if after[i] > counts[i]][0])
-                published(daemons[served[c][-1]], batches[served[c][-1]])
+                applied(daemons[served[c][-1]], routed[served[c][-1]], log_path, batches[served[c][-1]])
                 replies[c].append(reply)
                 next_turn(messages, reply, turn)
-    log = _plain(tmp_path / "vllm-router.log")
+    log = _plain(log_path)
     assert served == [[0] * (TURNS - 1), [1] * (TURNS - 1)], log
     for c in range(2):
         for turn in range(1, TURNS):
