@@ -139,7 +139,7 @@ class HttpFront:
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         body = await _read_json(request)
         self.check_model(body.get("model"))
-        namespace = request.headers.get(NAMESPACE_HEADER) or (body.get("user") if isinstance(body.get("user"), str) else "")
+        namespace = openai_namespace(request, body)
         mapped = map_chat(body, namespace, self.normalisers) if chat else map_completion(body, namespace)
         client = self.client(request, namespace)
         stream_id, built, receive = await self._start(client, mapped)
@@ -304,6 +304,13 @@ def _http_error(e: ProtocolError) -> HttpError:
     kind = "server_error" if status >= 500 else "invalid_request_error"
     field = e.message.split(":", 1)[0] if ":" in e.message else None
     return HttpError(status, e.message, kind=kind, param=field, code=e.code.value)
+
+
+def openai_namespace(request: Request, body: dict[str, Any]) -> str:
+    """An OpenAI-shaped request's namespace: the x-prefixd-namespace header, else the body's
+    `user` where it is a string, else "" (the caller's address then names its client)."""
+    user = body.get("user")
+    return request.headers.get(NAMESPACE_HEADER) or (user if isinstance(user, str) else "")
 
 
 async def _read_json(request: Request) -> dict[str, Any]:

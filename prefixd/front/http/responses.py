@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from prefixd.front.http.app import NAMESPACE_HEADER, HttpFront, _read_json
+from prefixd.front.http.app import NAMESPACE_HEADER, HttpFront, _read_json, openai_namespace
 from prefixd.front.http.extension import UsageExtension
 from prefixd.front.http.openai_map import HttpError
 from prefixd.front.http.responses_map import MappedResponse, chat_param, map_response, normalize_items
@@ -163,8 +163,7 @@ class ResponsesApi:
     async def _create(self, request: Request) -> Response:
         body = await _read_json(request)
         self.front.check_model(body.get("model"))
-        user = body.get("user") if isinstance(body.get("user"), str) else ""
-        namespace = request.headers.get(NAMESPACE_HEADER) or user
+        namespace = openai_namespace(request, body)
         mapped = map_response(body, namespace, self._history(namespace, body.get("previous_response_id")),
                               self.front.normalisers)
         client = self.front.client(request, namespace)

@@ -41,7 +41,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import prefixd
-from prefixd.front.http.app import NAMESPACE_HEADER, _read_json
+from prefixd.front.http.app import _read_json, openai_namespace
 from prefixd.front.http.openai_map import HttpError, map_chat, map_completion
 from prefixd.metrics import MetricsObserver, compat
 from prefixd.metrics.compat import WorkerLoad
@@ -183,7 +183,7 @@ class WorkerApi:
         if body.get("continue_final_message") or body.get("add_generation_prompt") is False:
             raise HttpError(400, "continue_final_message and add_generation_prompt: false are not supported; "
                             "prefixd renders a chat prompt for a new reply", param="messages")
-        namespace = request.headers.get(NAMESPACE_HEADER) or (body.get("user") if isinstance(body.get("user"), str) else "")
+        namespace = openai_namespace(request, body)
         fields = {k: v for k, v in body.items() if k not in ("continue_final_message", "add_generation_prompt")}
         if "messages" in body:
             mapped = map_chat(fields, namespace, self.front.normalisers)
