@@ -5,6 +5,8 @@
     "int4+head=4x2"    two 4-bit layers (linear.quantize_int4_residual; the head of revisions 2-6),
     "int4+head=4"      one 4-bit layer (linear.quantize_int4)
     "int4+head=8"      one 8-bit layer (linear.quantize_int8), where linear has it
+    "int4+head=8x1"    the mode's own 8-bit head read with one 8-bit code of each activation, not
+                       two (`Int8Weight.passes`): the head of revision 7
 
 A variant is not a mode: the daemon never runs one, and the disk tier never sees its rows. The
 replacement head is made from the model's embedding as loaded, in the compute dtype (the head is
@@ -14,7 +16,7 @@ tied on the default model), or, untied, from the head itself where it is still a
 
 from __future__ import annotations
 
-HEADS = ("bf16", "4x2", "4", "8")
+HEADS = ("bf16", "4x2", "4", "8", "8x1")
 
 
 def split_mode(spec: str) -> tuple[str, str | None]:
@@ -29,9 +31,17 @@ def apply_head(model, head: str | None) -> None:
     """Replace `model.lm_head` (a LlamaModel's) by the variant `head`; None leaves it."""
     if head is None:
         return
+    import dataclasses
+
     import torch
 
     from prefixd.gpu import linear
+
+    if head == "8x1":
+        if not isinstance(model.lm_head, linear.Int8Weight):
+            raise ValueError("head variant 8x1 is mode int4's own 8-bit head, read in one pass")
+        model.lm_head = dataclasses.replace(model.lm_head, passes=1)
+        return
 
     source = model.lm_head if isinstance(model.lm_head, torch.Tensor) else None
     if source is None:

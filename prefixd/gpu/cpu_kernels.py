@@ -173,13 +173,15 @@ def pack8(codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> tuple
 
 
 def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, path: str = "auto",
-           norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+           norm: tuple[torch.Tensor, float] | None = None, passes: int = 1) -> torch.Tensor:
     """fp32 (M, n) = x (M, Kx) @ W.T, W packed by `pack` or `pack8` (K a multiple of Kx); x bf16 or fp32.
 
-    norm = (weight fp32 (Kx,), eps): x's rows RMS-normalized first, in the call (csrc/int4_mm.cpp)."""
+    norm = (weight fp32 (Kx,), eps): x's rows RMS-normalized first, in the call (csrc/int4_mm.cpp).
+    passes = 2: x's 8-bit codes and then those of their rounding error, each its own product,
+    summed (about 15 bits of each activation; the weights are read once)."""
     if norm is None:
-        return torch.ops.prefixd.int4_mm(x, codes, scales, n, path)
-    return torch.ops.prefixd.int4_mm(x, codes, scales, n, path, norm[0], norm[1])
+        return torch.ops.prefixd.int4_mm(x, codes, scales, n, path, passes=passes)
+    return torch.ops.prefixd.int4_mm(x, codes, scales, n, path, norm[0], norm[1], passes)
 
 
 def attention_path() -> str:

@@ -19,7 +19,9 @@ quantized to 8 bits per group of 32 inside the call, the group products are exac
 so a row's bits depend on that row alone, at every M, thread count and instruction set.
 A weight whose 4-bit rounding costs too much accuracy (the lm_head) is kept as 8-bit codes
 with a group scale and base (`quantize_int8`, 9 bits per weight streamed; a GGUF Q8_0 weight's
-own values), which the same kernel reads with the same arithmetic; or (a bench variant, the
+own values), which the same kernel reads with the same arithmetic, in two passes over the
+activations: their 8-bit codes, then those of their rounding error (`Int8Weight.passes`; the
+8-bit activations were a third of int4's KL divergence from fp32); or (a bench variant, the
 head of revisions 2 to 6) as two 4-bit layers, the weight's codes and those of its rounding
 error, side by side along the inputs (`quantize_int4_residual`): one call of the kernel, which
 reads the input twice.
@@ -134,11 +136,14 @@ def quantize_int4_residual(weight: torch.Tensor) -> Int4Weight:
 @dataclass(frozen=True)
 class Int8Weight:
     """A (out, in) projection as 8-bit codes: w[n, k] = q[n, k] * scale[n, g] + base[n, g], q in
-    0..255, g = k // INT4_GROUP; `codes` and `scales` are the kernel's layout (`cpu_kernels.pack8`)."""
+    0..255, g = k // INT4_GROUP; `codes` and `scales` are the kernel's layout (`cpu_kernels.pack8`).
+    passes: how many 8-bit codes each activation gets in the product (`cpu_kernels.matmul`):
+    2 for the lm_head, whose activations' rounding cost more than its weights' 8 bits do."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     shape: tuple[int, int]
+    passes: int = 1
 
     @property
     def nbytes(self) -> int:
@@ -172,11 +177,12 @@ def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return codes, torch.where(take, step, scale), torch.where(take, sym_base, base)
 
 
-def quantize_int8(weight: torch.Tensor) -> Int8Weight:
-    """The (N, K) weight as 8-bit group-32 codes in the kernel's layout (`int8_codes`)."""
+def quantize_int8(weight: torch.Tensor, passes: int = 1) -> Int8Weight:
+    """The (N, K) weight as 8-bit group-32 codes in the kernel's layout (`int8_codes`), its
+    products taking `passes` codes of each activation."""
     n, k = weight.shape
     codes, scales = cpu_kernels.pack8(*int8_codes(weight))
-    return Int8Weight(codes=codes, scales=scales, shape=(n, k))
+    return Int8Weight(codes=codes, scales=scales, shape=(n, k), passes=passes)
 
 
 Weight = torch.Tensor | Int4Weight | Int8Weight
@@ -188,7 +194,9 @@ def matmul(x: torch.Tensor, weight: Weight, norm: tuple[torch.Tensor, float] | N
     x must already hold `invariant_rows(M, dtype)` rows (any M for int4); it is cast to the
     GEMM's input dtype (a no-op when it has it; int4 reads bf16 or fp32 as they are).
     norm = (weight, eps), int4 only: x's rows RMS-normalized inside the kernel first."""
-    if isinstance(weight, (Int4Weight, Int8Weight)):
+    if isinstance(weight, Int8Weight):
+        return cpu_kernels.matmul(x, weight.codes, weight.scales, weight.shape[0], norm=norm, passes=weight.passes)
+    if isinstance(weight, Int4Weight):
         return cpu_kernels.matmul(x, weight.codes, weight.scales, weight.shape[0], norm=norm)
     if norm is not None:
         raise ValueError("a norm inside the product is mode int4's")

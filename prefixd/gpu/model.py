@@ -9,8 +9,9 @@ Per layer, every row of the round in one batch::
 The residual stream, norms, rope, attention and the SiLU product are fp32; GEMM inputs and
 weights are in the compute dtype (bf16 by default) and their outputs come back as fp32.
 Mode "int4" keeps the four projections of every layer as 4-bit group-32 codes and the lm_head
-as 8-bit ones (linear.py), each packed from the file's own values where the loader has them
-(`Checkpoint.exact`); the embedding stays in the compute dtype.
+as 8-bit ones, read with two 8-bit codes of each activation (linear.py), each packed from the
+file's own values where the loader has them (`Checkpoint.exact`); the embedding stays in the
+compute dtype.
 """
 
 from __future__ import annotations
@@ -128,9 +129,9 @@ class LlamaModel:
         head_name = "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
         head = self.embed if config.tie_embeddings else lin(_take(tensors, "lm_head.weight"))
         tensors.pop("lm_head.weight", None)
-        if mode == "int4":  # 8-bit codes: a GGUF Q8_0 head's own (linear.int8_codes)
+        if mode == "int4":  # 8-bit codes: a GGUF Q8_0 head's own (linear.int8_codes), two codes an input
             source = self._exact(head_name)
-            self.lm_head: Weight = quantize_int8(head if source is None else source)
+            self.lm_head: Weight = quantize_int8(head if source is None else source, passes=2)
         else:
             self.lm_head = head
         self.final_norm = f32(_take(tensors, "model.norm.weight"))

@@ -70,24 +70,38 @@ def test_codes_refuse_inputs_not_a_multiple_of_the_group():
         int4_codes(torch.zeros(8, 48))
 
 
-def reference_int4_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+def reference_quantize(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d, xq) of rows grouped (M, Gx, 32): d = amax / 127, xq = nearest-even(x / d), 0 where d is 0."""
+    d = xf.abs().amax(-1) / 127
+    return d, torch.where(d[..., None] > 0, torch.round(xf / torch.where(d > 0, d, 1)[..., None]), 0)
+
+
+def reference_int4_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                      passes: int = 1) -> torch.Tensor:
     """csrc/int4_mm.cpp's arithmetic written with torch ops: x's rows quantized to 8 bits per
     group of 32, exact integer group products, then per group in order
-    acc = acc + d * (float(dot) * scale + base * float(sum(xq)))."""
+    acc = acc + d * (float(dot) * scale + base * float(sum(xq))). With passes = 2, the same
+    product of the rows' rounding error r = x - d * xq (one multiply, one subtract), quantized
+    by the same rule, is added to it."""
     m, kx = x.shape
     n, k = codes.shape
     gx, groups = kx // INT4_GROUP, k // INT4_GROUP
     xf = x.float().reshape(m, gx, INT4_GROUP)
-    d = xf.abs().amax(-1) / 127
-    xq = torch.where(d[..., None] > 0, torch.round(xf / torch.where(d > 0, d, 1)[..., None]), 0)
-    s = xq.sum(-1)  # small integers: exact
+    quantized = [reference_quantize(xf)]
+    if passes == 2:
+        d, xq = quantized[0]
+        quantized.append(reference_quantize(torch.where(d[..., None] > 0, xf - d[..., None] * xq, 0)))
     q = codes.to(torch.int64).reshape(n, groups, INT4_GROUP)
-    acc = torch.zeros(m, n)
-    for g in range(groups):
-        j = g % gx
-        dot = (xq[:, j].to(torch.int64) @ q[:, g].T).float()  # |dot| < 2^24: exact in fp32
-        acc = acc + d[:, j:j + 1] * (dot * scale[:, g] + base[:, g] * s[:, j:j + 1])
-    return acc
+    out = None
+    for d, xq in quantized:
+        s = xq.sum(-1)  # small integers: exact
+        acc = torch.zeros(m, n)
+        for g in range(groups):
+            j = g % gx
+            dot = (xq[:, j].to(torch.int64) @ q[:, g].T).float()  # |dot| < 2^24: exact in fp32
+            acc = acc + d[:, j:j + 1] * (dot * scale[:, g] + base[:, g] * s[:, j:j + 1])
+        out = acc if out is None else out + acc
+    return out
 
 
 def kernel_paths() -> list[str]:
@@ -115,11 +129,13 @@ def test_the_kernel_has_the_reference_arithmetics_bits_on_every_path(n, k, kx, m
                 assert torch.equal(got.view(torch.int32), want[:m].view(torch.int32)), (dtype, path, m)
 
 
+@pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize(("n", "k", "kx"), [(960, 576, 576), (50, 64, 64), (1000, 1152, 576)])
-def test_the_8bit_kernel_has_the_reference_arithmetics_bits_on_every_path(n, k, kx):
+def test_the_8bit_kernel_has_the_reference_arithmetics_bits_on_every_path(n, k, kx, passes):
     """8-bit codes (the int4 lm_head's format), read by the same kernel with the same arithmetic,
     bit for bit against `reference_int4_mm` with codes 0..255: outputs not a multiple of 32, a
-    weight wider than x, bf16 and fp32 inputs, an all-zero row, row counts to 70."""
+    weight wider than x, bf16 and fp32 inputs, an all-zero row, row counts to 70, one pass over
+    the activations or two (the head's)."""
     g = torch.Generator().manual_seed(n + k + 8)
     codes, scale, base = int8_codes(torch.randn(n, k, generator=g) * 0.05)
     assert int(codes.min()) == 0 and int(codes.max()) == 255
@@ -128,11 +144,47 @@ def test_the_8bit_kernel_has_the_reference_arithmetics_bits_on_every_path(n, k, 
     x[5] = 0
     for dtype in (torch.bfloat16, torch.float32):
         xd = x.to(dtype)
-        want = reference_int4_mm(xd, codes, scale, base)
+        want = reference_int4_mm(xd, codes, scale, base, passes)
         for path in kernel_paths():
             for m in (1, 2, 3, 4, 5, 7, 8, 13, 33, 70):
-                got = cpu_kernels.matmul(xd[:m], packed, scales, n, path)
+                got = cpu_kernels.matmul(xd[:m], packed, scales, n, path, passes=passes)
                 assert torch.equal(got.view(torch.int32), want[:m].view(torch.int32)), (dtype, path, m)
+
+
+def test_two_passes_also_read_4bit_codes_and_a_normed_input_bit_for_bit():
+    """passes = 2 is a property of the activations: 4-bit codes, a residual weight (x read
+    twice) and the norm inside the call take it with the same arithmetic as the reference."""
+    g = torch.Generator().manual_seed(12)
+    codes, scale, base = int4_codes(torch.randn(100, 1152, generator=g) * 0.05)
+    packed, scales = cpu_kernels.pack(codes, scale, base)
+    x = torch.randn(9, 576, generator=g) * 4
+    weight = torch.rand(576, generator=g) + 0.5
+    want = reference_int4_mm(x, codes, scale, base, passes=2)
+    codes1, scale1, base1 = int4_codes(torch.randn(64, 576, generator=g) * 0.05)
+    packed1, scales1 = cpu_kernels.pack(codes1, scale1, base1)
+    want_normed = reference_int4_mm(reference_rms_norm(x, weight, 1e-5), codes1, scale1, base1, passes=2)
+    for path in kernel_paths():
+        got = cpu_kernels.matmul(x, packed, scales, 100, path, passes=2)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), path
+        got = cpu_kernels.matmul(x, packed1, scales1, 64, path, norm=(weight, 1e-5), passes=2)
+        assert torch.equal(got.view(torch.int32), want_normed.view(torch.int32)), path
+    with pytest.raises(RuntimeError, match="passes must be 1 or 2"):
+        cpu_kernels.matmul(x, packed, scales, 100, passes=3)
+
+
+def test_two_passes_over_the_activations_cut_their_rounding_error():
+    """Against the exact product of the same 8-bit weight, a second pass (the activations'
+    rounding error, quantized again) leaves many times less error than one pass; a lost or
+    misplaced second pass (its d, its sums, its rows) fails the bound. Measured: 1/268."""
+    g = torch.Generator().manual_seed(13)
+    codes, scale, base = int8_codes(torch.randn(512, 576, generator=g) * 0.05)
+    packed, scales = cpu_kernels.pack8(codes, scale, base)
+    w = dequantize_int4(codes, scale, base)  # q * scale + base per group: the 8-bit weight's values
+    x = torch.randn(6, 576, generator=g) * 3
+    exact = x.double() @ w.double().T
+    error = {p: (cpu_kernels.matmul(x, packed, scales, 512, passes=p).double() - exact).abs().mean().item()
+             for p in (1, 2)}
+    assert error[2] * 50 < error[1], error
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -290,10 +342,11 @@ def test_int8_keeps_about_eight_bits_as_the_two_layers_do():
     assert eight < 1.5 * two, (eight, two)
 
 
-@pytest.mark.parametrize("quantize", [quantize_int4_residual, quantize_int8], ids=["two_4bit_layers", "8bit"])
+@pytest.mark.parametrize("quantize", [quantize_int4_residual, quantize_int8, lambda w: quantize_int8(w, passes=2)],
+                         ids=["two_4bit_layers", "8bit", "8bit_two_passes"])
 def test_lm_head_rows_have_the_same_bits_for_every_row_count(quantize):
     """The lm_head shape of the default model (49152 x 576; two 4-bit layers are read as
-    49152 x 1152), in both head formats."""
+    49152 x 1152), in each head format, the int4 mode's (8-bit, two passes) among them."""
     g = torch.Generator().manual_seed(6)
     weight = quantize(torch.randn(49152, 576, generator=g) * 0.05)
     x = torch.randn(40, 576, generator=g)
@@ -310,7 +363,7 @@ def test_int4_mode_runs_unpadded_rounds_and_an_8bit_lm_head(tiny_llama_dir):
     bf16 = make_runner(tiny_llama_dir, torch.bfloat16, mode="invariant", num_lanes=1, num_pages=8).model
     assert [int4.padded_rows(n) for n in (1, 2, 3, 5)] == [1, 2, 3, 5]
     assert [bf16.padded_rows(n) for n in (1, 2, 3, 5)] == [4, 4, 4, 5]
-    assert isinstance(int4.lm_head, Int8Weight)
+    assert isinstance(int4.lm_head, Int8Weight) and int4.lm_head.passes == 2
     assert int4.lm_head.shape == tuple(bf16.lm_head.shape)
 
 
@@ -373,7 +426,7 @@ def test_the_disk_tier_keys_a_mode_on_its_revision():
     revision must never be served."""
     from prefixd.gpu.families import mode_identity
 
-    assert mode_identity("int4") == "int4@7"
+    assert mode_identity("int4") == "int4@8"
     assert mode_identity("invariant") == "invariant@5"
     with pytest.raises(ValueError, match="no revision"):
         mode_identity("int3")

@@ -15,8 +15,13 @@
 //   acc  = acc + d[m, j] * (float(dot) * scale[g, n] + base[g, n] * float(s[m, j]))
 // each * and + one rounded fp32 operation (no fused multiply-add: built with -ffp-contract=off).
 // K may be a multiple of Kx: a residual weight holds W's codes, then those of its rounding
-// error, and reads x twice. The codes may also be 8-bit (q in 0..255, the same arithmetic:
-// |dot| < 2^20 stays exact): the lm_head's format.
+// error, and reads x twice. With passes = 2 each row of x is quantized twice: its codes as
+// above, then its rounding error, per group r[i] = x[i] - d * xq[i] (one fp32 multiply, one
+// subtract; 0 for a group whose d is 0 or not finite), quantized by the same rule into (xq2, d2,
+// s2). Each pass is a row of its own to the product (rows 2m and 2m + 1), and out[m] = acc(2m)
+// + acc(2m + 1), one fp32 add: about 15 bits of each activation for the cost of a second
+// integer product over the weights already loaded (the lm_head's call). The codes may also be
+// 8-bit (q in 0..255, the same arithmetic: |dot| < 2^20 stays exact): the lm_head's format.
 //
 // Layout (prefixd/gpu/cpu_kernels.py packs it), N padded to NB blocks of 32 outputs:
 //   codes  uint8 (NB, G, 4, 2, 64): byte 4*l + b of [nb, g, i, h] holds, for output
@@ -84,10 +89,36 @@ inline float value(at::BFloat16 v) { return static_cast<float>(v); }  // exact
 // whatever the CPU: ss = sum of x^2 in 16 lanes by index (i mod 16), in order, joined by the
 // halvings j + j+8, + 4, + 2, + 1; r = 1 / sqrt(ss / Kx + eps); y = (x * r) * w.
 
+// One group's codes (the rule above); with `passes` = 2, r holds its rounding error.
+inline void quantize_group(const float* v, int8_t* q, float* d, float* s, float* r) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int i = 0; i < GROUP; ++i) {
+    const float a = std::fabs(v[i]);
+    finite = finite && std::isfinite(a);
+    amax = std::max(amax, a);
+  }
+  float dj = amax / 127.f;
+  if (!finite) dj = std::numeric_limits<float>::quiet_NaN();  // the group's outputs become NaN
+  const bool zero = !finite || dj == 0.f;
+  int32_t sum = 0;
+  for (int i = 0; i < GROUP; ++i) {
+    const int32_t c = zero ? 0 : static_cast<int32_t>(std::nearbyint(v[i] / dj));
+    q[i] = static_cast<int8_t>(c);
+    sum += c;
+    if (r != nullptr) r[i] = zero ? 0.f : v[i] - dj * static_cast<float>(c);
+  }
+  *d = dj;
+  *s = static_cast<float>(sum);
+}
+
+// `rows` rows of x into passes * rows quantized rows (xq (passes * rows, kx), d and s
+// (passes * rows, kx / 32)): row r's codes at passes * r, its error's at passes * r + 1.
 template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t kx, const float* norm, float eps, float* row, int8_t* xq,
-                   float* d, float* s) {
+void quantize_rows(const T* x, int64_t rows, int64_t kx, const float* norm, float eps, int passes, float* row,
+                   int8_t* xq, float* d, float* s) {
   const int64_t gx = kx / GROUP;
+  float err[GROUP];
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * kx;
     if (norm != nullptr) {
@@ -101,25 +132,12 @@ void quantize_rows(const T* x, int64_t rows, int64_t kx, const float* norm, floa
     } else {
       for (int64_t i = 0; i < kx; ++i) row[i] = value(xr[i]);
     }
+    const int64_t q0 = passes * r;
     for (int64_t j = 0; j < gx; ++j) {
-      const float* v = row + j * GROUP;
-      float amax = 0.f;
-      bool finite = true;
-      for (int i = 0; i < GROUP; ++i) {
-        const float a = std::fabs(v[i]);
-        finite = finite && std::isfinite(a);
-        amax = std::max(amax, a);
-      }
-      float dj = amax / 127.f;
-      if (!finite) dj = std::numeric_limits<float>::quiet_NaN();  // the group's outputs become NaN
-      int32_t sum = 0;
-      for (int i = 0; i < GROUP; ++i) {
-        const int32_t q = !finite || dj == 0.f ? 0 : static_cast<int32_t>(std::nearbyint(v[i] / dj));
-        xq[r * kx + j * GROUP + i] = static_cast<int8_t>(q);
-        sum += q;
-      }
-      d[r * gx + j] = dj;
-      s[r * gx + j] = static_cast<float>(sum);
+      quantize_group(row + j * GROUP, xq + q0 * kx + j * GROUP, d + q0 * gx + j, s + q0 * gx + j,
+                     passes == 2 ? err : nullptr);
+      if (passes == 2)
+        quantize_group(err, xq + (q0 + 1) * kx + j * GROUP, d + (q0 + 1) * gx + j, s + (q0 + 1) * gx + j, nullptr);
     }
   }
 }
@@ -258,11 +276,40 @@ PREFIXD_VNNI inline void tile_vnni_rows(const Call& c, int64_t m0, int64_t nb, f
 PREFIXD_VNNI inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 PREFIXD_VNNI inline __m512 load16(const at::BFloat16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
 
-template <typename T>
-PREFIXD_VNNI void quantize_rows_vnni(const T* x, int64_t rows, int64_t kx, const float* norm, float eps, float* row,
-                                     int8_t* xq, float* d, float* s) {
-  const int64_t gx = kx / GROUP;
+// One group (v0, v1: its 32 inputs) as `quantize_group`; with r0 and r1, its rounding error.
+PREFIXD_VNNI inline void quantize_group_vnni(__m512 v0, __m512 v1, int8_t* q, float* d, float* s, __m512* r0,
+                                             __m512* r1) {
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
+  const bool finite = (_mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ)) == 0xffff;
+  float dj = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1)) / 127.f;
+  if (!finite) dj = std::numeric_limits<float>::quiet_NaN();  // the group's outputs become NaN
+  int32_t sum = 0;
+  if (!finite || dj == 0.f) {
+    std::memset(q, 0, GROUP);
+    if (r0 != nullptr) *r0 = *r1 = _mm512_setzero_ps();
+  } else {
+    const __m512 dv = _mm512_set1_ps(dj);
+    constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512 c0 = _mm512_roundscale_ps(_mm512_div_ps(v0, dv), nearest);
+    const __m512 c1 = _mm512_roundscale_ps(_mm512_div_ps(v1, dv), nearest);
+    const __m512i q0 = _mm512_cvtps_epi32(c0), q1 = _mm512_cvtps_epi32(c1);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    if (r0 != nullptr) {
+      *r0 = _mm512_sub_ps(v0, _mm512_mul_ps(dv, c0));
+      *r1 = _mm512_sub_ps(v1, _mm512_mul_ps(dv, c1));
+    }
+  }
+  *d = dj;
+  *s = static_cast<float>(sum);
+}
+
+template <typename T>
+PREFIXD_VNNI void quantize_rows_vnni(const T* x, int64_t rows, int64_t kx, const float* norm, float eps, int passes,
+                                     float* row, int8_t* xq, float* d, float* s) {
+  const int64_t gx = kx / GROUP;
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * kx;
     if (norm != nullptr) {
@@ -279,27 +326,17 @@ PREFIXD_VNNI void quantize_rows_vnni(const T* x, int64_t rows, int64_t kx, const
     } else {
       for (int64_t i = 0; i < kx; i += 16) _mm512_storeu_ps(row + i, load16(xr + i));
     }
+    const int64_t q0 = passes * r;
     for (int64_t j = 0; j < gx; ++j) {
       const __m512 v0 = _mm512_loadu_ps(row + j * GROUP), v1 = _mm512_loadu_ps(row + j * GROUP + 16);
-      const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
-      const bool finite = (_mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ)) == 0xffff;
-      float dj = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1)) / 127.f;
-      if (!finite) dj = std::numeric_limits<float>::quiet_NaN();  // the group's outputs become NaN
-      int8_t* q = xq + r * kx + j * GROUP;
-      int32_t sum = 0;
-      if (!finite || dj == 0.f) {
-        std::memset(q, 0, GROUP);
+      if (passes == 2) {
+        __m512 r0, r1;
+        quantize_group_vnni(v0, v1, xq + q0 * kx + j * GROUP, d + q0 * gx + j, s + q0 * gx + j, &r0, &r1);
+        quantize_group_vnni(r0, r1, xq + (q0 + 1) * kx + j * GROUP, d + (q0 + 1) * gx + j, s + (q0 + 1) * gx + j,
+                            nullptr, nullptr);
       } else {
-        const __m512 dv = _mm512_set1_ps(dj);
-        constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v0, dv), nearest));
-        const __m512i q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v1, dv), nearest));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
-        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        quantize_group_vnni(v0, v1, xq + q0 * kx + j * GROUP, d + q0 * gx + j, s + q0 * gx + j, nullptr, nullptr);
       }
-      d[r * gx + j] = dj;
-      s[r * gx + j] = static_cast<float>(sum);
     }
   }
 }
@@ -340,7 +377,7 @@ bool have_vnni() {
 
 // "vnni", "portable" or "auto" (the best this CPU has); the tests run both paths
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n, c10::string_view path,
-                   const std::optional<at::Tensor>& norm_weight, double eps) {
+                   const std::optional<at::Tensor>& norm_weight, double eps, int64_t passes) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.device().is_cpu(),
               "int4_mm: x must be a 2-D CPU bf16 or fp32 tensor");
   TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
@@ -364,28 +401,30 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                 "int4_mm: norm_weight must be fp32 (Kx,) and the weight not residual");
     norm = norm_c.const_data_ptr<float>();
   }
+  TORCH_CHECK(passes == 1 || passes == 2, "int4_mm: passes must be 1 or 2, not ", passes);
   const bool vnni = path == "vnni" || (path == "auto" && have_vnni());
   TORCH_CHECK(!vnni || have_vnni(), "int4_mm: this CPU has no AVX-512 VNNI");
 
-  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
-  if (m == 0) return out;
+  if (m == 0) return at::empty({m, n}, x.options().dtype(at::kFloat));
   const at::Tensor xc = x.contiguous();
-  const int64_t gx = kx / GROUP;
-  at::Tensor xq = at::empty({m, kx}, x.options().dtype(at::kChar));
-  at::Tensor d = at::empty({m, gx}, x.options().dtype(at::kFloat));
-  at::Tensor s = at::empty({m, gx}, x.options().dtype(at::kFloat));
+  const int64_t gx = kx / GROUP, rows_q = passes * m;  // the product's rows: one per pass of each row of x
+  at::Tensor out = at::empty({rows_q, n}, x.options().dtype(at::kFloat));
+  at::Tensor xq = at::empty({rows_q, kx}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({rows_q, gx}, x.options().dtype(at::kFloat));
+  at::Tensor s = at::empty({rows_q, gx}, x.options().dtype(at::kFloat));
+  const int p = static_cast<int>(passes);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(kx);
-    int8_t* q = xq.mutable_data_ptr<int8_t>() + begin * kx;
-    float* dd = d.mutable_data_ptr<float>() + begin * gx;
-    float* ss = s.mutable_data_ptr<float>() + begin * gx;
+    int8_t* q = xq.mutable_data_ptr<int8_t>() + begin * p * kx;
+    float* dd = d.mutable_data_ptr<float>() + begin * p * gx;
+    float* ss = s.mutable_data_ptr<float>() + begin * p * gx;
     const float e = static_cast<float>(eps);
     const auto quantize = [&](const auto* x) {  // x's rows [begin, end), on the call's path
       x += begin * kx;
 #ifdef PREFIXD_X86
-      if (vnni) return quantize_rows_vnni(x, end - begin, kx, norm, e, row.data(), q, dd, ss);
+      if (vnni) return quantize_rows_vnni(x, end - begin, kx, norm, e, p, row.data(), q, dd, ss);
 #endif
-      quantize_rows(x, end - begin, kx, norm, e, row.data(), q, dd, ss);
+      quantize_rows(x, end - begin, kx, norm, e, p, row.data(), q, dd, ss);
     };
     if (xc.scalar_type() == at::kFloat)
       quantize(xc.const_data_ptr<float>());
@@ -396,13 +435,13 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   Call c{{xq.const_data_ptr<int8_t>(), d.const_data_ptr<float>(), s.const_data_ptr<float>()},
          codes.const_data_ptr<uint8_t>(),
          static_cast<const uint16_t*>(scales.const_data_ptr()),
-         out.mutable_data_ptr<float>(), m, n, k, kx, bits, half};
-  const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
+         out.mutable_data_ptr<float>(), rows_q, n, k, kx, bits, half};
+  const int64_t chunks = (rows_q + ROW_CHUNK - 1) / ROW_CHUNK;
   at::parallel_for(0, chunks * nblocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t chunk = t / nblocks, nb = t % nblocks;
       const int64_t m0 = chunk * ROW_CHUNK;
-      const int rows = static_cast<int>(std::min<int64_t>(ROW_CHUNK, m - m0));
+      const int rows = static_cast<int>(std::min<int64_t>(ROW_CHUNK, rows_q - m0));
 #ifdef PREFIXD_X86
       if (vnni && bits == 8) tile_vnni<8>(c, m0, rows, nb);
       else if (vnni) tile_vnni<4>(c, m0, rows, nb);
@@ -412,7 +451,9 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 #endif
     }
   });
-  return out;
+  if (passes == 1) return out;
+  const at::Tensor both = out.view({m, 2, n});
+  return at::add(both.select(1, 0), both.select(1, 1));  // one fp32 add an output
 }
 
 std::string int4_isa() { return have_vnni() ? "avx512-vnni" : "portable"; }
@@ -421,7 +462,7 @@ std::string int4_isa() { return have_vnni() ? "avx512-vnni" : "portable"; }
 
 TORCH_LIBRARY(prefixd, m) {
   m.def("int4_mm(Tensor x, Tensor codes, Tensor scales, int n, str path='auto', Tensor? norm_weight=None, "
-        "float eps=0.0) -> Tensor");
+        "float eps=0.0, int passes=1) -> Tensor");
   m.def("int4_isa() -> str", [] { return int4_isa(); });
 }
 

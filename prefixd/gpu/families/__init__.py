@@ -80,9 +80,10 @@ CPU_DEFAULT_MODE = "int4"
 # shared ones, its rope in fp32: invariant 4; on CUDA, paged flash attention with an online
 # max and the fused norm, rope and SiLU kernels, flash's key blocks and warps by head width:
 # invariant 5; int4's group scales and bases kept as fp16, a GGUF's own, where bf16 rounded
-# them: int4 7), so that
+# them: int4 7; the int4 lm_head reads two 8-bit codes of each activation, its codes and those
+# of their rounding error: int4 8), so that
 # the disk tier, which keys on `mode_identity`, never serves rows computed by an earlier revision.
-MODE_REVISIONS = {"invariant": 5, "int4": 7}
+MODE_REVISIONS = {"invariant": 5, "int4": 8}
 
 
 def mode_identity(mode: str) -> str:
