@@ -17,6 +17,39 @@ import pytest
 from tests.helpers.tiny_models import default_gguf_path, make_tiny_hf_dir
 
 
+def _row_invariant_interpreted_dot() -> None:
+    """Give Triton's interpreter a `tl.dot` whose every output row has the same bits wherever
+    the row sits in its tile, as a GPU's matrix instructions give.
+
+    The interpreter computes `tl.dot` with `np.matmul`, that is the BLAS numpy was built with,
+    whose micro-kernels may sum a tile's edge rows in another order than its inner rows (OpenBLAS
+    does with OPENBLAS_CORETYPE=Haswell, which some machines set). The kernels' row-invariance
+    tests (tests/gpu/test_flash.py, the CUDA path's verify = stepwise decode) would then measure
+    the BLAS, not the kernel. `np.einsum` without `optimize` never calls BLAS: each output is its
+    own sum over k, in one order for every row."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:  # no Triton: its tests skip
+        return
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating() or \
+                b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating():
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)  # fp8: as Triton has it
+        acc = d.data.dtype
+        product = np.einsum("...mk,...kn->...mn", a.data.astype(acc), b.data.astype(acc), optimize=False)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+_row_invariant_interpreted_dot()
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Build mode int4's CPU kernels once, before any test: on a fresh machine the first
     daemon a test starts would otherwise spend its start-up compiling them (a no-op when they
