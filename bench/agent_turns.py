@@ -82,6 +82,7 @@ class TurnTime:
     prompt: int  # the turn's prompt ids
     ttft_s: float
     total_s: float
+    engine_ttft_s: float | None = None  # prefixd: the engine's own, from its submit (usage.ttft_s)
 
 
 def order(shape: Shape) -> list[tuple[int, int]]:
@@ -132,6 +133,7 @@ def run_prefixd(shape: Shape, vocab: int | None, model: str,
                 prompt = list(history[conv])
                 out: list[int] = []
                 first = None
+                engine_ttft = None
                 t0 = time.perf_counter()
                 async for event in client.generate(tokens=prompt, max_tokens=shape.reply):
                     if isinstance(event, TokenEvent) and event.ids:
@@ -139,11 +141,12 @@ def run_prefixd(shape: Shape, vocab: int | None, model: str,
                         out.extend(event.ids)
                     elif isinstance(event, DoneEvent):
                         cached[conv, turn] = event.usage.cached_tokens
+                        engine_ttft = event.usage.ttft_s
                         kinds[conv, turn] = event.usage.cache
                         drafted[0] += event.usage.draft_tokens
                         drafted[1] += event.usage.accepted_tokens
                 end = time.perf_counter()
-                times.append(TurnTime(conv, turn, len(prompt), (first or end) - t0, end - t0))
+                times.append(TurnTime(conv, turn, len(prompt), (first or end) - t0, end - t0, engine_ttft))
                 replies[conv, turn] = out
                 history[conv] += out
 
@@ -193,12 +196,15 @@ def run_llama_cpp(model_path: str, shape: Shape, vocab: int, replies: dict[tuple
     return times
 
 
-def by_turn(passes: list[list[TurnTime]]) -> dict[tuple[int, int], tuple[float, float]]:
-    """(median TTFT, median turn time) in seconds by (conversation, turn), over passes."""
+def by_turn(passes: list[list[TurnTime]]) -> dict[tuple[int, int], tuple[float, float, float | None]]:
+    """(median TTFT, median turn time, median engine TTFT or None) in seconds by (conversation,
+    turn), over passes."""
     out = {}
     for key in {(t.conv, t.turn) for p in passes for t in p}:
         rows = [t for p in passes for t in p if (t.conv, t.turn) == key]
-        out[key] = (median([t.ttft_s for t in rows]), median([t.total_s for t in rows]))
+        engine = [t.engine_ttft_s for t in rows if t.engine_ttft_s is not None]
+        out[key] = (median([t.ttft_s for t in rows]), median([t.total_s for t in rows]),
+                    median(engine) if engine else None)
     return out
 
 
@@ -215,10 +221,11 @@ def render(shape: Shape, ours: list[list[TurnTime]], theirs: list[list[TurnTime]
         conv, turn = key
         pa, pb = a[key], b.get(key)
         rows.append([conv + 1, turn + 1, f"{prompts[key]:,}", f"{served.cached[key]:,} ({served.cache[key]})",
-                     ms(pa[0]), ms(pb[0] if pb else None), ms(pa[1]), ms(pb[1] if pb else None),
+                     f"{ms(pa[0])} ({ms(pa[2])})", ms(pb[0] if pb else None), ms(pa[1]), ms(pb[1] if pb else None),
                      fmt_ratio(pa[1], pb[1]) if pb else "—"])
-    table = markdown_table(["conv", "turn", "prompt ids", "prefixd cached", "prefixd TTFT ms", "llama.cpp TTFT ms",
-                            "prefixd turn ms", "llama.cpp turn ms", "turn prefixd / llama.cpp"], rows)
+    table = markdown_table(["conv", "turn", "prompt ids", "prefixd cached", "prefixd TTFT ms (engine's)",
+                            "llama.cpp TTFT ms", "prefixd turn ms", "llama.cpp turn ms", "turn prefixd / llama.cpp"],
+                           rows)
 
     def totals(passes: list[list[TurnTime]], later: bool) -> tuple[float, float]:
         keep = [[t for t in p if t.turn > 0 or not later] for p in passes]
