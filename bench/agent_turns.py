@@ -162,8 +162,8 @@ def run_llama_cpp(model_path: str, shape: Shape, vocab: int, replies: dict[tuple
     import llama_cpp
     import numpy as np
 
-    llama = LlamaCppBaseline(model_path, threads=threads, n_ctx=256 * -(-shape.conversations * (shape.context + 64) // 256),
-                             num_seqs=shape.conversations)
+    n_ctx = 256 * -(-shape.conversations * (shape.context + 64) // 256)  # every slot's context, in 256s
+    llama = LlamaCppBaseline(model_path, threads=threads, n_ctx=n_ctx, num_seqs=shape.conversations)
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(llama._model.model))
     llama.prefill(ids(64, vocab, 7))  # warm-up (its first calls set up buffers), as the daemon warms up at start
     llama.clear()
