@@ -136,6 +136,7 @@ class Server:
                            lambda: 1 if link.serving else 0)
         self.gate = Gate(link, self.bounds, int(info.get("lanes") or self.cfg.num_lanes))
         self._builder = RequestBuilder(ready.tokenizer, info, self.limits)
+        await anyio.to_thread.run_sync(self._builder.warm)  # before READY: no request waits for it
 
     async def main_loop(self) -> None:
         assert self._listener is not None and self._exit_event is not None

@@ -62,6 +62,13 @@ class RequestBuilder:
         self.limits = limits
         self._grammars = GrammarChecker(tokenizer)
 
+    def warm(self) -> None:
+        """The tokenizer's lazily built tables, built now (a worker thread at start): the first
+        request's tokens would otherwise wait for them, and every stream beside it too."""
+        warm = getattr(self.tokenizer, "warm", None)
+        if warm is not None:
+            warm()
+
     def decoder(self) -> Any:
         """A fresh UTF-8-safe incremental decoder (push(ids) -> str, flush() -> str)."""
         own = getattr(self.tokenizer, "stream_decoder", None)  # a tokenizer with a decoder of its own

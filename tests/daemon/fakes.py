@@ -43,6 +43,10 @@ class ByteTokenizer:
     stop_ids = frozenset({EOS})
     add_bos = False
     chat_template = None
+    warmed = False  # warm() was called (the front warms its tokenizer before it listens)
+
+    def warm(self) -> None:
+        self.warmed = True
 
     def encode(self, text: str, *, add_special: bool = False) -> list[int]:
         return [b + 3 for b in text.encode()]

@@ -36,6 +36,13 @@ async def test_generate_streams_tokens_and_done_with_usage(tmp_path):
         await wait_idle(server)
 
 
+async def test_the_tokenizer_is_warmed_before_the_daemon_listens(tmp_path):
+    """The tokenizer's lazily built tables (the bytes of every id) are built at start, off the
+    loop, so that the first request's tokens (and the streams beside it) never wait for them."""
+    async with running_server(tmp_path) as server:
+        assert server._builder.tokenizer.warmed
+
+
 async def test_socket_and_directory_permissions(tmp_path):
     async with running_server(tmp_path) as server:
         assert stat.S_IMODE(os.lstat(server.socket_path).st_mode) == 0o600

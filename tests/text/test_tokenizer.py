@@ -85,6 +85,20 @@ def test_padded_ids_decode_to_nothing(tok: Tokenizer) -> None:
     assert tok.token_bytes(-1) == b""
 
 
+def test_warm_builds_every_ids_bytes_up_front(gguf_fields: dict[str, Any], monkeypatch) -> None:
+    """After warm(), token_bytes spells nothing more: the table the first streamed token would
+    have built (every id's bytes) is there, equal to what spelling each id gives."""
+    fresh = Tokenizer.from_gguf_fields(gguf_fields)
+    fresh.warm()
+    want = {i: Tokenizer._spell_bytes(fresh, i) for i in (0, 1, 300, 12345, fresh.vocab_size - 1)}
+
+    def spelled(self, token_id: int) -> bytes:
+        raise AssertionError(f"token {token_id} spelled after warm()")
+
+    monkeypatch.setattr(Tokenizer, "_spell_bytes", spelled)
+    assert {i: fresh.token_bytes(i) for i in want} == want
+
+
 def test_token_bytes_concatenate_to_utf8(tok: Tokenizer) -> None:
     for text in CORPUS:
         assert b"".join(tok.token_bytes(i) for i in tok.encode(text)) == text.encode("utf-8")
