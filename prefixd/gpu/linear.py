@@ -194,10 +194,9 @@ def matmul(x: torch.Tensor, weight: Weight, norm: tuple[torch.Tensor, float] | N
     x must already hold `invariant_rows(M, dtype)` rows (any M for int4); it is cast to the
     GEMM's input dtype (a no-op when it has it; int4 reads bf16 or fp32 as they are).
     norm = (weight, eps), int4 only: x's rows RMS-normalized inside the kernel first."""
-    if isinstance(weight, Int8Weight):
-        return cpu_kernels.matmul(x, weight.codes, weight.scales, weight.shape[0], norm=norm, passes=weight.passes)
-    if isinstance(weight, Int4Weight):
-        return cpu_kernels.matmul(x, weight.codes, weight.scales, weight.shape[0], norm=norm)
+    if isinstance(weight, (Int4Weight, Int8Weight)):
+        passes = weight.passes if isinstance(weight, Int8Weight) else 1
+        return cpu_kernels.matmul(x, weight.codes, weight.scales, weight.shape[0], norm=norm, passes=passes)
     if norm is not None:
         raise ValueError("a norm inside the product is mode int4's")
     return kernels.mm_t(x.to(weight.dtype), weight)
