@@ -91,10 +91,14 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes / (1 << 30):.2f} GiB" if num_bytes >= 1 << 30 else f"{num_bytes / (1 << 20):.1f} MiB"
 
 
-def kv_bytes_per_page(model_config: Any, cfg: DaemonConfig) -> int:
-    """K and V of one page for every layer (an upper bound for families with fewer KV layers)."""
-    per_row = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
-    return per_row * _DTYPE_BYTES[cfg.dtype] * cfg.page_size
+def kv_bytes_per_page(model_config: Any, cfg: DaemonConfig, mode: str = "invariant") -> int:
+    """K and V of one page for every layer (an upper bound for families with fewer KV layers):
+    mode int4's 8-bit pages hold a byte a dim and a 4-byte scale per 32 dims (kv_pool.py)."""
+    from prefixd.gpu.kv_pool import kv_pages
+
+    d = model_config.head_dim
+    per_head = d + d // 8 if kv_pages(mode, d).get("codes8") else d * _DTYPE_BYTES[cfg.dtype]
+    return 2 * model_config.num_layers * model_config.num_kv_heads * per_head * cfg.page_size
 
 
 def mtp_layers(model_config: Any) -> int:
@@ -138,7 +142,8 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         except RowVarianceError as e:
             raise StartupError(str(e)) from None
     checkpoint = load_checkpoint(cfg.model, device=device, dtype=dtype, progress=progress)
-    page_bytes = kv_bytes_per_page(checkpoint.config, cfg)
+    mode = resolve_mode(cfg.mode, checkpoint.config.family, device, dtype)  # the disk tier keys on it
+    page_bytes = kv_bytes_per_page(checkpoint.config, cfg, mode)
     available = mem_available_bytes() if cfg.device == "cpu" else free_device_bytes(device)
     model_max_context = checkpoint.config.max_context
     max_context = cfg.resolved_max_context(
@@ -149,7 +154,6 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
     log.info("%s", context_line(cfg, max_context=max_context, model_max_context=model_max_context,
                                 kv_bytes_per_page=page_bytes, available_bytes=available))
     num_pages = plan_num_pages(cfg, kv_bytes_per_page=page_bytes, max_context=max_context, available_bytes=available)
-    mode = resolve_mode(cfg.mode, checkpoint.config.family, device, dtype)  # the disk tier keys on it
     draft = resolve_draft(cfg.draft, checkpoint.config.family, mode, draft_head=mtp_layers(checkpoint.config) > 0)
     if draft == "mtp" and not mtp_layers(checkpoint.config):
         raise StartupError(f"--draft mtp: {checkpoint.path} has no MTP (multi-token prediction) layers; "

@@ -184,10 +184,11 @@ def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, p
     return torch.ops.prefixd.int4_mm(x, codes, scales, n, path, norm[0], norm[1], passes)
 
 
-def attention_path() -> str:
-    """The path attention takes on this CPU: "avx512-bf16", "avx512" or "portable" (the same bits)."""
+def attention_path(q8: bool = False) -> str:
+    """The path attention takes on this CPU: for bf16 pools "avx512-bf16", "avx512" or "portable",
+    for 8-bit pages "avx512-vnni" or "portable" (each pool kind's paths give the same bits)."""
     load()
-    return torch.ops.prefixd.attention_isa()
+    return torch.ops.prefixd.attention_q8_isa() if q8 else torch.ops.prefixd.attention_isa()
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, spans: torch.Tensor,
@@ -195,8 +196,8 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, spans: t
     """Paged attention of every row of `spans` into `out` (csrc/attention.cpp has the arithmetic).
 
     q ((R + 1) * q_stride, D) bf16, pre-scaled, q heads first in each row's q_stride vectors;
-    k_pool, v_pool (pages, page_size, kv_heads, D) bf16, K pages in `kv_pool.to_key_pages` order; spans
-    (S, 3) int64 (first row, first position, rows); tables (S, T) int32 pages; out (R + 1,
+    k_pool, v_pool (pages, page_size, kv_heads, D) bf16, K pages in `kv_pool.to_key_pages` order, or
+    8-bit pages (`KVPool(codes8=True)`: uint8 (pages, page_size, kv_heads, D + D/8)); spans (S, 3) int64 (first row, first position, rows); tables (S, T) int32 pages; out (R + 1,
     heads * D) fp32. q and k hold no magnitude below 2^-30 but zero (`flush_tiny`)."""
     torch.ops.prefixd.attend(q, k_pool, v_pool, spans, tables, heads, q_stride, out, path)
 
@@ -210,10 +211,10 @@ def rope_kv(qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], qk: to
             v_pool: torch.Tensor, slots: torch.Tensor, heads: int) -> None:
     """A layer's rope into `qk` and its K/V rows into the pools, in one call, with the bits of
     `model.rope_qk_into` (scaled tables) then `flush_tiny`, and of `KVPool.write` with K pages in
-    `kv_pool.to_key_pages` order (csrc/attention.cpp).
+    `kv_pool.to_key_pages` order or 8-bit pages (csrc/attention.cpp).
 
     qkv (R, (heads + 2 kv_heads) * D) fp32; tables: q-scaled (cos, sin), (R, heads + kv_heads, D)
-    fp32; qk (>= R, heads + kv_heads, D) bf16; pools (pages, page_size, kv_heads, D) bf16; slots
+    fp32; qk (>= R, heads + kv_heads, D) bf16; pools as `attend`'s; slots
     (n <= R,) int64: rows 0..n-1 go to the pool."""
     torch.ops.prefixd.rope_kv(qkv, tables[0], tables[1], qk, k_pool, v_pool, slots, heads)
 

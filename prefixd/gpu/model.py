@@ -200,7 +200,7 @@ class LlamaModel:
         """Run every layer; writes K/V of the real rows; returns final-normed fp32 hidden."""
         c = self.config
         h = self.embed_rows(inputs)  # (rows, hidden) fp32, a fresh tensor: updated in place
-        rnd = _Round(self, inputs, kv.dtype, h.shape[0])
+        rnd = _Round(self, inputs, self.dtype if kv.codes8 else kv.dtype, h.shape[0])  # q and k: bf16 beside 8-bit pages
         if rnd.fused:
             return self._forward_fused(h, rnd, kv)
         for i, layer in enumerate(self.layers):
@@ -317,8 +317,8 @@ class _Round:
         device = inputs.tokens.device
         self.num_rows, self.slots, self.tiles = inputs.num_rows, inputs.slots, inputs.tiles
         self.positions = inputs.positions
-        # the CUDA path's kernels (fused.py; never mode int4, the CPU's, whose pool holds K in
-        # its own page order); the rope tables below cover the positions
+        # the CUDA path's kernels (fused.py; never mode int4, the CPU's, whose pool holds 8-bit
+        # pages); the rope tables below cover the positions
         self.fused = model.attention_tiles and kernels.triton_path(device)
         self.cpu_index = cpu_kernels.attention_index(inputs.spans) if not model.attention_tiles else None
         self.scaled = None

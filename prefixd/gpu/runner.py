@@ -37,7 +37,7 @@ from prefixd.gpu.copy import CopyEngine
 from prefixd.gpu.digest import logits_sha256
 from prefixd.gpu.families import build_family
 from prefixd.gpu.families.qwen3_5_draft import MtpDrafts
-from prefixd.gpu.kv_pool import KVPool
+from prefixd.gpu.kv_pool import KVPool, kv_pages
 from prefixd.gpu.model import RoundInputs
 from prefixd.gpu.programs import DecodePrograms
 from prefixd.gpu.sampling import LaneSampler
@@ -78,7 +78,7 @@ class ModelRunner:
         scratch += 1 if use_programs else 0  # the page the programs' padding rows write
         self.kv = KVPool(num_layers=self.model.num_kv_layers, num_pages=num_pages + scratch, page_size=page_size,
                          num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                         device=self.device, dtype=dtype, key_pages=self.model.mode == "int4")
+                         device=self.device, dtype=dtype, **kv_pages(self.model.mode, config.head_dim))
         self.info = DeviceInfo(
             num_lanes=num_lanes, num_pages=num_pages, page_size=page_size,
             max_context=config.max_context, vocab_size=config.vocab_size,
@@ -211,7 +211,7 @@ class ModelRunner:
         for pl in load.pages:
             if not pl.pages:
                 continue
-            src = torch.frombuffer(pl.kv, dtype=torch.uint8).view(self.dtype)
+            src = torch.frombuffer(pl.kv, dtype=torch.uint8).view(self.kv.dtype)
             src = src.view(len(pl.pages), shape[0], shape[1], *shape[3:]).to(self.device)  # (n, 2, L, P, H, D)
             idx = torch.tensor(list(pl.pages), dtype=torch.long, device=self.device)
             self.kv.storage.index_copy_(2, idx, src.permute(1, 2, 0, 3, 4, 5))

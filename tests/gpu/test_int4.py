@@ -422,11 +422,11 @@ def test_int8_weights_take_9_bits_a_weight():
 
 
 def test_the_disk_tier_keys_a_mode_on_its_revision():
-    """int4's bits changed (lately its scales kept as fp16): disk entries of an earlier
+    """int4's bits changed (lately its 8-bit K/V pages): disk entries of an earlier
     revision must never be served."""
     from prefixd.gpu.families import mode_identity
 
-    assert mode_identity("int4") == "int4@8"
+    assert mode_identity("int4") == "int4@9"
     assert mode_identity("invariant") == "invariant@5"
     with pytest.raises(ValueError, match="no revision"):
         mode_identity("int3")

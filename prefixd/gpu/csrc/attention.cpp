@@ -31,10 +31,22 @@
 // 2^-30 (rope_kv flushes such values to zero). Then every product is a multiple of 2^-74 and so
 // is every sum: each is zero or at least 2^-74, a normal float, and all three paths agree.
 //
+// 8-bit pages (mode int4's pool; layout at "8-bit pages" below): K and V rows are 8-bit codes
+// with a scale per row, kv head and block of 32 dims (`quantize_block`), and so is each row's q
+// (quantized from its bf16 values by the call). The arithmetic differs from the above in two
+// places, with the chunks, softmax and join unchanged:
+//   score s_t:  s = 0, then for each block b of 32 dims in order: s = fma(fp32(i_b) * sq_b,
+//               sk_t,b, s), where i_b = the exact int32 sum of q's codes times k_t's codes in
+//               the block (what `vpdpbusd` gives, K stored as code + 128, less 128 times the
+//               sum of q's codes), sq_b q's scale and sk_t,b the key's
+//   o_j[d] = fma(e_t * sv_t,b, fp32(v_t[d]'s code), o_j[d]) for the block b holding d.
+// Integer sums make the scores independent of the order of their products: the AVX-512 VNNI
+// path and the portable one give the same bits (the AVX-512 path without VNNI takes the portable one).
+//
 // Inputs: q ((R + 1) * q_stride, D) bf16, round row r's head h at r * q_stride + h; k, v pools
-// (pages, P, kv_heads, D) bf16 (K pages as above); spans (S, 3) int64: (first row, first
-// position, rows) per lane; tables (S, T) int32: each lane's pages; out (R + 1, heads * D) fp32,
-// rows of the spans written.
+// (pages, P, kv_heads, D) bf16 (K pages as above), or 8-bit pages (pages, P, kv_heads, D + D/8)
+// uint8; spans (S, 3) int64: (first row, first position, rows) per lane; tables (S, T) int32:
+// each lane's pages; out (R + 1, heads * D) fp32, rows of the spans written.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -101,12 +113,15 @@ inline float exp_fixed(float x) {  // x <= 0
 
 struct Attn {
   const uint16_t* q;
-  const uint16_t* k;
+  const uint16_t* k;  // bf16 pools (else null)
   const uint16_t* v;
   const int64_t* spans;
   const int32_t* tables;
   float* out;
   int64_t q_stride, heads, kv_heads, dim, page, table_len;
+  const uint8_t* k8 = nullptr;  // 8-bit pools (else null): `page_bytes` a page, codes then scales
+  const uint8_t* v8 = nullptr;
+  int64_t page_bytes = 0;
 };
 
 struct Task {
@@ -140,6 +155,58 @@ inline const uint16_t* key_pair(const Attn& a, const int32_t* table, int64_t t, 
 
 inline const uint16_t* value_row(const Attn& a, const int32_t* table, int64_t t, int64_t kv) {
   return a.v + ((static_cast<int64_t>(table[t / a.page]) * a.page + t % a.page) * a.kv_heads + kv) * a.dim;
+}
+
+// ---- 8-bit pages ---------------------------------------------------------------------------------
+// A page of an 8-bit pool holds its P rows' codes, P * kv_heads * D bytes, then their scales,
+// (kv_heads, D / 32, P) fp32: one scale per row, kv head and block of 32 dims. K codes lie as
+// unsigned bytes code + 128 in quads of dims: element (offset o, kv head g, dim d) at
+// ((g * D/4 + d/4) * P + o) * 4 + d % 4, so that dims 4i..4i+3 of 16 consecutive keys are one
+// 64-byte vector; V codes are signed bytes in rows (P, kv_heads, D).
+
+constexpr int64_t QBLOCK = 32;            // dims sharing a scale (q, K and V alike)
+constexpr float QUANT_TINY = 0x1p-60f;    // a block whose largest magnitude is below: zero codes, scale 0
+
+// A block of 32 values as 8-bit codes and its scale (the block is code * scale):
+//   a = max |x| (NaN when some x is NaN); a not finite: codes 0, scale NaN (the row poisons
+//   what reads it, as its values would); a < 2^-60: codes 0, scale 0; else inv = 127 / a,
+//   code = round-half-even(x * inv) in [-127, 127], scale = a / 127 (each op rounded in fp32).
+// KVPool.quantize_blocks in kv_pool.py has the same bits.
+inline float quantize_block(const float* x, int8_t* codes) {
+  float a = 0.f;
+  bool nan = false;
+  for (int64_t i = 0; i < QBLOCK; ++i) {
+    nan = nan || std::isnan(x[i]);
+    a = std::max(a, std::fabs(x[i]));
+  }
+  if (nan || std::isinf(a) || a < QUANT_TINY) {
+    std::memset(codes, 0, QBLOCK);
+    return nan || std::isinf(a) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+  }
+  const float inv = 127.f / a;
+  for (int64_t i = 0; i < QBLOCK; ++i)
+    codes[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[i] * inv))));
+  return a / 127.f;
+}
+
+inline const uint8_t* page8(const uint8_t* pool, const Attn& a, const int32_t* table, int64_t t) {
+  return pool + static_cast<int64_t>(table[t / a.page]) * a.page_bytes;
+}
+
+// key t's K codes of kv head g, dims 4i..4i+3 (unsigned, code + 128)
+inline const uint8_t* key_quad(const Attn& a, const int32_t* table, int64_t t, int64_t g, int64_t i) {
+  return page8(a.k8, a, table, t) + ((g * (a.dim / 4) + i) * a.page + t % a.page) * 4;
+}
+
+// key t's scale of kv head g, dims 32b..32b+31, in the K or V pool `pool`
+inline const float* scale8(const uint8_t* pool, const Attn& a, const int32_t* table, int64_t t, int64_t g, int64_t b) {
+  return reinterpret_cast<const float*>(page8(pool, a, table, t) + a.page * a.kv_heads * a.dim) +
+         (g * (a.dim / QBLOCK) + b) * a.page + t % a.page;
+}
+
+// key t's V codes of kv head g (D signed bytes; its kv heads side by side)
+inline const int8_t* value_row8(const Attn& a, const int32_t* table, int64_t t, int64_t g) {
+  return reinterpret_cast<const int8_t*>(page8(a.v8, a, table, t) + (t % a.page * a.kv_heads + g) * a.dim);
 }
 
 // m of the joined chunks: the largest chunk m, NaN when some chunk's is
@@ -213,6 +280,75 @@ void combine_portable(const float* part, int64_t stride, int64_t chunks, int64_t
     for (int64_t d = 0; d < dim; ++d) o[d] = std::fma(w, rec[2 + d], o[d]);
   }
   for (int64_t d = 0; d < dim; ++d) out[d] = o[d] / l;
+}
+
+// 8-bit pools: a pair's q codes per block of 32 dims (from q's bf16 values), then the chunk as
+// in the header's arithmetic for 8-bit pages. o in dim order: `combine_portable` joins it.
+struct QCodes {
+  int8_t codes[MAX_CHUNKS * LANES];
+  float scale[MAX_CHUNKS * LANES / QBLOCK];
+  int32_t offset[MAX_CHUNKS * LANES / QBLOCK];  // 128 * the block's sum of codes (K's unsigned bytes)
+};
+
+inline void quantize_q(const uint16_t* q, int64_t dim, QCodes& out) {
+  float x[MAX_CHUNKS * LANES];
+  for (int64_t d = 0; d < dim; ++d) x[d] = bf16f(q[d]);
+  for (int64_t b = 0; b < dim / QBLOCK; ++b) {
+    out.scale[b] = quantize_block(x + b * QBLOCK, out.codes + b * QBLOCK);
+    int32_t sum = 0;
+    for (int64_t i = 0; i < QBLOCK; ++i) sum += out.codes[b * QBLOCK + i];
+    out.offset[b] = 128 * sum;
+  }
+}
+
+void chunk_q8_portable(const Attn& a, const Task& task, int64_t chunk, float* part, int64_t pair_stride,
+                       std::vector<float>& scores) {
+  const int64_t* sp = a.spans + task.span * 3;
+  const int32_t* table = a.tables + task.span * a.table_len;
+  const int64_t group = a.heads / a.kv_heads, nq = a.dim / QBLOCK;
+  const int64_t k0 = chunk * KEY_CHUNK, hn = task.head_to - task.head_from;
+  scores.resize(KEY_CHUNK);
+  QCodes qc;
+  for (int64_t i = 0; i < task.rows; ++i) {
+    const int64_t r = sp[0] + task.row + i, end = std::min(sp[1] + task.row + i + 1, k0 + KEY_CHUNK);
+    for (int64_t h = task.head_from; h < task.head_to; ++h) {
+      float* rec = part + (i * hn + h - task.head_from) * pair_stride;
+      const int64_t kv = h / group;
+      quantize_q(a.q + (r * a.q_stride + h) * a.dim, a.dim, qc);
+      float* s = scores.data();
+      bool nan = false;
+      for (int64_t t = k0; t < end; ++t) {
+        float dot = 0.f;
+        for (int64_t b = 0; b < nq; ++b) {
+          int32_t acc = 0;  // exact: the unsigned codes' products, less 128 times q's sum
+          for (int64_t j = b * QBLOCK / 4; j < (b + 1) * QBLOCK / 4; ++j) {
+            const uint8_t* k = key_quad(a, table, t, kv, j);
+            for (int64_t x = 0; x < 4; ++x) acc += static_cast<int32_t>(k[x]) * qc.codes[4 * j + x];
+          }
+          dot = std::fma(static_cast<float>(acc - qc.offset[b]) * qc.scale[b], *scale8(a.k8, a, table, t, kv, b), dot);
+        }
+        s[t - k0] = dot;
+        nan = nan || std::isnan(dot);
+      }
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t t = k0; t < end; ++t) m = std::max(m, s[t - k0]);
+      if (nan) m = std::numeric_limits<float>::quiet_NaN();
+      float l[LANES] = {};
+      float* o = rec + 2;
+      std::fill(o, o + a.dim, 0.f);
+      for (int64_t t = k0; t < end; ++t) {
+        const float e = exp_fixed(s[t - k0] - m);
+        l[t % LANES] = l[t % LANES] + e;
+        const int8_t* v = value_row8(a, table, t, kv);
+        for (int64_t b = 0; b < nq; ++b) {
+          const float ev = e * *scale8(a.v8, a, table, t, kv, b);
+          for (int64_t d = b * QBLOCK; d < (b + 1) * QBLOCK; ++d) o[d] = std::fma(ev, static_cast<float>(v[d]), o[d]);
+        }
+      }
+      rec[0] = m;
+      rec[1] = halve16(l);
+    }
+  }
 }
 
 #ifdef PREFIXD_X86
@@ -573,6 +709,306 @@ PREFIXD_AVX512 void combine_avx512(const float* part, int64_t stride, int64_t ch
   if (C % 2) _mm512_storeu_ps(out + 32 * CP, _mm512_div_ps(o[C - 1], sum));
 }
 
+// ---- 8-bit pages, AVX-512 VNNI path -----------------------------------------------------------------
+
+#define PREFIXD_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+// The scores of NP pairs against NB blocks of 16 keys from 8-bit pages (the portable path's
+// arithmetic): per block of 32 dims, 8 steps of `vpdpbusd` (4 dims of 16 keys, K's unsigned
+// codes times the pair's signed codes, summed exactly in int32), less the pair's offset, to
+// fp32, times the pair's scale, then fma with the keys' scales. kb[b]: key block b's quads,
+// quad i `stride` bytes after quad 0; ks[b]: its scales, block j `sstride` floats after block 0.
+template <int NQ, int NP, int NB>
+PREFIXD_AVX512_VNNI void scores_q8(const uint8_t* const* kb, int64_t stride, const float* const* ks, int64_t sstride,
+                                   const QCodes* const* q, float* const* out) {
+  __m512 acc[NP][NB];
+  for (int n = 0; n < NP; ++n)
+    for (int b = 0; b < NB; ++b) acc[n][b] = _mm512_setzero_ps();
+  for (int j = 0; j < NQ; ++j) {
+    __m512i dot[NP][NB];
+    for (int n = 0; n < NP; ++n)
+      for (int b = 0; b < NB; ++b) dot[n][b] = _mm512_setzero_si512();
+    for (int i = 0; i < QBLOCK / 4; ++i) {
+      const int64_t quad = j * QBLOCK / 4 + i;
+      __m512i k[NB];
+      for (int b = 0; b < NB; ++b) k[b] = _mm512_loadu_si512(kb[b] + quad * stride);
+      for (int n = 0; n < NP; ++n) {
+        int32_t w;  // the pair's codes of dims 4 quad .. 4 quad + 3
+        std::memcpy(&w, q[n]->codes + 4 * quad, sizeof w);
+        const __m512i qw = _mm512_set1_epi32(w);
+        for (int b = 0; b < NB; ++b) dot[n][b] = _mm512_dpbusd_epi32(dot[n][b], k[b], qw);
+      }
+    }
+    for (int n = 0; n < NP; ++n) {
+      const __m512i off = _mm512_set1_epi32(q[n]->offset[j]);
+      const __m512 sq = _mm512_set1_ps(q[n]->scale[j]);
+      for (int b = 0; b < NB; ++b) {
+        const __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[n][b], off)), sq);
+        acc[n][b] = _mm512_fmadd_ps(x, _mm512_loadu_ps(ks[b] + j * sstride), acc[n][b]);
+      }
+    }
+  }
+  for (int n = 0; n < NP; ++n)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out[n] + 16 * b, acc[n][b]);
+}
+
+using ScoreQ8Fn = void (*)(const uint8_t* const*, int64_t, const float* const*, int64_t, const QCodes* const*,
+                           float* const*);
+
+template <int NQ, int NP, int NB = SCORE_GROUP / NP>
+ScoreQ8Fn score_q8_blocks(int64_t blocks) {
+  if constexpr (NB == 1) {
+    return &scores_q8<NQ, NP, 1>;
+  } else {
+    return blocks == NB ? &scores_q8<NQ, NP, NB> : score_q8_blocks<NQ, NP, NB - 1>(blocks);
+  }
+}
+
+template <int NQ>
+ScoreQ8Fn score_q8_fn(int64_t pairs, int64_t blocks) {
+  switch (pairs) {
+#define PREFIXD_CASE(N) \
+  case N: return score_q8_blocks<NQ, N>(blocks);
+    PREFIXD_CASE(1) PREFIXD_CASE(2) PREFIXD_CASE(3) PREFIXD_CASE(4)
+    PREFIXD_CASE(5) PREFIXD_CASE(6) PREFIXD_CASE(7) PREFIXD_CASE(8)
+#undef PREFIXD_CASE
+    default: return nullptr;
+  }
+}
+
+// The value sums of NP pairs over a block of widened values vb (16 keys, D in dim order):
+// o[n][x] = fma(e[n][(x / 32) * estride + k], vb[k][x], o[n][x]) for k = 0 .. end[n] - 1 in
+// order (e: each pair's weights times the keys' V scales, a row of keys per block of 32 dims).
+using ValueQ8Fn = void (*)(const float* vb, const float* const* e, int64_t estride, float* const* o,
+                           const int64_t* end, int64_t common);
+
+template <int NQ, int NP>
+PREFIXD_AVX512 void values_q8(const float* vb, const float* const* e, int64_t estride, float* const* o,
+                              const int64_t* end, int64_t common) {
+  constexpr int C = 2 * NQ, D = 16 * C;
+  __m512 acc[NP][C];
+  for (int n = 0; n < NP; ++n)
+    for (int c = 0; c < C; ++c) acc[n][c] = _mm512_load_ps(o[n] + 16 * c);
+  for (int64_t k = 0; k < common; ++k) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = _mm512_load_ps(vb + k * D + 16 * c);
+    for (int n = 0; n < NP; ++n)
+      for (int j = 0; j < NQ; ++j) {
+        const __m512 ek = _mm512_set1_ps(e[n][j * estride + k]);
+        acc[n][2 * j] = _mm512_fmadd_ps(ek, v[2 * j], acc[n][2 * j]);
+        acc[n][2 * j + 1] = _mm512_fmadd_ps(ek, v[2 * j + 1], acc[n][2 * j + 1]);
+      }
+  }
+  for (int n = 0; n < NP; ++n) {
+    for (int64_t k = common; k < end[n]; ++k)
+      for (int j = 0; j < NQ; ++j) {
+        const __m512 ek = _mm512_set1_ps(e[n][j * estride + k]);
+        acc[n][2 * j] = _mm512_fmadd_ps(ek, _mm512_load_ps(vb + k * D + 32 * j), acc[n][2 * j]);
+        acc[n][2 * j + 1] = _mm512_fmadd_ps(ek, _mm512_load_ps(vb + k * D + 32 * j + 16), acc[n][2 * j + 1]);
+      }
+    for (int c = 0; c < C; ++c) _mm512_store_ps(o[n] + 16 * c, acc[n][c]);
+  }
+}
+
+constexpr int values_q8_max(int nq) { return std::max(1, std::min(8, (28 - 3 * nq) / (2 * nq))); }
+
+template <int NQ, int N = values_q8_max(NQ)>
+ValueQ8Fn value_q8_fn(int64_t pairs) {
+  if constexpr (N == 1) {
+    return &values_q8<NQ, 1>;
+  } else {
+    return pairs == N ? &values_q8<NQ, N> : value_q8_fn<NQ, N - 1>(pairs);
+  }
+}
+
+// One chunk of keys for the task's pairs from 8-bit pages: the bf16 chunk's plan (blocks of 16
+// keys read in place when pages hold a multiple of 16 keys, else gathered; the pairs of a kv
+// head in groups; prefetch PREFETCH_BLOCKS blocks on), with the arithmetic of `chunk_q8_portable`.
+template <int NQ>
+PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t chunk, float* part, int64_t pair_stride,
+                                       std::vector<float>& scratch) {
+  constexpr int64_t D = QBLOCK * NQ, QUADS = D / 4;
+  const int64_t* sp = a.spans + task.span * 3;
+  const int64_t r0 = sp[0] + task.row, pos0 = sp[1] + task.row, rows = task.rows;
+  const int32_t* table = a.tables + task.span * a.table_len;
+  const int64_t group = a.heads / a.kv_heads, h0 = task.head_from, hn = task.head_to - h0;
+  const int64_t kv0 = h0 / group, kvn = (task.head_to - 1) / group - kv0 + 1;
+  const int64_t rh = rows * hn;
+  const int64_t k0 = chunk * KEY_CHUNK;
+  const int64_t keys = std::min(pos0 + rows, k0 + KEY_CHUNK);
+  const int64_t padded = (keys - k0 + LANES - 1) / LANES * LANES;
+  // scratch: q codes (rh QCodes) | scores (rh, padded) | weights (rh, NQ, padded) | a block's
+  // values (kvn, 16, D) | value sums (rh, D) | a gathered block: quads (kvn * QUADS, 16) and
+  // scales (kvn * NQ, 16) when pages are not read in place
+  const int64_t qfloats = (rh * static_cast<int64_t>(sizeof(QCodes)) + 63) / 64 * 16;
+  scratch.resize(qfloats + rh * padded * (1 + NQ) + kvn * LANES * D + rh * D + kvn * (QUADS + NQ) * LANES + LANES);
+  float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  QCodes* qc = reinterpret_cast<QCodes*>(base);
+  float* scores = base + qfloats;
+  float* weights = scores + rh * padded;
+  float* vbuf = weights + rh * NQ * padded;
+  float* obuf = vbuf + kvn * LANES * D;
+  uint32_t* gathered = reinterpret_cast<uint32_t*>(obuf + rh * D);
+  float* gathered_scales = reinterpret_cast<float*>(gathered + kvn * QUADS * LANES);
+  for (int64_t p = 0; p < rh; ++p) quantize_q(a.q + ((r0 + p / hn) * a.q_stride + h0 + p % hn) * D, D, qc[p]);
+  int64_t group_pairs[SCORE_GROUP];
+  const auto for_groups = [&](int64_t g, int64_t most, const auto& fn) {
+    const int64_t j0 = std::max(h0, (kv0 + g) * group) - h0, j1 = std::min(task.head_to, (kv0 + g + 1) * group) - h0;
+    const int64_t pairs = rows * (j1 - j0), groups = (pairs + most - 1) / most;
+    for (int64_t x = 0, n = 0; x < groups; ++x) {
+      const int64_t size = (pairs - n) / (groups - x);
+      for (int64_t y = 0; y < size; ++y, ++n) group_pairs[y] = (n / (j1 - j0)) * hn + j0 + n % (j1 - j0);
+      fn(group_pairs, size);
+    }
+  };
+  const bool in_place = a.page % LANES == 0;
+  const int64_t most_pairs = rows * std::min(group, hn);
+  const int64_t most_blocks = !in_place || most_pairs >= 3 ? 1 : SCORE_GROUP / most_pairs;
+  const QCodes* qp[SCORE_GROUP];
+  float* sg[SCORE_GROUP];
+  for (int64_t tb = k0; tb < k0 + padded;) {
+    const int64_t step = std::min<int64_t>(most_blocks, (k0 + padded - tb) / LANES);
+    const uint8_t* blocks[SCORE_GROUP];
+    const float* block_scales[SCORE_GROUP];
+    int64_t stride, sstride, gstride, gsstride;  // quads / scale rows apart; kv heads apart
+    if (in_place) {
+      for (int64_t b = 0; b < step; ++b) {
+        blocks[b] = key_quad(a, table, tb + b * LANES, kv0, 0);
+        block_scales[b] = scale8(a.k8, a, table, tb + b * LANES, kv0, 0);
+      }
+      stride = a.page * 4, sstride = a.page, gstride = QUADS * stride, gsstride = NQ * a.page;
+      for (int64_t b = 0; b < step; ++b) {  // PREFETCH_BLOCKS blocks on: K's quads and scales, V's scales
+        const int64_t ahead = tb + (PREFETCH_BLOCKS + b) * LANES;
+        if (ahead >= keys) break;
+        const char* kp = reinterpret_cast<const char*>(key_quad(a, table, ahead, kv0, 0));
+        for (int64_t l = 0; l < kvn * QUADS; ++l) _mm_prefetch(kp + l * stride, _MM_HINT_T0);
+        const char* ks = reinterpret_cast<const char*>(scale8(a.k8, a, table, ahead, kv0, 0));
+        const char* vs = reinterpret_cast<const char*>(scale8(a.v8, a, table, ahead, kv0, 0));
+        for (int64_t l = 0; l < kvn * NQ; ++l) {
+          _mm_prefetch(ks + l * sstride * 4, _MM_HINT_T0);
+          _mm_prefetch(vs + l * sstride * 4, _MM_HINT_T0);
+        }
+      }
+    } else {
+      for (int64_t k = 0; k < LANES; ++k) {
+        const bool live = tb + k < keys;
+        for (int64_t j = 0; j < kvn * QUADS; ++j) {
+          uint32_t w = 0;
+          if (live) std::memcpy(&w, key_quad(a, table, tb + k, kv0 + j / QUADS, j % QUADS), sizeof w);
+          gathered[j * LANES + k] = w;
+        }
+        for (int64_t j = 0; j < kvn * NQ; ++j)
+          gathered_scales[j * LANES + k] = live ? *scale8(a.k8, a, table, tb + k, kv0 + j / NQ, j % NQ) : 0.f;
+      }
+      blocks[0] = reinterpret_cast<const uint8_t*>(gathered);
+      block_scales[0] = gathered_scales;
+      stride = LANES * 4, sstride = LANES, gstride = QUADS * stride, gsstride = NQ * LANES;
+    }
+    for (int64_t g = 0; g < kvn; ++g)
+      for_groups(g, SCORE_GROUP, [&](const int64_t* p, int64_t size) {
+        const int64_t most = SCORE_GROUP / size;
+        for (int64_t b0 = 0; b0 < step; b0 += most) {
+          const int64_t nb = std::min(most, step - b0);
+          const uint8_t* kb[SCORE_GROUP];
+          const float* ks[SCORE_GROUP];
+          for (int64_t b = 0; b < nb; ++b) {
+            kb[b] = blocks[b0 + b] + g * gstride;
+            ks[b] = block_scales[b0 + b] + g * gsstride;
+          }
+          for (int64_t y = 0; y < size; ++y) {
+            qp[y] = qc + p[y];
+            sg[y] = scores + p[y] * padded + tb + b0 * LANES - k0;
+          }
+          score_q8_fn<NQ>(size, nb)(kb, stride, ks, sstride, qp, sg);
+        }
+      });
+    tb += step * LANES;
+  }
+  // softmax: m, e and l as the bf16 chunk's; each pair's weights per block of dims, e times the
+  // keys' V scales (dead lanes 0)
+  for (int64_t p = 0; p < rh; ++p) {
+    const int64_t n = std::min(pos0 + p / hn + 1, keys) - k0;
+    const int64_t kv = (h0 + p % hn) / group;
+    float* s = scores + p * padded;
+    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __mmask16 nan = 0;
+    for (int64_t t = 0; t < n; t += LANES) {
+      const __mmask16 live = n - t >= LANES ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
+      nan |= _mm512_mask_cmp_ps_mask(live, x, x, _CMP_UNORD_Q);
+      mv = _mm512_mask_max_ps(mv, live, mv, x);
+    }
+    const float m = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mv);
+    __m512 l = _mm512_setzero_ps();
+    const __m512 mm = _mm512_set1_ps(m);
+    for (int64_t t = 0; t < n; t += LANES) {
+      const __mmask16 live = n - t >= LANES ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp_fixed(_mm512_sub_ps(_mm512_loadu_ps(s + t), mm)));
+      l = _mm512_add_ps(l, e);
+      for (int64_t j = 0; j < NQ; ++j) {
+        __m512 sv;
+        if (in_place) {
+          sv = _mm512_maskz_loadu_ps(live, scale8(a.v8, a, table, k0 + t, kv, j));
+        } else {
+          alignas(64) float gs[LANES] = {};
+          for (int64_t k = 0; k < LANES && t + k < n; ++k) gs[k] = *scale8(a.v8, a, table, k0 + t + k, kv, j);
+          sv = _mm512_load_ps(gs);
+        }
+        _mm512_storeu_ps(weights + (p * NQ + j) * padded + t, _mm512_maskz_mul_ps(live, e, sv));
+      }
+    }
+    part[p * pair_stride] = m;
+    part[p * pair_stride + 1] = halve16(l);
+  }
+  // o = sum of weights times codes, each dim's fma chain in key order; a block's codes widened
+  // once for every pair of the task
+  std::fill(obuf, obuf + rh * D, 0.f);
+  for (int64_t tb = k0; tb < keys; tb += LANES) {
+    const int64_t live = std::min<int64_t>(LANES, keys - tb);
+    if (tb + PREFETCH_BLOCKS * LANES < keys) {
+      const int64_t ahead = tb + PREFETCH_BLOCKS * LANES;
+      const int64_t n = std::min<int64_t>(LANES, keys - ahead);
+      for (int64_t k = 0; k < n; ++k) {
+        const char* vp = reinterpret_cast<const char*>(value_row8(a, table, ahead + k, kv0));
+        for (int64_t l = 0; l < kvn * D; l += 64) _mm_prefetch(vp + l, _MM_HINT_T0);
+      }
+    }
+    for (int64_t k = 0; k < live; ++k) {
+      const int8_t* vr = value_row8(a, table, tb + k, kv0);
+      for (int64_t g = 0; g < kvn; ++g)
+        for (int64_t c = 0; c < D / LANES; ++c) {
+          const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vr + g * D + c * LANES));
+          _mm512_store_ps(vbuf + (g * LANES + k) * D + c * LANES, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)));
+        }
+    }
+    for (int64_t g = 0; g < kvn; ++g)
+      for_groups(g, values_q8_max(NQ), [&](const int64_t* p, int64_t size) {
+        const float* e[SCORE_GROUP];
+        float* o[SCORE_GROUP];
+        int64_t end[SCORE_GROUP], common = LANES;
+        for (int64_t y = 0; y < size; ++y) {
+          e[y] = weights + p[y] * NQ * padded + tb - k0;
+          o[y] = obuf + p[y] * D;
+          end[y] = std::clamp<int64_t>(pos0 + p[y] / hn + 1 - tb, 0, live);
+          common = std::min(common, end[y]);
+        }
+        value_q8_fn<NQ>(size)(vbuf + g * LANES * D, e, padded, o, end, common);
+      });
+  }
+  for (int64_t p = 0; p < rh; ++p) std::memcpy(part + p * pair_stride + 2, obuf + p * D, D * sizeof(float));
+}
+
+ChunkFn q8_chunk(int64_t dim) {
+  switch (dim / QBLOCK) {
+    case 1: return &chunk_q8_vnni<1>;
+    case 2: return &chunk_q8_vnni<2>;
+    case 3: return &chunk_q8_vnni<3>;
+    case 4: return &chunk_q8_vnni<4>;
+    case 8: return &chunk_q8_vnni<8>;
+    default: return nullptr;
+  }
+}
+
 Path avx512_path(int64_t chunks, bool bf16) {
   switch (chunks) {
 #define PREFIXD_CASE(C) \
@@ -605,8 +1041,20 @@ bool have_avx512_bf16() {
 #endif
 }
 
+bool have_avx512_vnni() {
+#ifdef PREFIXD_X86
+  static const bool yes = have_avx512() && __builtin_cpu_supports("avx512vnni");
+  return yes;
+#else
+  return false;
+#endif
+}
+
 // The fastest path this CPU has: "avx512-bf16", "avx512" or "portable" (the same bits).
 std::string best_path() { return have_avx512_bf16() ? "avx512-bf16" : have_avx512() ? "avx512" : "portable"; }
+
+// The same for 8-bit pools: "avx512-vnni" or "portable" (the same bits).
+std::string best_q8_path() { return have_avx512_vnni() ? "avx512-vnni" : "portable"; }
 
 // One task: its chunks' partials, then each (row, head)'s output (a task holding every chunk of
 // its rows) or the partials into its block's share of the split buffer (combined after all tasks).
@@ -632,17 +1080,26 @@ void run_task(const Attn& a, const Task& task, const Path& path, float* split, s
   }
 }
 
-// The K and V pools both ops read or write: (pages, page_size, kv_heads, D) bf16, contiguous, one shape.
-void check_pools(const at::Tensor& k_pool, const at::Tensor& v_pool, const char* op) {
-  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == at::kBFloat16 &&
-                  v_pool.scalar_type() == at::kBFloat16 && k_pool.is_contiguous() && v_pool.is_contiguous(),
-              op, ": k and v pools must be contiguous bf16 (pages, page_size, kv_heads, D) of one shape");
+// The K and V pools both ops read or write, contiguous, one shape: bf16 (pages, page_size,
+// kv_heads, D), or 8-bit pages uint8 (pages, page_size, kv_heads, D + D/8) (codes, then scales:
+// the byte count of a page, not its order). Returns D and whether the pools are 8-bit.
+std::pair<int64_t, bool> check_pools(const at::Tensor& k_pool, const at::Tensor& v_pool, const char* op) {
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == v_pool.scalar_type() &&
+                  (k_pool.scalar_type() == at::kBFloat16 || k_pool.scalar_type() == at::kByte) &&
+                  k_pool.is_contiguous() && v_pool.is_contiguous(),
+              op, ": k and v pools must be contiguous bf16 (pages, page_size, kv_heads, D), or uint8 8-bit pages "
+              "(pages, page_size, kv_heads, D + D/8), of one shape");
+  if (k_pool.scalar_type() == at::kBFloat16) return {k_pool.size(3), false};
+  const int64_t dim = k_pool.size(3) / 9 * 8;
+  TORCH_CHECK(dim % QBLOCK == 0 && dim > 0 && dim <= MAX_CHUNKS * LANES && dim + dim / 8 == k_pool.size(3), op, ": an 8-bit page's last size ",
+              k_pool.size(3), " is not D + D/8 for a D that is a multiple of 32 up to 256");
+  return {dim, true};
 }
 
 void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& spans,
             const at::Tensor& tables, int64_t heads, int64_t q_stride, at::Tensor& out, c10::string_view path) {
-  check_pools(k_pool, v_pool, "attend");
-  const int64_t page = k_pool.size(1), kv_heads = k_pool.size(2), dim = k_pool.size(3);
+  const auto [dim, q8] = check_pools(k_pool, v_pool, "attend");
+  const int64_t page = k_pool.size(1), kv_heads = k_pool.size(2);
   TORCH_CHECK(dim % LANES == 0 && dim <= MAX_CHUNKS * LANES, "attend: head_dim must be a multiple of 16 up to 256, got ", dim);
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= MAX_GROUP, "attend: ", heads, " heads over ", kv_heads, " kv heads");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.is_contiguous() && q.dim() == 2 && q.size(1) == dim && q_stride >= heads,
@@ -653,11 +1110,17 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
               "attend: tables must be contiguous int32 (S, T)");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(1) == heads * dim,
               "attend: out must be contiguous fp32 (rows, heads * D)");
-  TORCH_CHECK(path == "auto" || path == "avx512-bf16" || path == "avx512" || path == "portable",
-              "attend: path must be auto, avx512-bf16, avx512 or portable");
-  const std::string take = path == "auto" ? best_path() : std::string(path);
+  if (q8) {
+    TORCH_CHECK(path == "auto" || path == "avx512-vnni" || path == "portable",
+                "attend: path must be auto, avx512-vnni or portable for 8-bit pages");
+  } else {
+    TORCH_CHECK(path == "auto" || path == "avx512-bf16" || path == "avx512" || path == "portable",
+                "attend: path must be auto, avx512-bf16, avx512 or portable");
+  }
+  const std::string take = path == "auto" ? (q8 ? best_q8_path() : best_path()) : std::string(path);
   TORCH_CHECK(take != "avx512" || have_avx512(), "attend: this CPU has no AVX-512");
   TORCH_CHECK(take != "avx512-bf16" || have_avx512_bf16(), "attend: this CPU has no AVX-512 BF16");
+  TORCH_CHECK(take != "avx512-vnni" || have_avx512_vnni(), "attend: this CPU has no AVX-512 VNNI");
 
   const int64_t s_count = spans.size(0), table_len = tables.size(1), q_rows = q.size(0) / q_stride;
   const int64_t* sp = spans.const_data_ptr<int64_t>();
@@ -747,12 +1210,20 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   }
 
   Attn a{reinterpret_cast<const uint16_t*>(q.const_data_ptr<at::BFloat16>()),
-         reinterpret_cast<const uint16_t*>(k_pool.const_data_ptr<at::BFloat16>()),
-         reinterpret_cast<const uint16_t*>(v_pool.const_data_ptr<at::BFloat16>()),
+         q8 ? nullptr : reinterpret_cast<const uint16_t*>(k_pool.const_data_ptr<at::BFloat16>()),
+         q8 ? nullptr : reinterpret_cast<const uint16_t*>(v_pool.const_data_ptr<at::BFloat16>()),
          sp, tb, out.mutable_data_ptr<float>(), q_stride, heads, kv_heads, dim, page, table_len};
   Path fns{&chunk_portable, &combine_portable};
+  if (q8) {
+    a.k8 = k_pool.const_data_ptr<uint8_t>();
+    a.v8 = v_pool.const_data_ptr<uint8_t>();
+    a.page_bytes = page * kv_heads * (dim + dim / 8);
+    fns.chunk = &chunk_q8_portable;
+  }
 #ifdef PREFIXD_X86
-  if (take != "portable") {
+  if (q8 && take == "avx512-vnni") {
+    if (ChunkFn c = q8_chunk(dim); c != nullptr) fns.chunk = c;
+  } else if (!q8 && take != "portable") {
     const Path p = avx512_path(dim / LANES, take == "avx512-bf16");
     if (p.chunk != nullptr) fns = p;
   }
@@ -789,8 +1260,8 @@ inline at::BFloat16 flush_tiny(at::BFloat16 x) { return ((x.x >> 7) & 0xff) < 97
 void rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& qk, at::Tensor& k_pool,
              at::Tensor& v_pool, const at::Tensor& slots, int64_t heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "rope_kv: qkv must be contiguous fp32 (R, N)");
-  check_pools(k_pool, v_pool, "rope_kv");
-  const int64_t rows = qkv.size(0), kv_heads = k_pool.size(2), dim = k_pool.size(3), qk_heads = heads + kv_heads;
+  const auto [dim, q8] = check_pools(k_pool, v_pool, "rope_kv");
+  const int64_t rows = qkv.size(0), kv_heads = k_pool.size(2), qk_heads = heads + kv_heads;
   const int64_t page_size = k_pool.size(1), slots_n = k_pool.size(0) * page_size;
   TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (qk_heads + kv_heads) * dim, "rope_kv: qkv's width is not (", qk_heads,
               " + ", kv_heads, ") * ", dim);
@@ -810,8 +1281,11 @@ void rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
   const float* cs = cos.const_data_ptr<float>();
   const float* sn = sin.const_data_ptr<float>();
   at::BFloat16* out = qk.mutable_data_ptr<at::BFloat16>();
-  at::BFloat16* kp = k_pool.mutable_data_ptr<at::BFloat16>();
-  at::BFloat16* vp = v_pool.mutable_data_ptr<at::BFloat16>();
+  at::BFloat16* kp = q8 ? nullptr : k_pool.mutable_data_ptr<at::BFloat16>();
+  at::BFloat16* vp = q8 ? nullptr : v_pool.mutable_data_ptr<at::BFloat16>();
+  uint8_t* kp8 = q8 ? k_pool.mutable_data_ptr<uint8_t>() : nullptr;
+  uint8_t* vp8 = q8 ? v_pool.mutable_data_ptr<uint8_t>() : nullptr;
+  const int64_t page_bytes = page_size * kv_heads * (dim + dim / 8), codes_bytes = page_size * kv_heads * dim;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t j = 0; j < qk_heads; ++j) {
@@ -825,7 +1299,26 @@ void rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
           o[i] = flush_tiny(at::BFloat16(a + b));
         }
       }
-      if (r < n) {
+      if (r < n && q8) {  // 8-bit pages: K from its bf16 values, V from its fp32 ones, in blocks of 32
+        const int64_t page = sl[r] / page_size, off = sl[r] % page_size;
+        float* k_scales = reinterpret_cast<float*>(kp8 + page * page_bytes + codes_bytes);
+        float* v_scales = reinterpret_cast<float*>(vp8 + page * page_bytes + codes_bytes);
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          float kx[MAX_CHUNKS * LANES];
+          int8_t codes[MAX_CHUNKS * LANES];
+          const at::BFloat16* kh = out + (r * qk_heads + heads + g) * dim;
+          for (int64_t i = 0; i < dim; ++i) kx[i] = static_cast<float>(kh[i]);
+          for (int64_t b = 0; b < dim / QBLOCK; ++b)
+            k_scales[(g * (dim / QBLOCK) + b) * page_size + off] = quantize_block(kx + b * QBLOCK, codes + b * QBLOCK);
+          for (int64_t i = 0; i < dim; ++i)  // the K quad layout, unsigned
+            kp8[page * page_bytes + ((g * (dim / 4) + i / 4) * page_size + off) * 4 + i % 4] =
+                static_cast<uint8_t>(codes[i] + 128);
+          const float* v = x + r * width + (qk_heads + g) * dim;
+          for (int64_t b = 0; b < dim / QBLOCK; ++b)
+            v_scales[(g * (dim / QBLOCK) + b) * page_size + off] = quantize_block(v + b * QBLOCK, codes + b * QBLOCK);
+          std::memcpy(vp8 + page * page_bytes + (off * kv_heads + g) * dim, codes, dim);
+        }
+      } else if (r < n) {
         const int64_t page = sl[r] / page_size, off = sl[r] % page_size;
         for (int64_t g = 0; g < kv_heads; ++g)
           for (int64_t i = 0; i < half; ++i)  // the K page layout of `attend`: dims 2i, 2i + 1 together
@@ -847,6 +1340,7 @@ TORCH_LIBRARY_FRAGMENT(prefixd, m) {
   m.def("rope_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) qk, Tensor(b!) k_pool, Tensor(c!) v_pool, "
         "Tensor slots, int heads) -> ()");
   m.def("attention_isa() -> str", [] { return best_path(); });
+  m.def("attention_q8_isa() -> str", [] { return best_q8_path(); });
 }
 
 TORCH_LIBRARY_IMPL(prefixd, CPU, m) {
