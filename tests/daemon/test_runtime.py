@@ -41,6 +41,23 @@ def test_kv_bytes_per_page_counts_k_and_v_of_every_layer():
     assert kv_bytes_per_page(model, DaemonConfig(dtype="bf16", page_size=16)) == 2 * 30 * 3 * 64 * 2 * 16
 
 
+def test_kv_bytes_per_page_of_mode_int4_are_its_8bit_pages():
+    """A byte a dim and an fp32 scale a 32 dims (kv_pool.py), where the head is a multiple of 32
+    wide; bf16 key pages at other widths: the planner's figure is the pool's own."""
+    import torch
+
+    from prefixd.gpu.kv_pool import KVPool, kv_pages
+
+    cfg = DaemonConfig(dtype="bf16", page_size=16)
+    for head_dim, per_head in ((64, 64 + 8), (16, 16 * 2)):
+        model = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=head_dim)
+        planned = kv_bytes_per_page(model, cfg, "int4")
+        assert planned == 2 * 30 * 3 * per_head * 16
+        pool = KVPool(num_layers=30, num_pages=1, page_size=16, num_kv_heads=3, head_dim=head_dim,
+                      device="cpu", dtype=torch.bfloat16, **kv_pages("int4", head_dim))
+        assert pool.bytes_per_page == planned
+
+
 SMOLLM2_PAGE = 2 * 30 * 3 * 64 * 2 * 16  # the default model's KV page in bf16: 368,640 bytes
 
 

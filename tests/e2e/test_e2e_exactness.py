@@ -23,6 +23,7 @@ from tests.e2e.agent_chat import (
     outputs,
     run_sync,
 )
+from prefixd.gpu import cpu_kernels
 from tests.e2e.daemon_proc import DaemonProcess, serving, stopping
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,11 @@ ONE_LANE = ("--lanes", "1", "--max-context", "1024")
 # only a first guess: the fixture reads the daemon's own figure back.
 DEFAULT_MODEL_RESERVED_GUESS = 278_073_984
 # Holds one conversation's pages but not both chats': with the chats alternating, turns evict.
-EVICTING_STORE_BYTES = 12_000_000
+# Entries hold pages and a logits row (196,608 bytes), so the window is narrow and moves with
+# the page's bytes: with int4's 8-bit pages (207,360 bytes) 6.8 MB stops evicting and 7.5 MB
+# lets a turn fit; with bf16 pages (mode invariant, where `--mode auto` does not pick int4) 12 MB.
+def evicting_store_bytes() -> int:
+    return 7_000_000 if cpu_kernels.fast() else 12_000_000
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +55,7 @@ def one_lane_daemon(default_model: str, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="module")
 def evicting_daemon(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     daemon = DaemonProcess.start_with_store_budget(default_model, tmp_path_factory.mktemp("d_evicting"),
-                                                   EVICTING_STORE_BYTES, DEFAULT_MODEL_RESERVED_GUESS, *ONE_LANE)
+                                                   evicting_store_bytes(), DEFAULT_MODEL_RESERVED_GUESS, *ONE_LANE)
     yield from stopping(daemon)
 
 
@@ -85,7 +90,7 @@ def test_evicting_store_resumes_exactly_while_every_turn_evicts(evicting_daemon:
     first = next(i for i, n in enumerate(evicted) if n > 0)
     assert first <= 6, evicted  # by chat "a"'s fourth turn the store is full
     assert all(later > earlier for earlier, later in zip(evicted[first:], evicted[first + 1:])), evicted
-    assert all(store["bytes"] <= EVICTING_STORE_BYTES for store in stores)
+    assert all(store["bytes"] <= evicting_store_bytes() for store in stores)
 
 
 def test_resident_continuation_equals_cold(default_daemon: DaemonProcess, cold: Transcript):
