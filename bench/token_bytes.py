@@ -73,7 +73,7 @@ def runner_account(runner) -> TokenBytes:
     weights["embedding row"] = model.embed.shape[1] * model.embed.element_size()
     kv = runner.kv
     what = (f"projections {_format(layers[0].qkv)}, head {_format(model.lm_head)}, "
-            f"K/V {str(kv.dtype).removeprefix('torch.')}")
+            f"K/V {'8-bit codes + fp32 scale a 32' if kv.codes8 else str(kv.dtype).removeprefix('torch.')}")
     return TokenBytes({k: weights[k] for k in KINDS}, kv.bytes_per_page // kv.page_size, what)
 
 
