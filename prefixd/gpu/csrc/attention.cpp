@@ -810,6 +810,44 @@ PREFIXD_AVX512 void values_q8(const float* vb, const float* const* e, int64_t es
   }
 }
 
+// The same sums with each key's codes widened in registers as they are read (rows[k]: key k's
+// codes of the kv head), for a kv head whose pairs are one group: no widened block is stored
+// and read back.
+using ValueRowsFn = void (*)(const int8_t* const* rows, const float* const* e, int64_t estride, float* const* o,
+                             const int64_t* end, int64_t common);
+
+template <int NQ, int NP>
+PREFIXD_AVX512 void values_q8_rows(const int8_t* const* rows, const float* const* e, int64_t estride, float* const* o,
+                                   const int64_t* end, int64_t common) {
+  constexpr int C = 2 * NQ;
+  __m512 acc[NP][C];
+  for (int n = 0; n < NP; ++n)
+    for (int c = 0; c < C; ++c) acc[n][c] = _mm512_load_ps(o[n] + 16 * c);
+  for (int64_t k = 0; k < common; ++k) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c)
+      v[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k] + 16 * c))));
+    for (int n = 0; n < NP; ++n)
+      for (int j = 0; j < NQ; ++j) {
+        const __m512 ek = _mm512_set1_ps(e[n][j * estride + k]);
+        acc[n][2 * j] = _mm512_fmadd_ps(ek, v[2 * j], acc[n][2 * j]);
+        acc[n][2 * j + 1] = _mm512_fmadd_ps(ek, v[2 * j + 1], acc[n][2 * j + 1]);
+      }
+  }
+  for (int n = 0; n < NP; ++n) {
+    for (int64_t k = common; k < end[n]; ++k)
+      for (int j = 0; j < NQ; ++j) {
+        const __m512 ek = _mm512_set1_ps(e[n][j * estride + k]);
+        for (int h = 0; h < 2; ++h) {
+          const __m512 v = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k] + 32 * j + 16 * h))));
+          acc[n][2 * j + h] = _mm512_fmadd_ps(ek, v, acc[n][2 * j + h]);
+        }
+      }
+    for (int c = 0; c < C; ++c) _mm512_store_ps(o[n] + 16 * c, acc[n][c]);
+  }
+}
+
 constexpr int values_q8_max(int nq) { return std::max(1, std::min(8, (28 - 3 * nq) / (2 * nq))); }
 
 template <int NQ, int N = values_q8_max(NQ)>
@@ -818,6 +856,15 @@ ValueQ8Fn value_q8_fn(int64_t pairs) {
     return &values_q8<NQ, 1>;
   } else {
     return pairs == N ? &values_q8<NQ, N> : value_q8_fn<NQ, N - 1>(pairs);
+  }
+}
+
+template <int NQ, int N = values_q8_max(NQ)>
+ValueRowsFn value_rows_fn(int64_t pairs) {
+  if constexpr (N == 1) {
+    return &values_q8_rows<NQ, 1>;
+  } else {
+    return pairs == N ? &values_q8_rows<NQ, N> : value_rows_fn<NQ, N - 1>(pairs);
   }
 }
 
@@ -961,7 +1008,9 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
     part[p * pair_stride + 1] = halve16(l);
   }
   // o = sum of weights times codes, each dim's fma chain in key order; a block's codes widened
-  // once for every pair of the task
+  // once for every pair of the task, or as they are read where a kv head's pairs are one group
+  // (a decode row's heads: no widened block stored and read back)
+  const bool one_group = most_pairs <= values_q8_max(NQ);
   std::fill(obuf, obuf + rh * D, 0.f);
   for (int64_t tb = k0; tb < keys; tb += LANES) {
     const int64_t live = std::min<int64_t>(LANES, keys - tb);
@@ -972,6 +1021,26 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
         const char* vp = reinterpret_cast<const char*>(value_row8(a, table, ahead + k, kv0));
         for (int64_t l = 0; l < kvn * D; l += 64) _mm_prefetch(vp + l, _MM_HINT_T0);
       }
+    }
+    if (one_group) {  // each kv head's pairs one group: the codes widened as they are read
+      const int8_t* vrows[LANES];
+      for (int64_t k = 0; k < live; ++k) vrows[k] = value_row8(a, table, tb + k, kv0);
+      for (int64_t g = 0; g < kvn; ++g)
+        for_groups(g, values_q8_max(NQ), [&](const int64_t* p, int64_t size) {
+          const float* e[SCORE_GROUP];
+          float* o[SCORE_GROUP];
+          const int8_t* rows_g[LANES];
+          int64_t end[SCORE_GROUP], common = LANES;
+          for (int64_t k = 0; k < live; ++k) rows_g[k] = vrows[k] + g * D;
+          for (int64_t y = 0; y < size; ++y) {
+            e[y] = weights + p[y] * NQ * padded + tb - k0;
+            o[y] = obuf + p[y] * D;
+            end[y] = std::clamp<int64_t>(pos0 + p[y] / hn + 1 - tb, 0, live);
+            common = std::min(common, end[y]);
+          }
+          value_rows_fn<NQ>(size)(rows_g, e, padded, o, end, common);
+        });
+      continue;
     }
     for (int64_t k = 0; k < live; ++k) {
       const int8_t* vr = value_row8(a, table, tb + k, kv0);
