@@ -11,6 +11,7 @@ import torch
 from prefixd.gpu import cpu_kernels
 from prefixd.gpu.attention import AttentionSpan
 from prefixd.gpu.kv_pool import QBLOCK, KVPool, quantize_blocks
+from tests.gpu.test_cpu_attention import with_threads
 
 KERNEL_OK, KERNEL_WHY = cpu_kernels.available()
 needs_kernel = pytest.mark.skipif(not KERNEL_OK, reason=KERNEL_WHY)
@@ -181,15 +182,6 @@ def test_pages_of_other_sizes_read_the_same_keys(page):
     want = base.run(path=paths()[-1])
     for p in paths():
         assert torch.equal(other.run(path=p).view(torch.int32), want.view(torch.int32)), p
-
-
-def with_threads(n: int, fn):
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(n)
-        return fn()
-    finally:
-        torch.set_num_threads(threads)
 
 
 @needs_kernel

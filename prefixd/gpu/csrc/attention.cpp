@@ -222,6 +222,27 @@ inline float joined_max(const float* part, int64_t stride, int64_t chunks) {
 
 // ---- portable path -----------------------------------------------------------------------------
 
+// A (row, head)'s chunk from its scores s[t - k0], t in [k0, end) (nan: some score is NaN):
+// m, then e_t in key order into l's 16 lanes and, through add_value(t, e, o), into o = rec + 2
+// (D floats, zeroed first); m and l into rec[0], rec[1].
+template <class AddValue>
+void softmax_portable(const float* s, int64_t k0, int64_t end, bool nan, int64_t dim, float* rec,
+                      const AddValue& add_value) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t t = k0; t < end; ++t) m = std::max(m, s[t - k0]);
+  if (nan) m = std::numeric_limits<float>::quiet_NaN();
+  float l[LANES] = {};
+  float* o = rec + 2;
+  std::fill(o, o + dim, 0.f);
+  for (int64_t t = k0; t < end; ++t) {
+    const float e = exp_fixed(s[t - k0] - m);
+    l[t % LANES] = l[t % LANES] + e;
+    add_value(t, e, o);
+  }
+  rec[0] = m;
+  rec[1] = halve16(l);
+}
+
 void chunk_portable(const Attn& a, const Task& task, int64_t chunk, float* part, int64_t pair_stride,
                     std::vector<float>& scores) {
   const int64_t* sp = a.spans + task.span * 3;
@@ -247,20 +268,10 @@ void chunk_portable(const Attn& a, const Task& task, int64_t chunk, float* part,
         s[t - k0] = dot;
         nan = nan || std::isnan(dot);
       }
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t t = k0; t < end; ++t) m = std::max(m, s[t - k0]);
-      if (nan) m = std::numeric_limits<float>::quiet_NaN();
-      float l[LANES] = {};
-      float* o = rec + 2;
-      std::fill(o, o + a.dim, 0.f);
-      for (int64_t t = k0; t < end; ++t) {
-        const float e = exp_fixed(s[t - k0] - m);
-        l[t % LANES] = l[t % LANES] + e;
+      softmax_portable(s, k0, end, nan, a.dim, rec, [&](int64_t t, float e, float* o) {
         const uint16_t* v = value_row(a, table, t, kv);
         for (int64_t d = 0; d < a.dim; ++d) o[d] = std::fma(e, bf16f(v[d]), o[d]);
-      }
-      rec[0] = m;
-      rec[1] = halve16(l);
+      });
     }
   }
 }
@@ -330,23 +341,13 @@ void chunk_q8_portable(const Attn& a, const Task& task, int64_t chunk, float* pa
         s[t - k0] = dot;
         nan = nan || std::isnan(dot);
       }
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t t = k0; t < end; ++t) m = std::max(m, s[t - k0]);
-      if (nan) m = std::numeric_limits<float>::quiet_NaN();
-      float l[LANES] = {};
-      float* o = rec + 2;
-      std::fill(o, o + a.dim, 0.f);
-      for (int64_t t = k0; t < end; ++t) {
-        const float e = exp_fixed(s[t - k0] - m);
-        l[t % LANES] = l[t % LANES] + e;
+      softmax_portable(s, k0, end, nan, a.dim, rec, [&](int64_t t, float e, float* o) {
         const int8_t* v = value_row8(a, table, t, kv);
         for (int64_t b = 0; b < nq; ++b) {
           const float ev = e * *scale8(a.v8, a, table, t, kv, b);
           for (int64_t d = b * QBLOCK; d < (b + 1) * QBLOCK; ++d) o[d] = std::fma(ev, static_cast<float>(v[d]), o[d]);
         }
-      }
-      rec[0] = m;
-      rec[1] = halve16(l);
+      });
     }
   }
 }
@@ -389,6 +390,47 @@ PREFIXD_AVX512 inline __m512 exp_fixed(__m512 x) {
 PREFIXD_AVX512 inline void widen_pairs(__m512i w, __m512& low, __m512& high) {
   low = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   high = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+}
+
+// The task's pairs of kv head kv, in groups of near-equal size up to `most`: fn(pairs, size)
+// for each group, pairs (indices into the task's (row, head) pairs, row-major) in order in `buf`.
+template <class Fn>
+inline void for_pair_groups(const Task& task, int64_t group, int64_t kv, int64_t most, int64_t* buf, const Fn& fn) {
+  const int64_t h0 = task.head_from, hn = task.head_to - h0;
+  const int64_t j0 = std::max(h0, kv * group) - h0, j1 = std::min(task.head_to, (kv + 1) * group) - h0;
+  const int64_t pairs = task.rows * (j1 - j0), groups = (pairs + most - 1) / most;
+  for (int64_t x = 0, n = 0; x < groups; ++x) {
+    const int64_t size = (pairs - n) / (groups - x);
+    for (int64_t y = 0; y < size; ++y, ++n) buf[y] = (n / (j1 - j0)) * hn + j0 + n % (j1 - j0);
+    fn(buf, size);
+  }
+}
+
+inline __mmask16 live_lanes(int64_t n, int64_t t) {  // lanes t .. n - 1 of a block of 16
+  return n - t >= LANES ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
+}
+
+// A pair's softmax over its n scores of a chunk (the header's m, e and l): the exponents in
+// place of the scores, m and l into rec[0] and rec[1].
+PREFIXD_AVX512 inline void softmax_chunk(float* s, int64_t n, float* rec) {
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan = 0;
+  for (int64_t t = 0; t < n; t += LANES) {
+    const __mmask16 live = live_lanes(n, t);
+    const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
+    nan |= _mm512_mask_cmp_ps_mask(live, x, x, _CMP_UNORD_Q);
+    mv = _mm512_mask_max_ps(mv, live, mv, x);
+  }
+  const float m = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mv);
+  __m512 l = _mm512_setzero_ps();
+  const __m512 mm = _mm512_set1_ps(m);
+  for (int64_t t = 0; t < n; t += LANES) {
+    const __m512 e = _mm512_maskz_mov_ps(live_lanes(n, t), exp_fixed(_mm512_sub_ps(_mm512_loadu_ps(s + t), mm)));
+    l = _mm512_add_ps(l, e);
+    _mm512_storeu_ps(s + t, e);
+  }
+  rec[0] = m;
+  rec[1] = halve16(l);
 }
 
 // The scores of NP (row, head) pairs of one kv head against NB blocks of 16 keys: lane t of
@@ -539,13 +581,7 @@ PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk,
   // fn(pairs, size) for each group, pairs in row-major order.
   int64_t group_pairs[SCORE_GROUP];
   const auto for_groups = [&](int64_t g, int64_t most, const auto& fn) {
-    const int64_t j0 = std::max(h0, (kv0 + g) * group) - h0, j1 = std::min(task.head_to, (kv0 + g + 1) * group) - h0;
-    const int64_t pairs = rows * (j1 - j0), groups = (pairs + most - 1) / most;
-    for (int64_t x = 0, n = 0; x < groups; ++x) {
-      const int64_t size = (pairs - n) / (groups - x);
-      for (int64_t y = 0; y < size; ++y, ++n) group_pairs[y] = (n / (j1 - j0)) * hn + j0 + n % (j1 - j0);
-      fn(group_pairs, size);
-    }
+    for_pair_groups(task, group, kv0 + g, most, group_pairs, fn);
   };
   // scores of every (row, head) pair, a step of blocks of 16 keys at a time: the pairs of one
   // kv head in groups, each dim pair vector of a block read once a group. With pages of a
@@ -606,29 +642,8 @@ PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk,
       });
     tb += step * LANES;
   }
-  for (int64_t p = 0; p < rh; ++p) {
-    const int64_t n = std::min(pos0 + p / hn + 1, keys) - k0;  // the row's keys in this chunk
-    float* s = scores + p * padded;
-    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __mmask16 nan = 0;
-    for (int64_t t = 0; t < n; t += LANES) {
-      const __mmask16 live = n - t >= LANES ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
-      const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
-      nan |= _mm512_mask_cmp_ps_mask(live, x, x, _CMP_UNORD_Q);
-      mv = _mm512_mask_max_ps(mv, live, mv, x);
-    }
-    const float m = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mv);
-    __m512 l = _mm512_setzero_ps();
-    const __m512 mm = _mm512_set1_ps(m);
-    for (int64_t t = 0; t < n; t += LANES) {
-      const __mmask16 live = n - t >= LANES ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(live, exp_fixed(_mm512_sub_ps(_mm512_loadu_ps(s + t), mm)));
-      l = _mm512_add_ps(l, e);
-      _mm512_storeu_ps(s + t, e);
-    }
-    part[p * pair_stride] = m;
-    part[p * pair_stride + 1] = halve16(l);
-  }
+  for (int64_t p = 0; p < rh; ++p)  // the row's keys in this chunk
+    softmax_chunk(scores + p * padded, std::min(pos0 + p / hn + 1, keys) - k0, part + p * pair_stride);
   // o = sum e_t v_t per (row, head). Values are widened once per block of 16 keys for every pair
   // of the task, two bf16 at a time: a 32-bit word's low half (shifted up) and its high half
   // (masked) are both exact, so a pair of chunks holds dims 32c + 2i and 32c + 2i + 1 in lane i;
@@ -776,57 +791,40 @@ ScoreQ8Fn score_q8_fn(int64_t pairs, int64_t blocks) {
   }
 }
 
-// The value sums of NP pairs over a block of widened values vb (16 keys, D in dim order):
-// o[n][x] = fma(e[n][(x / 32) * estride + k], vb[k][x], o[n][x]) for k = 0 .. end[n] - 1 in
+// Where the value sums read a block's values (16 keys, D in dim order) as fp32 vectors: from a
+// widened block (16 keys x D floats), or each key's codes widened as they are read (rows[k]:
+// key k's codes of the kv head), which spares a block stored and read back.
+template <int D>
+struct WidenedBlock {
+  const float* vb;
+  PREFIXD_AVX512 __m512 operator()(int64_t k, int c) const { return _mm512_load_ps(vb + k * D + 16 * c); }
+};
+
+struct CodeRows {
+  const int8_t* const* rows;
+  PREFIXD_AVX512 __m512 operator()(int64_t k, int c) const {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k] + 16 * c))));
+  }
+};
+
+// The value sums of NP pairs over a block of values:
+// o[n][x] = fma(e[n][(x / 32) * estride + k], v[k][x], o[n][x]) for k = 0 .. end[n] - 1 in
 // order (e: each pair's weights times the keys' V scales, a row of keys per block of 32 dims).
-using ValueQ8Fn = void (*)(const float* vb, const float* const* e, int64_t estride, float* const* o,
-                           const int64_t* end, int64_t common);
+// Keys below `common` are read once for all NP pairs.
+template <class Src>
+using ValueQ8Fn = void (*)(Src src, const float* const* e, int64_t estride, float* const* o, const int64_t* end,
+                           int64_t common);
 
-template <int NQ, int NP>
-PREFIXD_AVX512 void values_q8(const float* vb, const float* const* e, int64_t estride, float* const* o,
-                              const int64_t* end, int64_t common) {
-  constexpr int C = 2 * NQ, D = 16 * C;
-  __m512 acc[NP][C];
-  for (int n = 0; n < NP; ++n)
-    for (int c = 0; c < C; ++c) acc[n][c] = _mm512_load_ps(o[n] + 16 * c);
-  for (int64_t k = 0; k < common; ++k) {
-    __m512 v[C];
-    for (int c = 0; c < C; ++c) v[c] = _mm512_load_ps(vb + k * D + 16 * c);
-    for (int n = 0; n < NP; ++n)
-      for (int j = 0; j < NQ; ++j) {
-        const __m512 ek = _mm512_set1_ps(e[n][j * estride + k]);
-        acc[n][2 * j] = _mm512_fmadd_ps(ek, v[2 * j], acc[n][2 * j]);
-        acc[n][2 * j + 1] = _mm512_fmadd_ps(ek, v[2 * j + 1], acc[n][2 * j + 1]);
-      }
-  }
-  for (int n = 0; n < NP; ++n) {
-    for (int64_t k = common; k < end[n]; ++k)
-      for (int j = 0; j < NQ; ++j) {
-        const __m512 ek = _mm512_set1_ps(e[n][j * estride + k]);
-        acc[n][2 * j] = _mm512_fmadd_ps(ek, _mm512_load_ps(vb + k * D + 32 * j), acc[n][2 * j]);
-        acc[n][2 * j + 1] = _mm512_fmadd_ps(ek, _mm512_load_ps(vb + k * D + 32 * j + 16), acc[n][2 * j + 1]);
-      }
-    for (int c = 0; c < C; ++c) _mm512_store_ps(o[n] + 16 * c, acc[n][c]);
-  }
-}
-
-// The same sums with each key's codes widened in registers as they are read (rows[k]: key k's
-// codes of the kv head), for a kv head whose pairs are one group: no widened block is stored
-// and read back.
-using ValueRowsFn = void (*)(const int8_t* const* rows, const float* const* e, int64_t estride, float* const* o,
-                             const int64_t* end, int64_t common);
-
-template <int NQ, int NP>
-PREFIXD_AVX512 void values_q8_rows(const int8_t* const* rows, const float* const* e, int64_t estride, float* const* o,
-                                   const int64_t* end, int64_t common) {
+template <int NQ, int NP, class Src>
+PREFIXD_AVX512 void values_q8(Src src, const float* const* e, int64_t estride, float* const* o, const int64_t* end,
+                              int64_t common) {
   constexpr int C = 2 * NQ;
   __m512 acc[NP][C];
   for (int n = 0; n < NP; ++n)
     for (int c = 0; c < C; ++c) acc[n][c] = _mm512_load_ps(o[n] + 16 * c);
   for (int64_t k = 0; k < common; ++k) {
     __m512 v[C];
-    for (int c = 0; c < C; ++c)
-      v[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k] + 16 * c))));
+    for (int c = 0; c < C; ++c) v[c] = src(k, c);
     for (int n = 0; n < NP; ++n)
       for (int j = 0; j < NQ; ++j) {
         const __m512 ek = _mm512_set1_ps(e[n][j * estride + k]);
@@ -838,11 +836,8 @@ PREFIXD_AVX512 void values_q8_rows(const int8_t* const* rows, const float* const
     for (int64_t k = common; k < end[n]; ++k)
       for (int j = 0; j < NQ; ++j) {
         const __m512 ek = _mm512_set1_ps(e[n][j * estride + k]);
-        for (int h = 0; h < 2; ++h) {
-          const __m512 v = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k] + 32 * j + 16 * h))));
-          acc[n][2 * j + h] = _mm512_fmadd_ps(ek, v, acc[n][2 * j + h]);
-        }
+        acc[n][2 * j] = _mm512_fmadd_ps(ek, src(k, 2 * j), acc[n][2 * j]);
+        acc[n][2 * j + 1] = _mm512_fmadd_ps(ek, src(k, 2 * j + 1), acc[n][2 * j + 1]);
       }
     for (int c = 0; c < C; ++c) _mm512_store_ps(o[n] + 16 * c, acc[n][c]);
   }
@@ -850,21 +845,12 @@ PREFIXD_AVX512 void values_q8_rows(const int8_t* const* rows, const float* const
 
 constexpr int values_q8_max(int nq) { return std::max(1, std::min(8, (28 - 3 * nq) / (2 * nq))); }
 
-template <int NQ, int N = values_q8_max(NQ)>
-ValueQ8Fn value_q8_fn(int64_t pairs) {
+template <int NQ, class Src, int N = values_q8_max(NQ)>
+ValueQ8Fn<Src> value_q8_fn(int64_t pairs) {
   if constexpr (N == 1) {
-    return &values_q8<NQ, 1>;
+    return &values_q8<NQ, 1, Src>;
   } else {
-    return pairs == N ? &values_q8<NQ, N> : value_q8_fn<NQ, N - 1>(pairs);
-  }
-}
-
-template <int NQ, int N = values_q8_max(NQ)>
-ValueRowsFn value_rows_fn(int64_t pairs) {
-  if constexpr (N == 1) {
-    return &values_q8_rows<NQ, 1>;
-  } else {
-    return pairs == N ? &values_q8_rows<NQ, N> : value_rows_fn<NQ, N - 1>(pairs);
+    return pairs == N ? &values_q8<NQ, N, Src> : value_q8_fn<NQ, Src, N - 1>(pairs);
   }
 }
 
@@ -900,13 +886,7 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
   for (int64_t p = 0; p < rh; ++p) quantize_q(a.q + ((r0 + p / hn) * a.q_stride + h0 + p % hn) * D, D, qc[p]);
   int64_t group_pairs[SCORE_GROUP];
   const auto for_groups = [&](int64_t g, int64_t most, const auto& fn) {
-    const int64_t j0 = std::max(h0, (kv0 + g) * group) - h0, j1 = std::min(task.head_to, (kv0 + g + 1) * group) - h0;
-    const int64_t pairs = rows * (j1 - j0), groups = (pairs + most - 1) / most;
-    for (int64_t x = 0, n = 0; x < groups; ++x) {
-      const int64_t size = (pairs - n) / (groups - x);
-      for (int64_t y = 0; y < size; ++y, ++n) group_pairs[y] = (n / (j1 - j0)) * hn + j0 + n % (j1 - j0);
-      fn(group_pairs, size);
-    }
+    for_pair_groups(task, group, kv0 + g, most, group_pairs, fn);
   };
   const bool in_place = a.page % LANES == 0;
   const int64_t most_pairs = rows * std::min(group, hn);
@@ -977,21 +957,10 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
     const int64_t n = std::min(pos0 + p / hn + 1, keys) - k0;
     const int64_t kv = (h0 + p % hn) / group;
     float* s = scores + p * padded;
-    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __mmask16 nan = 0;
+    softmax_chunk(s, n, part + p * pair_stride);
     for (int64_t t = 0; t < n; t += LANES) {
-      const __mmask16 live = n - t >= LANES ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
-      const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
-      nan |= _mm512_mask_cmp_ps_mask(live, x, x, _CMP_UNORD_Q);
-      mv = _mm512_mask_max_ps(mv, live, mv, x);
-    }
-    const float m = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mv);
-    __m512 l = _mm512_setzero_ps();
-    const __m512 mm = _mm512_set1_ps(m);
-    for (int64_t t = 0; t < n; t += LANES) {
-      const __mmask16 live = n - t >= LANES ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(live, exp_fixed(_mm512_sub_ps(_mm512_loadu_ps(s + t), mm)));
-      l = _mm512_add_ps(l, e);
+      const __mmask16 live = live_lanes(n, t);
+      const __m512 e = _mm512_maskz_loadu_ps(live, s + t);
       for (int64_t j = 0; j < NQ; ++j) {
         __m512 sv;
         if (in_place) {
@@ -1004,8 +973,6 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
         _mm512_storeu_ps(weights + (p * NQ + j) * padded + t, _mm512_maskz_mul_ps(live, e, sv));
       }
     }
-    part[p * pair_stride] = m;
-    part[p * pair_stride + 1] = halve16(l);
   }
   // o = sum of weights times codes, each dim's fma chain in key order; a block's codes widened
   // once for every pair of the task, or as they are read where a kv head's pairs are one group
@@ -1038,7 +1005,7 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
             end[y] = std::clamp<int64_t>(pos0 + p[y] / hn + 1 - tb, 0, live);
             common = std::min(common, end[y]);
           }
-          value_rows_fn<NQ>(size)(rows_g, e, padded, o, end, common);
+          value_q8_fn<NQ, CodeRows>(size)(CodeRows{rows_g}, e, padded, o, end, common);
         });
       continue;
     }
@@ -1061,7 +1028,7 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
           end[y] = std::clamp<int64_t>(pos0 + p[y] / hn + 1 - tb, 0, live);
           common = std::min(common, end[y]);
         }
-        value_q8_fn<NQ>(size)(vbuf + g * LANES * D, e, padded, o, end, common);
+        value_q8_fn<NQ, WidenedBlock<D>>(size)(WidenedBlock<D>{vbuf + g * LANES * D}, e, padded, o, end, common);
       });
   }
   for (int64_t p = 0; p < rh; ++p) std::memcpy(part + p * pair_stride + 2, obuf + p * D, D * sizeof(float));
