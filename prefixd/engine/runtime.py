@@ -177,7 +177,7 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
         "dtype": cfg.dtype,
         "mode": runner.model.mode,
         # mode int4's CPU kernels: the path each takes on this CPU (the bits are the same on all)
-        "cpu_kernels": cpu_kernel_paths() if runner.model.mode == "int4" else None,
+        "cpu_kernels": cpu_kernel_paths(runner.kv.codes8) if runner.model.mode == "int4" else None,
         "draft": sched.draft,
         "draft_chosen_by": "auto" if cfg.draft == "auto" else "flag",
         # the captured decode programs (gpu/programs.py): None on the CPU and with --cuda-graphs off
@@ -199,10 +199,13 @@ def load_runtime(cfg: DaemonConfig, *, observer: Any,
                                           if runner.programs is not None else None})
 
 
-def cpu_kernel_paths() -> dict[str, str]:
+def cpu_kernel_paths(codes8: bool) -> dict[str, str]:
+    """The paths mode int4's kernels take here, and the pool's page kind (8-bit pages, or bf16
+    where the head width is not a multiple of 32): what `status` shows as `model.cpu_kernels`."""
     from prefixd.gpu import cpu_kernels
 
-    return {"int4_product": cpu_kernels.isa(), "attention": cpu_kernels.attention_path()}
+    return {"int4_product": cpu_kernels.isa(), "attention": cpu_kernels.attention_path(q8=codes8),
+            "kv_pages": "8-bit" if codes8 else "bf16"}
 
 
 def build_disk_tier(cfg: DaemonConfig, model_path: Any, runner: Any, device_kind: str, observer: Any) -> Any:

@@ -130,7 +130,9 @@ def test_loaded_runtime_reports_the_resolved_mode_and_runs_the_thread_policy(tmp
             runtime = load_runtime(cfg, observer=None)
             assert (runtime.model_info["mode"], runtime.model_info["dtype"]) == (mode, dtype)
             kernels = runtime.model_info["cpu_kernels"]
-            assert kernels is None if mode == "invariant" else set(kernels) == {"int4_product", "attention"}
+            assert kernels is None if mode == "invariant" else set(kernels) == {"int4_product", "attention", "kv_pages"}
+            if kernels is not None:  # the tiny model's heads are 16 wide: bf16 key pages
+                assert kernels["kv_pages"] == "bf16" and kernels["attention"] == cpu_kernels.attention_path()
             # --draft auto: prompt lookup for llama in both modes, shown in status
             assert (runtime.model_info["draft"], runtime.model_info["draft_chosen_by"]) == ("ngram", "auto")
             assert runtime.model_info["cuda_graphs"] is None  # the CPU captures no decode programs
