@@ -7,11 +7,13 @@ Layout (one tensor per layer and kind, compute dtype)::
                                      pos % P == o
 
 A pool made with `codes8=True` (mode int4, whose CPU attention reads the pages in place, where
-head_dim is a multiple of 32: `kv_pages`) holds 8-bit pages: each row's K and V as 8-bit codes with one fp32 scale per kv head and block of 32
-dims (`quantize_blocks`). A page is its codes, P * kv_heads * D bytes (K as unsigned code + 128
-in quads of dims, `to_key_quads`; V in rows), then its scales (kv_heads, D/32, P): storage
-uint8 (2, layers, pages, P, kv_heads, D + D/8), a byte count per page, not its order. A row's
-codes and scales are its own: no neighbour, chunking or lane changes them.
+head_dim is a multiple of 32: `kv_pages`) holds 8-bit pages: each row's K and V as 8-bit codes
+with one fp32 scale per kv head and block of 32 dims (`quantize_blocks`). A page is its codes,
+P * kv_heads * D bytes (K as unsigned code + 128 in quads of dims, byte ((g * D/4 + d/4) * P +
+o) * 4 + d % 4 for kv head g, dim d, offset o; V in rows (P, kv_heads, D)), then its scales
+(kv_heads, D/32, P): storage uint8 (2, layers, pages, P, kv_heads, D + D/8), a byte count per
+page, not its order. A row's codes and scales are its own: no neighbour, chunking or lane
+changes them.
 
 A pool made with `key_pages=True` (mode int4 at other head widths) holds bf16 K pages in the
 order of `to_key_pages`, the layout the CPU attention reads bf16 pools in.
@@ -72,16 +74,9 @@ def kv_pages(mode: str, head_dim: int) -> dict[str, bool]:
     return {"codes8": True} if head_dim % QBLOCK == 0 else {"key_pages": True}
 
 
-def to_key_quads(codes: torch.Tensor) -> torch.Tensor:
-    """K codes (pages, P, kv_heads, D) int8 as the unsigned bytes of an 8-bit page, (pages, P *
-    kv_heads * D) uint8: in a page, each kv head's dims 4i..4i+3 of its P keys side by side, code + 128."""
-    pages, p, kv, d = codes.shape
-    u = (codes.to(torch.int16) + 128).to(torch.uint8)
-    return u.view(pages, p, kv, d // 4, 4).permute(0, 2, 3, 1, 4).reshape(pages, -1)
-
-
 def from_key_quads(u: torch.Tensor, p: int, kv: int, d: int) -> torch.Tensor:
-    """The inverse of `to_key_quads`: (pages, P * kv_heads * D) uint8 to codes (pages, P, kv_heads, D) int8."""
+    """An 8-bit page's K code bytes (pages, P * kv_heads * D) uint8 (quads of dims, code + 128)
+    as codes (pages, P, kv_heads, D) int8."""
     pages = u.shape[0]
     codes = (u.to(torch.int16) - 128).to(torch.int8)
     return codes.view(pages, kv, d // 4, p, 4).permute(0, 3, 1, 2, 4).reshape(pages, p, kv, d)
