@@ -58,20 +58,30 @@ class Case:
 
     def reference(self) -> torch.Tensor:
         """float64 softmax attention of every row over its lane's keys 0..p."""
-        out = torch.zeros(self.rows + 1, self.heads * self.dim, dtype=torch.float64)
-        group = self.heads // self.kv_heads
+        def lane_rows(s: AttentionSpan) -> tuple[torch.Tensor, torch.Tensor]:
+            slots = [s.page_table[t // self.page] * self.page + t % self.page for t in range(s.start + s.length)]
+            return (self.k_rows.double().view(-1, self.kv_heads, self.dim)[slots],
+                    self.v.double().view(-1, self.kv_heads, self.dim)[slots])
+
         q = self.q.double().view(self.rows + 1, self.q_stride, self.dim)
-        for s in self.spans:
-            n = s.start + s.length
-            slots = [s.page_table[t // self.page] * self.page + t % self.page for t in range(n)]
-            k = self.k_rows.double().view(-1, self.kv_heads, self.dim)[slots]  # (n, kvh, D)
-            v = self.v.double().view(-1, self.kv_heads, self.dim)[slots]
-            for i in range(s.length):
-                r, p = s.row + i, s.start + i
-                for h in range(self.heads):
-                    w = torch.softmax(k[: p + 1, h // group] @ q[r, h], dim=0)
-                    out[r, h * self.dim:(h + 1) * self.dim] = w @ v[: p + 1, h // group]
-        return out
+        return softmax_reference(q, self.spans, lane_rows, self.heads, self.kv_heads)
+
+
+def softmax_reference(q: torch.Tensor, spans, lane_rows, heads: int, kv_heads: int) -> torch.Tensor:
+    """float64 softmax attention of every span row r at position p over its lane's keys 0..p:
+    q (rows + 1, q_stride, D) float64, q heads first; lane_rows(span) gives its keys' K and V
+    (start + length, kv_heads, D) float64. Rows (rows + 1, heads * D)."""
+    rows, d = q.shape[0], q.shape[2]
+    out = torch.zeros(rows, heads * d, dtype=torch.float64)
+    group = heads // kv_heads
+    for s in spans:
+        k, v = lane_rows(s)
+        for i in range(s.length):
+            r, p = s.row + i, s.start + i
+            for h in range(heads):
+                w = torch.softmax(k[: p + 1, h // group] @ q[r, h], dim=0)
+                out[r, h * d:(h + 1) * d] = w @ v[: p + 1, h // group]
+    return out
 
 
 LANES = [(0, 40), (37, 1), (300, 3), (15, 1), (0, 1)]

@@ -11,7 +11,7 @@ import torch
 from prefixd.gpu import cpu_kernels
 from prefixd.gpu.attention import AttentionSpan
 from prefixd.gpu.kv_pool import QBLOCK, KVPool, quantize_blocks
-from tests.gpu.test_cpu_attention import with_threads
+from tests.gpu.test_cpu_attention import LANES, LONG, softmax_reference, with_threads
 
 KERNEL_OK, KERNEL_WHY = cpu_kernels.available()
 needs_kernel = pytest.mark.skipif(not KERNEL_OK, reason=KERNEL_WHY)
@@ -135,28 +135,16 @@ class Case:
     def reference(self) -> torch.Tensor:
         """float64 softmax attention of each row's q (its blocks quantized) over its lane's
         dequantized keys and values 0..p."""
-        out = torch.zeros(self.rows + 1, self.heads * self.dim, dtype=torch.float64)
-        group = self.heads // self.kv_heads
         q = dequantized(self.q).view(self.rows + 1, self.q_stride, self.dim)
-        for s in self.spans:
-            k, v = (x.double() for x in self.pool.rows(0, s.page_table, s.start + s.length))
-            for i in range(s.length):
-                r, p = s.row + i, s.start + i
-                for h in range(self.heads):
-                    w = torch.softmax(k[: p + 1, h // group] @ q[r, h], dim=0)
-                    out[r, h * self.dim:(h + 1) * self.dim] = w @ v[: p + 1, h // group]
-        return out
-
-
-LANES = [(0, 40), (37, 1), (300, 3), (15, 1), (0, 1)]
-LONG = [(1100, 1), (510, 6), (1535, 2), (40, 3), (2100, 1)]  # rows past 512 keys: chunks joined after
+        lane_rows = lambda s: tuple(x.double() for x in self.pool.rows(0, s.page_table, s.start + s.length))  # noqa: E731
+        return softmax_reference(q, self.spans, lane_rows, self.heads, self.kv_heads)
 
 
 @needs_kernel
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 32), (4, 4, 128), (6, 2, 96)])
 @pytest.mark.parametrize("lanes", [LANES, LONG], ids=["short", "long"])
 def test_paths_agree_bit_for_bit_and_compute_softmax_attention(heads, kv_heads, dim, lanes):
-    """(96 dims: a width the vector path has no kernel for; it takes the portable one.)"""
+    """Widths of one, two, three and four blocks of 32 dims."""
     case = Case(lanes, heads=heads, kv_heads=kv_heads, dim=dim, pages=400)
     outs = [case.run(path=p) for p in paths()]
     for other in outs[1:]:

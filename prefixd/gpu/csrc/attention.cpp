@@ -989,28 +989,13 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
         for (int64_t l = 0; l < kvn * D; l += 64) _mm_prefetch(vp + l, _MM_HINT_T0);
       }
     }
-    if (one_group) {  // each kv head's pairs one group: the codes widened as they are read
-      const int8_t* vrows[LANES];
-      for (int64_t k = 0; k < live; ++k) vrows[k] = value_row8(a, table, tb + k, kv0);
-      for (int64_t g = 0; g < kvn; ++g)
-        for_groups(g, values_q8_max(NQ), [&](const int64_t* p, int64_t size) {
-          const float* e[SCORE_GROUP];
-          float* o[SCORE_GROUP];
-          const int8_t* rows_g[LANES];
-          int64_t end[SCORE_GROUP], common = LANES;
-          for (int64_t k = 0; k < live; ++k) rows_g[k] = vrows[k] + g * D;
-          for (int64_t y = 0; y < size; ++y) {
-            e[y] = weights + p[y] * NQ * padded + tb - k0;
-            o[y] = obuf + p[y] * D;
-            end[y] = std::clamp<int64_t>(pos0 + p[y] / hn + 1 - tb, 0, live);
-            common = std::min(common, end[y]);
-          }
-          value_q8_fn<NQ, CodeRows>(size)(CodeRows{rows_g}, e, padded, o, end, common);
-        });
-      continue;
-    }
+    const int8_t* vrows[LANES];  // one group: each key's codes, widened as they are read
     for (int64_t k = 0; k < live; ++k) {
       const int8_t* vr = value_row8(a, table, tb + k, kv0);
+      if (one_group) {
+        vrows[k] = vr;
+        continue;
+      }
       for (int64_t g = 0; g < kvn; ++g)
         for (int64_t c = 0; c < D / LANES; ++c) {
           const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vr + g * D + c * LANES));
@@ -1028,7 +1013,13 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
           end[y] = std::clamp<int64_t>(pos0 + p[y] / hn + 1 - tb, 0, live);
           common = std::min(common, end[y]);
         }
-        value_q8_fn<NQ, WidenedBlock<D>>(size)(WidenedBlock<D>{vbuf + g * LANES * D}, e, padded, o, end, common);
+        if (one_group) {
+          const int8_t* rows_g[LANES];
+          for (int64_t k = 0; k < live; ++k) rows_g[k] = vrows[k] + g * D;
+          value_q8_fn<NQ, CodeRows>(size)(CodeRows{rows_g}, e, padded, o, end, common);
+        } else {
+          value_q8_fn<NQ, WidenedBlock<D>>(size)(WidenedBlock<D>{vbuf + g * LANES * D}, e, padded, o, end, common);
+        }
       });
   }
   for (int64_t p = 0; p < rh; ++p) std::memcpy(part + p * pair_stride + 2, obuf + p * D, D * sizeof(float));
