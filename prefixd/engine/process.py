@@ -4,7 +4,11 @@
          ◀── one `round` message a round: its token and done events, its observer calls
 
 `EngineLoop.run` sleeps on the link while the engine is idle and, while it is busy, takes
-whatever commands have arrived before each round (never waiting for more). A round that
+whatever commands have arrived before each round, waiting for more only where the engine
+says `pause_before_long()`: once after short work, before a round of long prefills alone, it
+waits up to `pause_s` (PAUSE_BEFORE_LONG_S) for the next command, so a client whose short
+request just ended (its next one a few milliseconds away) does not find such a round in
+flight and wait it out (docs/store.md, *Round policy*). A round that
 raises ends every stream of the engine with finish_reason "error" and serving goes on; a
 lane that fails alone ends only its stream (the Engine did that). Anything else that
 escapes (a bug, out of memory) ends the process, and the front restarts it.
@@ -45,6 +49,9 @@ from prefixd.engine.memory import IDLE_TRIM_S, one_malloc_arena, retain_freed_me
 log = logging.getLogger("prefixd.engine")
 
 DISK_FLUSH_S = 120.0  # at stop, time the disk tier's writer gets to finish its queue
+# Once after short work, before a round of long prefills alone: a client's next request
+# comes in 1-3 ms on a loaded 2-core machine (bench/flood.py), a long round takes 10-100 ms.
+PAUSE_BEFORE_LONG_S = 0.005
 
 
 class RecordingObserver:
@@ -79,8 +86,9 @@ class EngineLoop:
 
     def __init__(self, link: BlockingLink, runtime: Any, observer: RecordingObserver, *,
                  idle_trim_s: float | None = IDLE_TRIM_S, trim: Callable[[], object] = return_idle_memory,
-                 kv_events: Any = None) -> None:
+                 kv_events: Any = None, pause_s: float = PAUSE_BEFORE_LONG_S) -> None:
         self.link = link
+        self.pause_s = pause_s
         self.kv_events = kv_events  # engine/kv_events.KvEvents, or None
         self.runtime = runtime
         self.engine = runtime.engine
@@ -106,7 +114,7 @@ class EngineLoop:
                         self._trim_idle()
                         continue
                 else:
-                    msgs = self.link.receive(0)
+                    msgs = self.link.receive(self.pause_s if engine.pause_before_long() else 0) or []
                 if self._idle_trim_s is not None and (not engine.idle or any(m.get("t") != "status" for m in msgs)):
                     self._trim_at = time.monotonic() + self._idle_trim_s
                 deferred = self._apply(msgs, host_only=False)

@@ -39,7 +39,7 @@ from prefixd.scheduler.pages import PageAllocator
 from prefixd.scheduler.chunks import plan_schedule
 from prefixd.scheduler.plan_builder import PlanBuilder
 from prefixd.scheduler.records import FinishReason, LaneResult, LaneWork, RoundPlan, RoundResult, TokenLogprob
-from prefixd.scheduler.rounds import PlannedWork, RoundBudget, plan_round
+from prefixd.scheduler.rounds import PlannedWork, RoundBudget, is_short, plan_round
 from prefixd.scheduler.store import PrefixStore, make_key
 from prefixd.scheduler.streams import (DoneEvent, Stream, StreamRequest, TokenEvent, context_full_note,
                                        validate_request)
@@ -243,6 +243,19 @@ class Engine:
             self.step()  # a kept entry's export is an item of the round after the keep
         self.device.close()
 
+    def pause_before_long(self) -> bool:
+        """Whether the caller may wait a moment for new requests before the next round: a round
+        with decode rows or a short prefill ran, and all that is left is long prefills (nothing
+        decodes, nothing waiting or prefilling is short), so the next round would be theirs
+        alone and a client whose short request just ended would find it in flight. True at
+        most once after each busy spell (docs/store.md, *Round policy*)."""
+        if not self._streams:
+            return False
+        short = self.config.short_prefill_rows
+        if any(s.decoding or is_short(s, short) for s in self._streams.values()):
+            return False
+        return self.policy.take_pause()
+
     @property
     def idle(self) -> bool:
         """Nothing running or waiting, and no disk load or export waiting for a round."""
@@ -268,8 +281,9 @@ class Engine:
         self.verifies.offer_round(decoding)
         budget = RoundBudget(row_budget=self.config.round_row_budget, busy_rows=self.config.busy_prefill_rows,
                              short_rows=self.config.short_prefill_rows, grid=self.config.grid,
-                             split=self._split_runs, lingering=self.policy.lingering)
-        planned, short_work = plan_round(
+                             split=self._split_runs, lingering=self.policy.lingering,
+                             first_token=builder.samples_stored, may_hold=self.policy.may_hold)
+        planned, shape = plan_round(
             decoding,
             prefilling,
             page_size=self.info.page_size,
@@ -285,7 +299,7 @@ class Engine:
                 return self._schedule(events, builder)
             self._finish(decoding[-1].stream, "length", events, note=OUT_OF_PAGES_NOTE, keep=False)
             return self._schedule(events, builder)
-        self.policy.planned(((p.stream, len(p.work.tokens)) for p in planned), short_work)
+        self.policy.planned(((p.stream, len(p.work.tokens)) for p in planned), shape)
         return planned
 
     def _admit(self, builder: PlanBuilder) -> int:

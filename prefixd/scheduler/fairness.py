@@ -10,14 +10,23 @@ is seated and prefilled before the others' queued and long work.
 `RoundPolicy` adds the memory that keeps rounds short: a round that carries decode rows or a
 short prefill is *busy* (long prefills get only `busy_prefill_rows` of it), and so are the
 `BUSY_LINGER_ROUNDS` rounds after one, so a client whose short request just ended finds a
-short round in flight when it sends the next. Counted in rounds, not seconds: the engine's
-clock plays no part in what a round holds.
+short round in flight when it sends the next. A round that gives a first token may hold long
+prefills back altogether, but never two rounds in a row, so they advance at least every other
+round however many short requests come. Counted in rounds, not seconds: the engine's clock
+plays no part in what a round holds.
+
+One thing is left to the caller's clock: after a busy spell, when only long prefills are left,
+`pause_before_long()` says (once) that the caller may give the clients a moment to send their
+next short request before the first round of long prefills alone (engine/process.py). That
+round would otherwise be in flight when the next short request comes, and it would wait for
+it; the pause changes when rounds start, never what a round holds or any row's bits.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
+from prefixd.scheduler.rounds import RoundShape
 from prefixd.scheduler.streams import Stream
 
 DECAY = 0.9  # per round: a row served 20 rounds ago counts about a tenth of one served now
@@ -56,20 +65,35 @@ class RoundPolicy:
         self.shares = ClientShares()
         self.linger_rounds = linger_rounds
         self._linger = 0  # busy rounds still owed after the last round with short work
+        self._held = False  # the last round held long prefills back
+        self._pause_owed = False  # a busy round ran and no pause was taken since
 
     @property
     def lingering(self) -> bool:
         """Whether the next round is busy because a recent one was."""
         return self._linger > 0
 
-    def planned(self, rows: Iterable[tuple[Stream, int]], busy: bool) -> None:
-        """A round was planned: `rows` (stream, rows it runs); `busy` whether it carried decode
-        rows or a short prefill."""
+    @property
+    def may_hold(self) -> bool:
+        """Whether the next round may hold long prefills back (the last one did not)."""
+        return not self._held
+
+    def planned(self, rows: Iterable[tuple[Stream, int]], shape: RoundShape) -> None:
+        """A round was planned: `rows` (stream, rows it runs) and its shape."""
         by_client: dict[str, int] = {}
         for stream, num in rows:
             by_client[stream.req.client] = by_client.get(stream.req.client, 0) + num
         self.shares.end_round(by_client)
-        if busy and by_client:
+        self._held = shape.held
+        if shape.busy and by_client:
             self._linger = self.linger_rounds
+            self._pause_owed = True
         elif self._linger > 0:
             self._linger -= 1
+        else:
+            self._pause_owed = False
+
+    def take_pause(self) -> bool:
+        """Whether a busy spell ended with no pause taken since (`pause_before_long`); once."""
+        owed, self._pause_owed = self._pause_owed, False
+        return owed

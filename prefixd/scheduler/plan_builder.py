@@ -31,6 +31,11 @@ class PlanBuilder:
         ran; the engine frees the lane). Returns False if the lane was not seated here."""
         return self._seatings.pop(lane, None) is not None
 
+    @property
+    def samples_stored(self) -> bool:
+        """Whether a seating here is a full hit, its first token sampled from the stored row."""
+        return any(s.stored_logits is not None for s in self._seatings.values())
+
     def capture(self, lane: int, cut: int) -> None:
         """Capture the lane's state after the forward (its chunk ends at `cut`)."""
         self._captures.append(Capture(lane, cut))

@@ -25,9 +25,11 @@ class RoundBudget:
 
     `row_budget` bounds the round's rows; `grid` one lane's run. A round is *busy* when it
     carries decode rows or a short prefill (a stream prefilling at most `short_rows` rows), or
-    `lingering` says a recent round did: long prefills then share `busy_rows` rows. `split`:
-    the family's rows are invariant at every row and nothing but pages is kept at a cut, so a
-    run may end inside a chunk or span chunks.
+    `lingering` says a recent round did: long prefills then share `busy_rows` rows. A round
+    that gives a stream its first token (a short prefill, or `first_token`: admission seated a
+    full hit, sampled from its stored row) holds long prefills back altogether when `may_hold`
+    (the round before did not). `split`: the family's rows are invariant at every row and
+    nothing but pages is kept at a cut, so a run may end inside a chunk or span chunks.
     """
 
     row_budget: int
@@ -36,6 +38,16 @@ class RoundBudget:
     grid: int
     split: bool
     lingering: bool = False
+    first_token: bool = False
+    may_hold: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class RoundShape:
+    """What the round policy remembers of a planned round (`RoundPolicy.planned`)."""
+
+    busy: bool  # it carried decode rows or a short prefill
+    held: bool  # it gave a first token and held long prefills that wanted rows back
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,18 +144,19 @@ def plan_round(
     cuts_of: Callable[[Stream], Sequence[int]],
     keep_cuts_of: Callable[[Stream], bool],
     drafts_of: Callable[[Lane], tuple[int, ...]] = lambda lane: (),
-) -> tuple[list[PlannedWork], bool]:
-    """Plan one round; returns its lane work and whether it carried decode rows or a short
-    prefill (what makes the rounds after it busy too, `RoundPolicy`).
+) -> tuple[list[PlannedWork], RoundShape]:
+    """Plan one round; returns its lane work and its shape (what the round policy remembers:
+    whether it was busy, which makes the rounds after it busy too, and whether it held long
+    prefills back, which the next round may not).
 
     `decoding` lanes each add one row when `room_for_row(lane)` finds a page for it (a lane
     without room sits this round out), plus a verify row per token `drafts_of(lane)` drafts
     (it finds pages for them itself, or drafts nothing). `prefilling` lanes come in the order
     they are served (least served client first, FIFO within one). Short prefills go first,
     each its whole next run while the round's rows stay within `row_budget`; then long ones,
-    within `busy_rows` of them in a busy round. However full the round, one short prefill (if
-    no short one ran, one long prefill) still runs: a whole chunk, or where runs split, at
-    most `busy_rows` rows of it.
+    within `busy_rows` of them in a busy round, and none in a round that gives a first token
+    while `may_hold`. Otherwise, however full the round, its first short prefill and its first
+    long prefill each still run: a whole chunk, or where runs split, at most `busy_rows` rows.
     """
     planned: list[PlannedWork] = []
     rows = 0
@@ -156,8 +169,11 @@ def plan_round(
     shorts = [lane for lane in prefilling if is_short(lane.stream, budget.short_rows)]
     longs = [lane for lane in prefilling if not is_short(lane.stream, budget.short_rows)]
     short_work = bool(planned) or bool(shorts)
+    hold = budget.may_hold and (budget.first_token or bool(shorts))
     long_left = budget.busy_rows if short_work or budget.lingering else budget.row_budget
     for group, is_long in ((shorts, False), (longs, True)):
+        if is_long and hold:
+            break  # the first token goes out in a round of its own work and the decode rows
         ran = False
         for lane in group:
             stream = lane.stream
@@ -177,7 +193,7 @@ def plan_round(
             if is_long:
                 long_left -= num
             ran = True
-    return planned, short_work
+    return planned, RoundShape(busy=short_work, held=hold and bool(longs))
 
 
 def _forced_end(stream: Stream, budget: RoundBudget, is_long: bool) -> int:

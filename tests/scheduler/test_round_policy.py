@@ -51,9 +51,44 @@ def test_a_short_request_beside_six_clients_long_prefills_gets_its_token_in_its_
     assert [ev.stream_id for ev in events if isinstance(ev, TokenEvent)] == [100]
     honest = next(w for w in device.plans[-1].lanes if w.tokens == (5, 6, 7, 8))
     assert (honest.start, honest.sample_rows) == (0, (3,))
-    long_rows = sum(len(w.tokens) for w in device.plans[-1].lanes if w is not honest)
-    assert long_rows == BUSY  # the others' prefills share the busy bound while it is there
+    assert device.plans[-1].lanes == (honest,)  # its first token's round holds the long prefills back
+    events += engine.step()
+    long_rows = sum(len(w.tokens) for w in device.plans[-1].lanes if w.prefill)
+    assert long_rows == BUSY  # while it decodes, the others' prefills share the busy bound
     assert tokens_by_stream(events + run_until_idle(engine))[100] == reference_tokens([5, 6, 7, 8], 4)
+
+
+def test_a_full_hit_gets_its_first_token_in_a_round_without_long_prefills():
+    engine, device = make(cache=True)
+    engine.submit(req(1, [5, 6, 7, 8], 2, "honest"))
+    first = run_until_idle(engine)
+    for c in range(3):
+        engine.submit(req(10 + c, long_prompt(c), 1, f"flood-{c}"))
+    engine.step()
+    engine.submit(req(2, [5, 6, 7, 8], 2, "honest"))  # every row cached, with its logits row
+    events = engine.step()
+    assert [ev.stream_id for ev in events if isinstance(ev, TokenEvent)] == [2]
+    assert len(device.plans[-1].stored) == 1 and device.plans[-1].lanes == ()
+    events += engine.step()
+    assert sum(len(w.tokens) for w in device.plans[-1].lanes if w.prefill) == BUSY
+    assert tokens_by_stream(events + run_until_idle(engine))[2] == tokens_by_stream(first)[1]
+
+
+def test_short_requests_every_round_hold_long_prefills_back_at_most_every_other_round():
+    engine, device = make()
+    engine.submit(req(1, long_prompt(1), 1, "flood"))
+    engine.step()  # seated on lane 0
+    held = []
+    for i, sid in enumerate(range(100, 140)):
+        engine.submit(req(sid, [sid, 2, 3], 1, f"short-{sid}"))  # a first token in every round
+        events = engine.step()
+        if not any(w.lane == 0 for w in device.plans[-1].lanes):
+            held.append(i)
+        if any(isinstance(ev, DoneEvent) and ev.stream_id == 1 for ev in events):
+            break
+    else:
+        raise AssertionError("the long prefill never finished beside short requests")
+    assert held and all(b - a > 1 for a, b in zip(held, held[1:])), held
 
 
 def test_an_honest_client_beside_a_flood_waits_a_bounded_number_of_rounds_and_gets_its_share():
@@ -149,7 +184,8 @@ def test_the_least_served_client_gets_the_rounds_prefill_rows_first():
     engine.submit(req(1, long_prompt(1), 1, "a"))
     engine.submit(req(2, long_prompt(2), 1, "a"))
     engine.submit(req(3, [9] * 4, 3, "c"))  # keeps the rounds busy while it decodes
-    engine.step()
+    engine.step()  # c's first token: the long prefills are held back
+    engine.step()  # a's first gets the busy rows
     engine.submit(req(4, long_prompt(4), 1, "b"))
     engine.step()
     longs = [(w.lane, len(w.tokens)) for w in device.plans[-1].lanes if w.prefill]
@@ -210,3 +246,24 @@ def test_client_shares_decay_and_forget():
     for _ in range(20):
         shares.end_round({})
     assert shares._served == {}
+
+
+def test_after_short_work_the_engine_offers_one_pause_before_a_round_of_long_prefills_alone():
+    engine, device = make()
+    assert not engine.pause_before_long()  # idle
+    engine.submit(req(1, long_prompt(1), 1, "flood"))
+    engine.step()
+    assert not engine.pause_before_long()  # long prefills only, and no short work ran
+
+    def run_short(sid: int) -> None:
+        engine.submit(req(sid, [sid, 2, 3], 3, "honest"))
+        while sid in engine._streams:
+            assert not engine.pause_before_long()  # the short request waits, prefills or decodes
+            engine.step()
+
+    run_short(2)
+    run_short(3)  # the client's next request came before any pause was asked for
+    assert engine.pause_before_long()  # its client may send the next one in a moment
+    assert not engine.pause_before_long()  # once
+    run_until_idle(engine)
+    assert not engine.pause_before_long()
