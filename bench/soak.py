@@ -19,9 +19,10 @@ It prints one table: requests served, errors by code, honest p50/p99 TTFT with a
 hostile clients and their ratio, whether honest outputs are bit-equal to the reference,
 honest failures, RSS before/peak/after, fds and pages before and after, and the CPU the
 daemon used per second of each phase (the front process's event-loop thread, the engine
-process with all its threads, and the front's worker threads). RSS and fds are the two
-processes' together. Every loop is
-bounded by the deadline and a count; every wait by a timeout. It stops by itself.
+process with all its threads, and the front's worker threads). RSS is the front's and its
+child processes' together (the engine, and the heavy worker a warm-up render starts before
+the baseline), and so are fds. Every loop is bounded by the deadline and a count; every
+wait by a timeout. It stops by itself.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import markdown_table, print_machine  # noqa: E402
-from bench.soak_hostile import HOSTILE_ACTIONS, Tally  # noqa: E402
+from bench.soak_hostile import CHAT_MESSAGES, HOSTILE_ACTIONS, Tally  # noqa: E402
 from bench.soak_proc import Daemon  # noqa: E402
 from prefixd.ipc.client import AsyncClient  # noqa: E402
 from prefixd.ipc.errors import ClientError  # noqa: E402
@@ -212,6 +213,16 @@ async def fill_reference(daemon: Daemon, requests: list[dict[str, Any]]) -> dict
     return reference
 
 
+async def start_heavy_worker(daemon: Daemon) -> None:
+    """One heavy render (a huge_chat's), untimed: it starts the front's heavy worker process,
+    a fixed cost kept for the daemon's life (prefixd/front/heavy.py), so RSS before and after
+    the soak compare the same processes."""
+    messages = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(CHAT_MESSAGES)]
+    async with await AsyncClient.connect(daemon.socket) as client:
+        with anyio.fail_after(REQUEST_TIMEOUT_S):
+            await client.tokenize(messages=messages)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:
@@ -245,6 +256,7 @@ def report(base: HonestRun, soak: HonestRun, tally: Tally, before: dict, after: 
         ("honest failures by kind (soak)", ", ".join(f"{k} {v}" for k, v in sorted(soak.failure_kinds.items())) or "none"),
         ("RSS before / peak / after", f"{before['rss'] / mib:.0f} / {peak_rss / mib:.0f} / {after['rss'] / mib:.0f} MiB"),
         ("RSS after / before", f"{after['rss'] / before['rss']:.3f}"),
+        ("processes before / after (the front and its children)", f"{before['processes']} / {after['processes']}"),
         ("fds before / after", f"{before['fds']} / {after['fds']}"),
         ("pages used before / after", f"{before['pages_used']} / {after['pages_used']}"),
         ("lanes busy / waiting after", f"{after['lanes_busy']} / {after['waiting']}"),
@@ -263,6 +275,7 @@ async def main_async(args: argparse.Namespace) -> int:
         requests = honest_requests(vocab, args.requests, args.seed)
         tally = Tally()
         reference = await fill_reference(daemon, requests)
+        await start_heavy_worker(daemon)
         hostile = Hostile(daemon.socket, daemon.hidden, args.hostile, args.actions) if args.hostile else None
         base = await run_phase(daemon, requests, args.baseline_seconds, args.honest, reference, None, tally)
         before = await daemon.measure(SETTLE_TIMEOUT_S)

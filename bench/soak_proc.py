@@ -66,7 +66,8 @@ class Daemon:
         return self.log.read_text()[-chars:]
 
     def pids(self) -> list[int]:
-        """The front process and its children (the engine process)."""
+        """The front process and its children (the engine process, the heavy worker and the
+        resource tracker of its pool)."""
         children = []
         for pid in os.listdir("/proc"):
             stat = _read_stat(f"/proc/{pid}/stat") if pid.isdigit() else None
@@ -75,7 +76,7 @@ class Daemon:
         return [self.proc.pid, *children]
 
     def rss_bytes(self) -> int:
-        """The front's and the engine's RSS together."""
+        """The RSS of the front and its children together."""
         total = 0
         for pid in self.pids():
             try:
@@ -135,7 +136,8 @@ class Daemon:
                 await anyio.sleep(0.1)
         await anyio.sleep(IDLE_TRIM_S + 1.0)  # the engine process returns freed heap after IDLE_TRIM_S idle
         self.peak_rss = max(self.peak_rss, self.rss_bytes())
-        return {"rss": self.rss_bytes(), "fds": self.num_fds(), "pages_used": status["pages_used"],
+        return {"rss": self.rss_bytes(), "fds": self.num_fds(), "processes": len(self.pids()),
+                "pages_used": status["pages_used"],
                 "lanes_busy": status["lanes_busy"], "waiting": status["waiting"]}
 
 

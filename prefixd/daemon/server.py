@@ -9,6 +9,7 @@ shielded.
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import logging
@@ -32,6 +33,7 @@ from prefixd.front.bounds import ConnectionBounds
 from prefixd.front.connection import Connection, Services
 from prefixd.front.engine_link import EngineLink, Launcher, ProcessLauncher, RestartPolicy
 from prefixd.front.gate import Gate
+from prefixd.front.heavy import HeavyWorkers
 from prefixd.front.http.serve import HttpServer
 from prefixd.front.http.worker import KvEventSource
 from prefixd.front.listener import PeerCred, PeerPolicy, SocketPathError, peer_cred
@@ -45,8 +47,9 @@ _TRIM_AFTER_BYTES = 1 << 20  # a connection that buffered this much hands freed 
 # The front's event loop and its render/encode worker threads share one interpreter lock; a
 # thread that wants it waits up to this switch interval (CPython's default: 5 ms) behind a
 # render. Soak, three runs each: honest p99 TTFT 253-325 ms at 5 ms, 187-214 ms at 0.5 ms
-# with heavy renders niced (docs/benchmarks.md, *Engine process*). The engine process keeps
-# the default: nothing else there wants the lock.
+# (docs/benchmarks.md, *Engine process*); heavy renders have since moved to worker processes
+# (front/heavy.py), and light ones still share the lock. The engine process keeps the
+# default: nothing else there wants the lock.
 FRONT_SWITCH_S = 0.0005
 _CANCEL_FLUSH_S = 5.0  # after the grace period: time for cancelled streams to send their done
 
@@ -134,8 +137,10 @@ class Server:
         link = self.link
         self.metrics.track(lambda: len(self._connections), lambda: link.pages,
                            lambda: 1 if link.serving else 0)
-        self.gate = Gate(link, self.bounds, int(info.get("lanes") or self.cfg.num_lanes))
         self._builder = RequestBuilder(ready.tokenizer, info, self.limits)
+        heavy = HeavyWorkers(functools.partial(RequestBuilder, ready.tokenizer, info, self.limits),
+                             self.bounds.max_heavy_jobs)
+        self.gate = Gate(link, self.bounds, int(info.get("lanes") or self.cfg.num_lanes), self._builder, heavy)
         await anyio.to_thread.run_sync(self._builder.warm)  # before READY: no request waits for it
 
     async def main_loop(self) -> None:
@@ -165,6 +170,8 @@ class Server:
 
     async def shutdown(self) -> None:
         await self._stop_accepting()
+        if self.gate is not None:
+            await anyio.to_thread.run_sync(self.gate.heavy.close)
         if self.link is not None:
             await self.link.stop()  # the engine flushes the disk tier, then exits
         if self._exporter is not None:

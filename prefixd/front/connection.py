@@ -28,6 +28,7 @@ from prefixd.front.bounds import ConnectionBounds
 from prefixd.front.diagnostics import excerpt_reports, with_excerpt
 from prefixd.front.engine_link import EngineLost, EngineUnavailable
 from prefixd.front.gate import Gate, GateClient, engine_error
+from prefixd.front.heavy import BuildJob
 from prefixd.front.peer_probe import peer_probe
 from prefixd.front.requests import RequestBuilder
 from prefixd.ipc.errors import ErrorCode, ProtocolError
@@ -233,12 +234,12 @@ class Connection:
         await self._send(StatusReply(request_id, status).to_wire())
 
     async def _on_tokenize(self, msg: dict[str, Any]) -> None:
-        reply = await self._off_loop(msg, self.services.builder.tokenize, msg)
+        reply = await self._off_loop(msg, BuildJob("tokenize", (msg,)))
         await self._send(reply.to_wire())
 
-    async def _off_loop(self, msg: dict[str, Any], build: Callable[..., Any], *args: Any) -> Any:
-        """`build(*args, client_gone)` in a worker thread, through the gate's heavy-work slots."""
-        return await self.gate.build(self.client, msg, build, *args, probe=peer_probe(self.framed))
+    async def _off_loop(self, msg: dict[str, Any], job: BuildJob) -> Any:
+        """`job` off the event loop, through the gate (heavy work: its slots and processes)."""
+        return await self.gate.build(self.client, msg, job, probe=peer_probe(self.framed))
 
     async def _on_detokenize(self, msg: dict[str, Any]) -> None:
         ids = msg.get("ids")
@@ -282,7 +283,7 @@ class Connection:
         has), whichever build finishes first, and submit it."""
         started_s = time.monotonic()
         stream_id = self.services.next_stream_id()
-        built = await self._off_loop(msg, self.services.builder.generate, msg, stream_id, self.version)
+        built = await self._off_loop(msg, BuildJob("generate", (msg, stream_id, self.version)))
         seated = await self._take_seat(built.request_id, after)
         if turn is not None:
             turn.set()

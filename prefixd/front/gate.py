@@ -2,7 +2,8 @@
 
     front (socket connection, HTTP route, ...)
       │ join(client)                  pacing budget: the client's requests are read at its rate
-      │ build(client, msg, ...)       heavy renders/encodes take one of a few slots, in turn
+      │ build(client, msg, job)       heavy renders/encodes take one of a few slots, in turn,
+      │                               and run in a worker process (heavy.py)
       │ seat(client, owner)           abandon holds, then a fair seat (one per lane)
       │ submit(request)               the engine link; its errors become protocol errors
       ▼ cancel / unseat / abandon     when the stream ends or its client leaves
@@ -17,13 +18,9 @@ same conversation through any front reaches the engine as the same `StreamReques
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import os
-import threading
 from collections import Counter
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Hashable
@@ -34,13 +31,12 @@ from prefixd.front.abandon import AbandonLedger
 from prefixd.front.bounds import ConnectionBounds
 from prefixd.front.engine_link import EngineLink, EngineRefused, EngineUnavailable
 from prefixd.front.fair import FairSeats
+from prefixd.front.heavy import PROBE_EVERY_S, BuildJob, HeavyWorkers
 from prefixd.front.pacing import ClientBudget, Pacer
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 
 HEAVY_MESSAGES = 256  # chat messages above which a render is heavy
 HEAVY_CHARS = 64 << 10  # characters of text (message contents, a prompt) above which work is heavy
-HEAVY_NICE = 10  # a heavy job's worker thread runs at this niceness while it works
-_PROBE_EVERY_S = 0.1  # how often a heavy job waiting for its turn checks that its client is still there
 
 # The engine's refusal codes (engine.contract.REFUSAL_CODES) as the protocol spells them.
 _REFUSALS = {"invalid_token": ErrorCode.INVALID_TOKEN, "context_overflow": ErrorCode.CONTEXT_OVERFLOW,
@@ -54,16 +50,6 @@ def engine_error(error: Exception) -> ProtocolError:
     if isinstance(error, EngineUnavailable):
         return ProtocolError(ErrorCode.BUSY, str(error), fatal=False)
     raise TypeError(f"not an engine error: {error!r}")
-
-
-def _nice_this_thread() -> None:
-    """A heavy-work thread runs at niceness HEAVY_NICE for its life (Linux gives each thread
-    its own; raising it needs no privilege, lowering it again would): a long render takes only
-    what the engine and the event loop leave."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HEAVY_NICE)
-    except OSError:
-        pass
 
 
 def client_name(peer: Hashable) -> str:
@@ -100,15 +86,18 @@ class GateClient:
 class Gate:
     """Shared by every front of one daemon (event loop only)."""
 
-    def __init__(self, link: EngineLink, bounds: ConnectionBounds, num_lanes: int, *, fair: bool = True) -> None:
+    def __init__(self, link: EngineLink, bounds: ConnectionBounds, num_lanes: int, builder: Any,
+                 heavy: HeavyWorkers, *, fair: bool = True) -> None:
+        """`builder` runs light builds (in a worker thread); `heavy` the heavy ones, in its
+        processes, `bounds.max_heavy_jobs` at a time (its slots)."""
         self.link = link
+        self.builder = builder
+        self.heavy = heavy
         self.seats = FairSeats(num_lanes) if fair else None
         self.abandons = AbandonLedger(bounds.abandon)
         self.pacer = Pacer(bounds.pace)
         self.max_streams = bounds.max_streams
         self._heavy_slots = anyio.Semaphore(bounds.max_heavy_jobs)
-        self._heavy_threads = ThreadPoolExecutor(bounds.max_heavy_jobs, thread_name_prefix="prefixd-heavy",
-                                                 initializer=_nice_this_thread)
         self.heavy_running = 0
         self.heavy_waiting = 0
         self._in_flight: Counter[Hashable] = Counter()
@@ -147,16 +136,15 @@ class Gate:
 
     # -- heavy work -------------------------------------------------------------------------
 
-    async def build(self, client: GateClient, msg: Mapping[str, Any], build: Callable[..., Any], *args: Any,
+    async def build(self, client: GateClient, msg: Mapping[str, Any], job: BuildJob, *,
                     probe: Callable[[], bool]) -> Any:
-        """`build(*args, probe)` in a worker thread; heavy requests first take the client's
-        heavy lock and one of the daemon's heavy slots (a client gone while it waits never runs)."""
+        """`job` for the request `msg`: a light one on the builder in a worker thread; a heavy
+        one, once it has the client's heavy lock and one of the daemon's heavy slots (a client
+        gone while it waits never runs), in a heavy worker process."""
         if not is_heavy(msg):
-            return await anyio.to_thread.run_sync(build, *args, probe)
+            return await anyio.to_thread.run_sync(job.run, self.builder, probe)
         async with self._heavy(client, probe):
-            job = self._heavy_threads.submit(build, *args, probe)
-            with anyio.CancelScope(shield=True):  # its slot is held until the job has ended
-                return await asyncio.wrap_future(job)
+            return await self.heavy.run(job, probe)
 
     @asynccontextmanager
     async def _heavy(self, client: GateClient, probe: Callable[[], bool]) -> AsyncIterator[None]:
@@ -181,7 +169,7 @@ class Gate:
 
             async def watch() -> None:
                 while not probe():
-                    await anyio.sleep(_PROBE_EVERY_S)
+                    await anyio.sleep(PROBE_EVERY_S)
                 tg.cancel_scope.cancel()
 
             tg.start_soon(watch)

@@ -54,6 +54,10 @@ class ProtocolError(Exception):
         self.request_id = request_id
         self.fatal = self.code in _FATAL_CODES if fatal is None else fatal
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled by its fields (a heavy build's error crosses from its worker process)."""
+        return ProtocolError, (self.code, self.message, self.request_id, self.fatal)
+
     def with_id(self, request_id: int | None) -> ProtocolError:
         """The same error answering `request_id`."""
         return ProtocolError(self.code, self.message, request_id, self.fatal)

@@ -69,11 +69,11 @@ async def test_generates_on_one_connection_take_seats_in_the_order_sent_whicheve
     second_built = threading.Event()
     build = RequestBuilder.generate
 
-    def held_build(self, msg, *args):
+    def held_build(self, msg, *args, **kwargs):
         if msg.get("prompt") == "first":
             assert second_built.wait(30)  # a liveness bound: the second build ends meanwhile
         try:
-            return build(self, msg, *args)
+            return build(self, msg, *args, **kwargs)
         finally:
             if msg.get("prompt") == "second":
                 second_built.set()

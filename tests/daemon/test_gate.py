@@ -179,23 +179,3 @@ async def test_a_short_request_is_not_kept_behind_other_clients_prefills(tmp_pat
     for r in honest_rounds:
         others = sum(len(tokens) for tokens, prefill in r if prefill and tokens != honest_tokens)
         assert others <= budget, (others, budget)
-
-
-async def test_heavy_work_runs_on_a_niced_thread_and_light_work_does_not():
-    """A heavy render takes only what the engine and the loop leave: its thread runs at
-    HEAVY_NICE; a light one runs on an ordinary worker thread at the process's niceness."""
-    import os
-    import threading
-
-    from prefixd.front.gate import HEAVY_MESSAGES, HEAVY_NICE, Gate, GateClient
-
-    gate = Gate(link=None, bounds=ConnectionBounds(), num_lanes=1)  # type: ignore[arg-type]
-    client = GateClient("someone")
-
-    def niceness(probe) -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    heavy = {"messages": [{"role": "user", "content": "x"}] * (HEAVY_MESSAGES + 1)}
-    assert await gate.build(client, heavy, niceness, probe=lambda: False) == max(base, min(19, HEAVY_NICE))
-    assert await gate.build(client, {"prompt": "short"}, niceness, probe=lambda: False) == base

@@ -10,7 +10,6 @@ namespace share one client's fair share."""
 
 from __future__ import annotations
 
-import functools
 import hmac
 import json
 import time
@@ -23,6 +22,7 @@ from starlette.routing import Route
 
 from prefixd.front.engine_link import EngineLost
 from prefixd.front.gate import GateClient
+from prefixd.front.heavy import BuildJob
 from prefixd.front.http.answers import SSE_DONE, Answer
 from prefixd.front.http.extension import UsageExtension
 from prefixd.front.http.openai_map import HttpError, MappedRequest, map_chat, map_completion
@@ -174,8 +174,7 @@ class HttpFront:
             await self.gate.paced(client)
             self.gate.reserve(client.peer)
             held.reserved = True
-            built = await self.gate.build(client, msg, self.build_function(mapped), msg, stream_id, 2,
-                                          probe=lambda: False)
+            built = await self.gate.build(client, msg, self.build_job(mapped, msg, stream_id), probe=lambda: False)
             if await self.gate.seat(client, owner):
                 held.owner = owner
             receive = await self.gate.submit(built.request, client, on_end=held.release)
@@ -195,7 +194,7 @@ class HttpFront:
         msg = {k: v for k, v in mapped.generate.items() if k != "tool_choice"} | {"id": 0}
         try:
             await self.gate.paced(client)
-            return await self.gate.build(client, msg, self.build_function(mapped), msg, 0, 2, probe=lambda: False)
+            return await self.gate.build(client, msg, self.build_job(mapped, msg, 0), probe=lambda: False)
         except ProtocolError as e:
             raise _http_error(e) from None
         finally:
@@ -205,9 +204,11 @@ class HttpFront:
         """usage.prefixd of one request (extension.py), on every API."""
         return UsageExtension.of(mapped.generate, mapped.normalised, self.services.builder.tokenizer)
 
-    def build_function(self, mapped: MappedRequest) -> Any:
-        """RequestBuilder.generate with the request's ChatOptions (thinking, reasoning)."""
-        return functools.partial(self.services.builder.generate, chat=mapped.chat)
+    @staticmethod
+    def build_job(mapped: MappedRequest, msg: dict[str, Any], stream_id: int) -> BuildJob:
+        """RequestBuilder.generate of `msg` (protocol version 2) with the request's ChatOptions
+        (thinking, reasoning)."""
+        return BuildJob("generate", (msg, stream_id, 2), chat=mapped.chat)
 
     async def _events(self, stream_id: int, built: Any, receive: Any,
                       client: GateClient) -> AsyncIterator[TokenEvent | DoneEvent]:
