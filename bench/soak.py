@@ -10,7 +10,10 @@ Starts `prefixd serve` on the default model (Unix socket only, metrics off), the
 2. soak: the same honest clients for --seconds beside hostile ones (in a child process of
    their own, as a hostile app would be; `--actions` picks some): malformed frames, huge
    memfd payloads, trickling slow clients, floods of cheap frames, NaN images, sampling
-   edges, huge chat renders (some abandoned mid-render), clients that leave mid-stream;
+   edges, huge chat renders (some abandoned mid-render), clients that leave mid-stream; with
+   `--http` also hostile HTTP callers (bodies that are not JSON or nest too deep, bodies over
+   the limit, a body trickled a byte at a time, huge chats, streams left after one event,
+   floods of completions at sampling edges) beside the same honest socket clients;
 3. settle: wait until no lane is busy and the engine host's idle trim has run (IDLE_TRIM_S
    of idle, plus 1 s; the same wait precedes the "before" reading), then read RSS, fds and
    pages again.
@@ -44,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import markdown_table, print_machine  # noqa: E402
-from bench.soak_hostile import CHAT_MESSAGES, HOSTILE_ACTIONS, Tally  # noqa: E402
+from bench.soak_hostile import CHAT_MESSAGES, HOSTILE_ACTIONS, HTTP_HOSTILE_ACTIONS, Tally  # noqa: E402
 from bench.soak_proc import Daemon  # noqa: E402
 from prefixd.ipc.client import AsyncClient  # noqa: E402
 from prefixd.ipc.errors import ClientError  # noqa: E402
@@ -151,10 +154,11 @@ class Hostile:
     """The hostile clients, in a child process of their own (as a hostile app would be), so
     that their client-side work does not delay the honest clients' own event loop."""
 
-    def __init__(self, socket: str, hidden: int, copies: int, actions: Sequence[str]) -> None:
+    def __init__(self, daemon: Daemon, copies: int, actions: Sequence[str]) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.ready, self._go, self._results = ctx.Event(), ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_hostile_main, args=(socket, hidden, copies, list(actions), self.ready,
+        target = {"socket": daemon.socket, "hidden": daemon.hidden, "http_url": daemon.http_url}
+        self.proc = ctx.Process(target=_hostile_main, args=(target, copies, list(actions), self.ready,
                                                             self._go, self._results), daemon=True)
         self.proc.start()
 
@@ -169,13 +173,13 @@ class Hostile:
         self.proc.join(timeout=10.0)
 
 
-def _hostile_main(socket: str, hidden: int, copies: int, actions: list[str], ready: Any, go: Any,
+def _hostile_main(target: dict[str, Any], copies: int, actions: list[str], ready: Any, go: Any,
                   results: Any) -> None:
-    by_name = {action.__name__: action for action in HOSTILE_ACTIONS}
+    by_name = {action.__name__: action for action in [*HOSTILE_ACTIONS, *HTTP_HOSTILE_ACTIONS]}
     chosen = [by_name[name] for name in actions]
     ready.set()
     deadline = go.get()
-    target = SimpleNamespace(socket=socket, hidden=hidden)
+    target = SimpleNamespace(**target)
     tally = Tally()
 
     async def run() -> None:
@@ -268,7 +272,7 @@ def report(base: HonestRun, soak: HonestRun, tally: Tally, before: dict, after: 
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    with Daemon.spawn(args.model, args.flags, args.daemon_root) as daemon:
+    with Daemon.spawn(args.model, args.flags, args.daemon_root, http=args.http) as daemon:
         hello = await daemon.hello()
         vocab = int(hello.model["vocab_size"])
         daemon.hidden = int(hello.model.get("hidden_size", 0))
@@ -276,7 +280,7 @@ async def main_async(args: argparse.Namespace) -> int:
         tally = Tally()
         reference = await fill_reference(daemon, requests)
         await start_heavy_worker(daemon)
-        hostile = Hostile(daemon.socket, daemon.hidden, args.hostile, args.actions) if args.hostile else None
+        hostile = Hostile(daemon, args.hostile, args.actions) if args.hostile else None
         base = await run_phase(daemon, requests, args.baseline_seconds, args.honest, reference, None, tally)
         before = await daemon.measure(SETTLE_TIMEOUT_S)
         daemon.peak_rss = before["rss"]
@@ -297,17 +301,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hostile", type=int, default=1, help="copies of each hostile client")
     parser.add_argument("--requests", type=int, default=8, help="distinct honest requests")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--actions", default=",".join(a.__name__ for a in HOSTILE_ACTIONS),
-                        help="the hostile actions to run, comma-separated (default: all of them)")
+    parser.add_argument("--http", action="store_true",
+                        help="serve HTTP too, and add the hostile HTTP callers to the default actions")
+    parser.add_argument("--actions", default=None,
+                        help="the hostile actions to run, comma-separated (default: every socket one, "
+                             "and with --http every HTTP one)")
     parser.add_argument("--daemon-root", type=Path, default=ROOT,
                         help="the source tree the daemon runs from (default: this one)")
     parser.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="extra `prefixd serve` flags")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
+    offered = [*HOSTILE_ACTIONS, *(HTTP_HOSTILE_ACTIONS if args.http else [])]
+    if args.actions is None:
+        args.actions = ",".join(a.__name__ for a in offered)
     args.actions = [name for name in args.actions.split(",") if name]
-    known = {a.__name__ for a in HOSTILE_ACTIONS}
+    known = {a.__name__ for a in offered}
     if not set(args.actions) <= known:
-        parser.error(f"--actions: unknown {sorted(set(args.actions) - known)}; known: {sorted(known)}")
+        parser.error(f"--actions: unknown {sorted(set(args.actions) - known)}; known: {sorted(known)}"
+                     + ("" if args.http else " (the http_ ones need --http)"))
     if args.baseline_seconds is None:
         args.baseline_seconds = max(5.0, args.seconds / 2)
     print_machine({"soak": f"{args.seconds:g} s, {args.honest} honest, {args.hostile}x{len(args.actions)} hostile",

@@ -1,7 +1,8 @@
-"""Hostile clients for bench/soak.py: each action is one bounded misbehaviour through the socket.
+"""Hostile clients for bench/soak.py: each action is one bounded misbehaviour through the
+socket (HOSTILE_ACTIONS) or through the HTTP front (HTTP_HOSTILE_ACTIONS, `soak.py --http`).
 
 Every action opens its own connection, does one bad thing, reads what comes back for a
-short while, and closes. Error codes seen are tallied; nothing here asserts.
+short while, and closes. Error codes (HTTP: statuses) seen are tallied; nothing here asserts.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ HUGE_MEMFD_BYTES = 64 << 20
 TRICKLE_BYTES = 64  # body bytes a slow client sends, one at a time, before it leaves
 CHEAP_FLOOD = 600
 CHAT_MESSAGES = 8000
+HTTP_HUGE_BODY = 9 << 20  # over the HTTP front's 8 MiB body limit
+HTTP_DEEP = 100  # JSON nesting, over the front's 64
+HTTP_FLOOD = 20  # cheap requests at once
 
 
 @dataclass
@@ -179,4 +183,135 @@ async def leave_mid_stream(daemon: Any, tally: Tally) -> None:
 
 HOSTILE_ACTIONS: list[Callable[[Any, Tally], Awaitable[None]]] = [
     malformed_frames, huge_memfd, trickle, cheap_flood, nan_image, sampling_edge, huge_chat, leave_mid_stream,
+]
+
+
+# -- through the HTTP front -------------------------------------------------------------------
+
+
+def _chat(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"model": "default", "messages": messages, **extra}
+
+
+_HTTP: Any = None  # one client for the hostile process (a new connection a request: no keep-alive)
+
+
+def _http(daemon: Any) -> Any:
+    """The hostile process's HTTP client: made once, as building one (its TLS context) costs
+    more CPU than the requests it sends."""
+    global _HTTP
+    if _HTTP is None:
+        import httpx
+
+        _HTTP = httpx.AsyncClient(base_url=daemon.http_url, timeout=READ_S,
+                                  limits=httpx.Limits(max_keepalive_connections=0))
+    return _HTTP
+
+
+async def _http_post(daemon: Any, tally: Tally, path: str, content: bytes) -> None:
+    import httpx
+
+    tally.sent += 1
+    try:
+        reply = await _http(daemon).post(path, content=content, headers={"content-type": "application/json"})
+        tally.note(f"http {reply.status_code}")
+    except httpx.HTTPError as e:
+        tally.note(type(e).__name__)
+
+
+async def _raw_http(daemon: Any, head: str, body: bytes, tally: Tally, *, trickle: bool = False) -> None:
+    """A request written by hand on a connection of its own: `head` (the request line and
+    headers), then `body` at once or a byte every 50 ms; a reply is read for a short while."""
+    host, port = daemon.http_url.removeprefix("http://").rsplit(":", 1)
+    stream = await anyio.connect_tcp(host, int(port))
+    async with stream:
+        tally.sent += 1
+        await stream.send(f"{head}host: {host}\r\n\r\n".encode())
+        if trickle:
+            for byte in body:
+                await stream.send(bytes([byte]))
+                await anyio.sleep(0.05)
+            return
+        with anyio.move_on_after(READ_S):
+            try:
+                await stream.send(body)
+                reply = await stream.receive()
+                tally.note(f"http {reply.split(b' ', 2)[1].decode()}")
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError, IndexError):
+                tally.note("closed")
+
+
+async def http_bad_json(daemon: Any, tally: Tally) -> None:
+    """A body that is not JSON, or JSON nested past the front's depth limit."""
+    body = random.choice([b"{not json", b"[" * HTTP_DEEP + b"]" * HTTP_DEEP,
+                          b'{"messages": ' + b"[" * HTTP_DEEP + b"]" * HTTP_DEEP + b"}"])
+    await _http_post(daemon, tally, "/v1/chat/completions", body)
+
+
+async def http_huge_body(daemon: Any, tally: Tally) -> None:
+    """A body announced at 9 MiB (over the limit), its first 64 KiB sent: costs the caller little."""
+    head = f"POST /v1/completions HTTP/1.1\r\ncontent-type: application/json\r\ncontent-length: {HTTP_HUGE_BODY}\r\n"
+    await _raw_http(daemon, head, b'{"prompt": "' + b"a" * (64 << 10), tally)
+
+
+async def http_slow_body(daemon: Any, tally: Tally) -> None:
+    """Headers for a 1 MiB body, then the body a byte at a time, then leave."""
+    head = f"POST /v1/chat/completions HTTP/1.1\r\ncontent-type: application/json\r\ncontent-length: {1 << 20}\r\n"
+    await _raw_http(daemon, head, b" " * TRICKLE_BYTES, tally, trickle=True)
+
+
+async def http_huge_chat(daemon: Any, tally: Tally) -> None:
+    """8,000 tiny chat messages (a heavy render); half the time the caller leaves at once."""
+    import httpx
+
+    messages = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(CHAT_MESSAGES)]
+    tally.sent += 1
+    try:
+        if random.random() < 0.5:
+            with anyio.move_on_after(0.05):
+                await _http(daemon).post("/v1/chat/completions", json=_chat(messages, max_tokens=1))
+            return
+        reply = await _http(daemon).post("/v1/chat/completions", json=_chat(messages, max_tokens=1), timeout=10.0)
+        tally.note(f"http {reply.status_code}")
+    except httpx.HTTPError as e:
+        tally.note(type(e).__name__)
+
+
+async def http_leave_mid_stream(daemon: Any, tally: Tally) -> None:
+    """A streamed chat of 200 tokens: read the first event, leave. (One prompt: the socket's
+    version asks for no caching, which HTTP cannot, so the store does not fill with these.)"""
+    import httpx
+
+    body = _chat([{"role": "user", "content": "count to a thousand"}], max_tokens=200, stream=True)
+    tally.sent += 1
+    try:
+        async with _http(daemon).stream("POST", "/v1/chat/completions", json=body) as reply:
+            async for _ in reply.aiter_lines():
+                break
+    except httpx.HTTPError as e:
+        tally.note(type(e).__name__)
+
+
+async def http_flood(daemon: Any, tally: Tally) -> None:
+    """Twenty cheap completions at once, with sampling at its edges (some legal, some not)."""
+    import httpx
+
+    edges = [{"temperature": 1e308}, {"top_p": 0.0}, {"temperature": -1}, {"top_k": -5}, {"max_tokens": 0}, {}]
+
+    async def one(i: int) -> None:
+        tally.sent += 1
+        try:
+            reply = await _http(daemon).post("/v1/completions", timeout=10.0, json={
+                "model": "default", "prompt": f"x{i}", "max_tokens": 1, **random.choice(edges)})
+            tally.note(f"http {reply.status_code}")
+        except httpx.HTTPError as e:
+            tally.note(type(e).__name__)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(HTTP_FLOOD):
+            tg.start_soon(one, i)
+
+
+HTTP_HOSTILE_ACTIONS: list[Callable[[Any, Tally], Awaitable[None]]] = [
+    http_bad_json, http_huge_body, http_slow_body, http_huge_chat, http_leave_mid_stream, http_flood,
 ]

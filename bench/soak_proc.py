@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,29 +34,34 @@ class Daemon:
     log: Path
     hidden: int = 0
     peak_rss: int = 0
+    http_url: str | None = None  # http://127.0.0.1:PORT when spawned with `http`
 
     @classmethod
     @contextmanager
-    def spawn(cls, model: str, flags: Sequence[str], root: Path = ROOT) -> Iterator[Daemon]:
-        """`root`: the source tree the daemon runs from (another checkout compares code)."""
+    def spawn(cls, model: str, flags: Sequence[str], root: Path = ROOT, *, http: bool = False) -> Iterator[Daemon]:
+        """`root`: the source tree the daemon runs from (another checkout compares code);
+        `http`: the HTTP front on a free loopback port too."""
         with tempfile.TemporaryDirectory(prefix="prefixd-soak-") as tmp:
             sock, log = os.path.join(tmp, "prefixd.sock"), Path(tmp) / "daemon.log"
             cmd = [sys.executable, "-m", "prefixd.daemon.cli", "serve", "--model", model, "--socket", sock,
-                   "--metrics-addr", "", *flags]
+                   "--metrics-addr", "", *(["--http", "127.0.0.1:0"] if http else []), *flags]
             env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
             with open(log, "w") as out:
                 proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root)
             daemon = cls(proc, sock, log)
             try:
-                daemon._wait_ready()
+                daemon._wait_ready(http)
                 yield daemon
             finally:
                 stop_process(proc)
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, http: bool) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
-            if "prefixd: listening on" in self.log.read_text():
+            text = self.log.read_text()
+            found = re.search(r"HTTP on (http://[^/\s]+)", text)
+            if "prefixd: listening on" in text and (found or not http):
+                self.http_url = found.group(1) if found else None
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(f"prefixd exited with {self.proc.returncode}:\n{self.log_tail()}")

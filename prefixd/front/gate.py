@@ -121,6 +121,20 @@ class Gate:
             client.budget.frame(refused=refused)
             await client.budget.wait()
 
+    async def refused(self, peer: Hashable) -> None:
+        """A request of a connectionless front (HTTP) refused with a 4xx, wherever it was
+        refused (its body, its fields, its model, its token): charged `error_cost` to `peer`,
+        as a refused socket frame is, and answered once its client is out of debt. Without
+        this a flood of bad requests cost its sender nothing (bench/soak.py --http)."""
+        if self.pacer.limits.rate is None:
+            return
+        budget = self.pacer.visit(peer)
+        try:
+            budget.frame(refused=True)
+            await budget.wait()
+        finally:
+            self.pacer.leave(budget)
+
     # -- in flight --------------------------------------------------------------------------
 
     def reserve(self, key: Hashable) -> None:

@@ -105,11 +105,6 @@ class HeavyWorkers:
     def started(self) -> bool:
         return self._pool is not None
 
-    def pids(self) -> list[int]:
-        """The worker processes' ids (none before the first heavy job)."""
-        processes = getattr(self._pool, "_processes", None) or {}
-        return sorted(processes)
-
     def _workers(self) -> ProcessPoolExecutor:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(self._slots, mp_context=self._ctx, initializer=_start_worker,

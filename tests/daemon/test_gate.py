@@ -45,6 +45,30 @@ async def test_an_http_flood_is_paced_like_a_socket_client(tmp_path):
     assert server.gate.pacer.totals.waits > 0
 
 
+async def test_refused_http_requests_cost_their_caller_what_refused_socket_frames_do(tmp_path):
+    """Ten credits a second, a burst of 20, a refusal costs 16: a caller sending bodies that are
+    not JSON (400 before any gate step) is charged each and waits once in debt, on the
+    OpenAI routes and the Anthropic one; a second caller, named apart, is not slowed."""
+    bounds = ConnectionBounds(pace=PaceLimits(rate=10.0, burst=20, error_cost=16))
+    async with running_server(tmp_path, http_addr="127.0.0.1:0", bounds=bounds) as server:
+        bad = ("http", "bad")
+        async with httpx.AsyncClient(timeout=60) as http:
+            for _ in range(3):
+                r = await http.post(url(server, "chat/completions"), content=b"{not json",
+                                    headers={"x-prefixd-namespace": "bad", "content-type": "application/json"})
+                assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+            counts = server.gate.pacer.clients[bad].counts
+            assert (counts.frames, counts.errors) == (3, 3) and counts.waits >= 1
+            r = await http.post(url(server, "messages"), json={"model": "default", "max_tokens": 1, "messages": []},
+                                headers={"x-prefixd-namespace": "bad"})
+            assert r.status_code == 400 and server.gate.pacer.clients[bad].counts.errors == 4  # the Anthropic route
+            calm = await http.post(url(server, "completions"), json={"prompt": "ab", "max_tokens": 1},
+                                   headers={"x-prefixd-namespace": "calm"})
+            assert calm.status_code == 200
+            assert server.gate.pacer.clients[("http", "calm")].counts.waits == 0
+        await wait_idle(server)
+
+
 async def test_http_generates_take_fair_seats_and_give_them_back(tmp_path):
     """Two lanes; an HTTP caller holds both with long streams. A socket client's generate is
     seated as soon as one frees, before the HTTP caller's third; every seat comes back."""

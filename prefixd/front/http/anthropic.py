@@ -73,6 +73,7 @@ class MessagesApi:
             self.front._authorize(request)
             return await handler()
         except HttpError as e:
+            await self.front.charge_refusal(request, e)
             return JSONResponse(error_body(e), status_code=e.status)
 
     async def _mapped(self, request: Request, *, counting: bool) -> tuple[MessagesRequest, str]:

@@ -107,7 +107,14 @@ class HttpFront:
             self._authorize(request)
             return await handler()
         except HttpError as e:
+            await self.charge_refusal(request, e)
             return JSONResponse(e.body(), status_code=e.status)
+
+    async def charge_refusal(self, request: Request, error: HttpError) -> None:
+        """A 4xx costs its caller (the namespace header, else its address: the body may be
+        what was wrong) a refused frame's credits, and waits while the caller is in debt."""
+        if 400 <= error.status < 500:
+            await self.gate.refused(self.peer(request, request.headers.get(NAMESPACE_HEADER, "")))
 
     async def _models(self) -> Response:
         entry = {"id": self.model, "object": "model", "created": 0, "owned_by": "prefixd"}
@@ -129,10 +136,14 @@ class HttpFront:
             raise HttpError(404, f"model {model!r} is not served here; this daemon serves {self.model!r}",
                             param="model", code="model_not_found")
 
+    @staticmethod
+    def peer(request: Request, namespace: str) -> tuple[str, str]:
+        """Who a request is from: its namespace where it names one, else its address."""
+        return ("http", namespace) if namespace else ("http", request.client.host if request.client else "")
+
     def client(self, request: Request, namespace: str) -> GateClient:
-        """The gate's client of one request: its namespace where it names one, else its address."""
-        peer = ("http", namespace) if namespace else ("http", request.client.host if request.client else "")
-        return self.gate.join(peer, connection=False)
+        """The gate's client of one request (`peer`)."""
+        return self.gate.join(self.peer(request, namespace), connection=False)
 
     # -- generate ---------------------------------------------------------------------------
 
