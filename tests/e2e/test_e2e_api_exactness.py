@@ -22,6 +22,7 @@ SYSTEM = ("You are a terse assistant for a developer. Answer in one short senten
 FIRST = "Which file holds the settings in a Django project?"
 SECOND = "And where do the URL routes live?"
 MAX_TOKENS = 12
+DRAFT_TRIES = 8  # reference generates until one drafts (see the first test)
 EXTENSION = {"logits": True}
 
 
@@ -92,12 +93,20 @@ def first_reply(daemon) -> str:
 def test_every_api_gives_the_socket_s_ids_logits_and_logprobs(daemon, first_reply):
     proc, base = daemon
     messages = [{"role": "system", "content": SYSTEM}, *turn(first_reply)]
+    # The drafter drafts where its measured round costs say it pays (scheduler/draftpolicy.py):
+    # on a loaded machine a short reply may go undrafted. Each try, drafted or not, must give
+    # the same bits; the first drafted one is the reference (draft "off" below differs in its rounds).
     with SyncClient(proc.socket) as client:
-        solo = client.generate(messages=messages, max_tokens=MAX_TOKENS, sampling={"temperature": 0},
-                               logits=True, logprobs=0, namespace="socket-cold").collect()
-    want = (tuple(solo.ids), tuple(solo.logits_sha256))
+        for attempt in range(DRAFT_TRIES):
+            solo = client.generate(messages=messages, max_tokens=MAX_TOKENS, sampling={"temperature": 0},
+                                   logits=True, logprobs=0, namespace=f"socket-cold-{attempt}").collect()
+            got = (tuple(solo.ids), tuple(solo.logits_sha256))
+            want = got if attempt == 0 else want
+            assert got == want, attempt
+            if solo.usage.draft_tokens > 0:
+                break
     assert len(solo.ids) >= MAX_TOKENS // 2  # several tokens to compare (the model may end before MAX_TOKENS)
-    assert solo.usage.draft_tokens > 0  # it drafts (--draft ngram): draft "off" below differs in its rounds
+    assert solo.usage.draft_tokens > 0, f"no try of {DRAFT_TRIES} drafted (--draft ngram)"
     for name, api in APIS.items():
         got = api(base, turn(first_reply), f"{name}-cold")
         assert bits(got) == want, name
