@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import markdown_table, print_machine  # noqa: E402
-from bench.soak_hostile import CHAT_MESSAGES, HOSTILE_ACTIONS, HTTP_HOSTILE_ACTIONS, Tally  # noqa: E402
+from bench.soak_hostile import HOSTILE_ACTIONS, HTTP_HOSTILE_ACTIONS, Tally, huge_chat_messages  # noqa: E402
 from bench.soak_proc import Daemon  # noqa: E402
 from prefixd.ipc.client import AsyncClient  # noqa: E402
 from prefixd.ipc.errors import ClientError  # noqa: E402
@@ -221,7 +221,7 @@ async def start_heavy_worker(daemon: Daemon) -> None:
     """One heavy render (a huge_chat's), untimed: it starts the front's heavy worker process,
     a fixed cost kept for the daemon's life (prefixd/front/heavy.py), so RSS before and after
     the soak compare the same processes."""
-    messages = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(CHAT_MESSAGES)]
+    messages = huge_chat_messages()
     async with await AsyncClient.connect(daemon.socket) as client:
         with anyio.fail_after(REQUEST_TIMEOUT_S):
             await client.tokenize(messages=messages)

@@ -33,6 +33,11 @@ HTTP_DEEP = 100  # JSON nesting, over the front's 64
 HTTP_FLOOD = 20  # cheap requests at once
 
 
+def huge_chat_messages() -> list[dict[str, str]]:
+    """CHAT_MESSAGES tiny chat messages: a heavy render (about 250 ms on 2 cores)."""
+    return [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(CHAT_MESSAGES)]
+
+
 @dataclass
 class Tally:
     """Hostile requests sent and the error codes (or finish reasons) they got back."""
@@ -160,7 +165,7 @@ async def sampling_edge(daemon: Any, tally: Tally) -> None:
 
 async def huge_chat(daemon: Any, tally: Tally) -> None:
     """8,000 tiny chat messages; half the time the client leaves before the render ends."""
-    messages = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(CHAT_MESSAGES)]
+    messages = huge_chat_messages()
     async with await FramedStream.connect(daemon.socket) as framed:
         tally.sent += 1
         await framed.send({"type": "tokenize", "id": 1, "messages": messages})
@@ -264,7 +269,7 @@ async def http_huge_chat(daemon: Any, tally: Tally) -> None:
     """8,000 tiny chat messages (a heavy render); half the time the caller leaves at once."""
     import httpx
 
-    messages = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(CHAT_MESSAGES)]
+    messages = huge_chat_messages()
     tally.sent += 1
     try:
         if random.random() < 0.5:

@@ -249,12 +249,13 @@ class Engine:
         decodes, nothing waiting or prefilling is short), so the next round would be theirs
         alone and a client whose short request just ended would find it in flight. True at
         most once after each busy spell (docs/store.md, *Round policy*)."""
-        if not self._streams:
-            return False
+        if not self.policy.pause_owed or not self._streams:
+            return False  # checked before the streams: it is asked before every round
         short = self.config.short_prefill_rows
         if any(s.decoding or is_short(s, short) for s in self._streams.values()):
             return False
-        return self.policy.take_pause()
+        self.policy.take_pause()
+        return True
 
     @property
     def idle(self) -> bool:

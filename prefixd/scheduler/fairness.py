@@ -93,7 +93,11 @@ class RoundPolicy:
         else:
             self._pause_owed = False
 
-    def take_pause(self) -> bool:
-        """Whether a busy spell ended with no pause taken since (`pause_before_long`); once."""
-        owed, self._pause_owed = self._pause_owed, False
-        return owed
+    @property
+    def pause_owed(self) -> bool:
+        """Whether a busy spell ran with no pause taken since (`pause_before_long`)."""
+        return self._pause_owed
+
+    def take_pause(self) -> None:
+        """The pause owed is taken (once per busy spell)."""
+        self._pause_owed = False
