@@ -6,12 +6,18 @@ milliseconds in Python: rendering 8,000 short messages and tokenizing the result
 while the system gives that thread's core to the engine the loop waits for a lock whose
 holder is not running (bench/soak.py: beside huge chats alone the honest p99 TTFT was 154 ms
 against 32 ms without them; at the thread's normal niceness, 324 ms). A process shares no
-lock with the loop. It runs at niceness HEAVY_NICE, the lowest, so it takes little more than
-what the engine and the loop leave: beside a hostile client rendering huge chats back to back
-the soak's honest p99 TTFT was 1.35-1.39x its baseline at niceness 10 and 1.18x at 19. A
-heavy request of an agent (a long system prompt and tool list) renders in tens of
-milliseconds on an idle engine; beside a busy one it waits longer, next to prefill work of
-seconds.
+lock with the loop. It runs under the scheduling class SCHED_IDLE where the system has one
+(Linux), else at niceness HEAVY_NICE, the lowest, so it takes only what the engine and the
+loop leave: beside a hostile client rendering huge chats back to back the soak's honest p99
+TTFT was 1.35-1.39x its baseline at niceness 10 and 1.18x at 19. Niceness alone still let the
+worker hold a core for tens of milliseconds: the engine's threads sleep for moments between
+the operations of a round, the worker takes the core, and a thread that wakes is not sure to
+get it back at once. Rounds of 40 ms and more (10-13 ms is usual) came with its renders;
+under SCHED_IDLE any other task that wakes takes the core from it at once (huge chats beside
+honest clients: 7 such rounds in 45 s at niceness 19, none under SCHED_IDLE; docs/benchmarks.md).
+A heavy request of an agent (a long system prompt and tool list) renders in tens of
+milliseconds on an idle engine; beside a busy one it runs in the moments the engine leaves,
+next to prefill work of seconds.
 
 `HeavyWorkers` keeps one process per heavy slot (`ConnectionBounds.max_heavy_jobs`), started
 on the first heavy job and kept for the daemon's life. Each builds its own builder with
@@ -42,7 +48,7 @@ from prefixd.ipc.errors import ErrorCode, ProtocolError
 
 log = logging.getLogger("prefixd.front")
 
-HEAVY_NICE = 19  # a heavy job's worker process runs at this niceness: the lowest
+HEAVY_NICE = 19  # a heavy job's worker process runs at this niceness (the lowest), and under SCHED_IDLE
 PROBE_EVERY_S = 0.1  # how often a running job's client is checked
 
 
@@ -66,13 +72,24 @@ _builder: Any = None
 _gone: Any = None  # the shared flags: slot -> 1 once that slot's client has left
 
 
-def _start_worker(make_builder: Callable[[], Any], gone: Any, nice: int) -> None:
-    global _builder, _gone
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when its workers stop
+def lower_priority(nice: int) -> None:
+    """Run the calling process (its main thread, and the threads it starts after) at niceness
+    `nice`, and under SCHED_IDLE where the system has it; whatever the system refuses stays."""
     try:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
     except OSError:
         pass
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            pass
+
+
+def _start_worker(make_builder: Callable[[], Any], gone: Any, nice: int) -> None:
+    global _builder, _gone
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when its workers stop
+    lower_priority(nice)
     _builder, _gone = make_builder(), gone
     warm = getattr(_builder, "warm", None)
     if warm is not None:
