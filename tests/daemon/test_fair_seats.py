@@ -12,6 +12,7 @@ import threading
 import anyio
 import pytest
 
+from prefixd.front import gate as gate_module
 from prefixd.front.fair import FairSeats
 from prefixd.front.requests import RequestBuilder
 from prefixd.ipc.client import AsyncClient
@@ -63,9 +64,11 @@ async def test_a_connection_holding_no_lane_is_seated_before_one_holding_lanes(t
 
 async def test_generates_on_one_connection_take_seats_in_the_order_sent_whichever_build_ends_first(
         tmp_path, monkeypatch):
-    """A connection's generates are built in worker threads, so a later one's build may end
-    first; it still waits for the earlier one to ask for its seat. Here the first build is
-    held until the second's has ended: the second must not be seated before it."""
+    """A connection's generates are built in worker threads (all but the smallest: here none
+    is small enough for the loop), so a later one's build may end first; it still waits for
+    the earlier one to ask for its seat. Here the first build is held until the second's has
+    ended: the second must not be seated before it."""
+    monkeypatch.setattr(gate_module, "INLINE_CHARS", -1)
     second_built = threading.Event()
     build = RequestBuilder.generate
 

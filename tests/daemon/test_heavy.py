@@ -1,7 +1,8 @@
 """Heavy builds run in worker processes of their own at HEAVY_NICE and under SCHED_IDLE, light
-ones on a thread of the front; a client gone mid-render stops it; a worker that dies fails
-only its job, and the next heavy job is served; through a real daemon, a huge chat render
-happens in a worker process and answers exactly as a thread's render would."""
+ones on a thread of the front, small plain ones on the event loop; a client gone mid-render
+stops it; a worker that dies fails only its job, and the next heavy job is served; through a
+real daemon, a huge chat render happens in a worker process and answers exactly as a
+thread's render would."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ import anyio
 import pytest
 
 from prefixd.front.bounds import ConnectionBounds
-from prefixd.front.gate import HEAVY_MESSAGES, Gate, GateClient
+from prefixd.front.gate import HEAVY_MESSAGES, INLINE_CHARS, INLINE_TOKENS, Gate, GateClient, is_inline
 from prefixd.front.heavy import HEAVY_NICE, BuildJob, HeavyWorkers
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 from tests.daemon.harness import running_server
 
 HEAVY = {"messages": [{"role": "user", "content": "x"}] * (HEAVY_MESSAGES + 1)}
-LIGHT = {"prompt": "short"}
+SMALL = {"prompt": "short"}
+LIGHT = {"prompt": "x" * (INLINE_CHARS + 1)}
 STOP_WAIT_S = 60.0  # a liveness bound on a render waiting to be told to stop
 
 
@@ -41,7 +43,8 @@ class Where:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "messages: no", 7)
         if action == "die":
             os.kill(os.getpid(), signal.SIGKILL)
-        return os.getpid(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), _policy()
+        return (os.getpid(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), _policy(),
+                threading.get_ident())
 
 
 def _policy() -> int | None:
@@ -58,15 +61,29 @@ def make_gate(slots: int = 1) -> Gate:
     return Gate(None, bounds, 1, Where(), HeavyWorkers(Where, slots))  # type: ignore[arg-type]
 
 
+def test_only_small_plain_builds_run_on_the_loop():
+    assert is_inline({"tokens": [1] * INLINE_TOKENS}) and is_inline({"prompt": "x" * INLINE_CHARS})
+    assert is_inline({"text": "hello"}) and is_inline({"tokens": [5, 6], "response_format": {"type": "text"}})
+    for msg in ({"tokens": [1] * (INLINE_TOKENS + 1)}, {"prompt": "x" * (INLINE_CHARS + 1)},
+                {"messages": [{"role": "user", "content": "hi"}]}, {"tokens": [1], "images": [{}]},
+                {"prompt": "hi", "tools": [{"type": "function"}]},
+                {"prompt": "hi", "response_format": {"type": "json_object"}},
+                {"prompt": ["not", "a", "string"]}, {"tokens": "not a list"}):
+        assert not is_inline(msg), msg
+
+
 async def test_heavy_work_runs_in_a_niced_worker_process_and_light_work_in_the_front():
     gate = make_gate()
     client = GateClient("someone")
     try:
         assert not gate.heavy.started  # nothing is started before the first heavy job
-        light = await gate.build(client, LIGHT, BuildJob("tokenize", (LIGHT,)), probe=lambda: False)
-        assert light == (os.getpid(), os.getpriority(os.PRIO_PROCESS, 0), _policy())
+        small = await gate.build(client, SMALL, BuildJob("tokenize", (SMALL,)), probe=lambda: False)
+        assert small == (os.getpid(), os.getpriority(os.PRIO_PROCESS, 0), _policy(), threading.get_ident())
+        *light, light_thread = await gate.build(client, LIGHT, BuildJob("tokenize", (LIGHT,)), probe=lambda: False)
+        assert light == [os.getpid(), os.getpriority(os.PRIO_PROCESS, 0), _policy()]
+        assert light_thread != threading.get_ident()  # a worker thread: the loop goes on meanwhile
         assert not gate.heavy.started
-        pid, nice, policy = await gate.build(client, HEAVY, BuildJob("tokenize", (HEAVY,)), probe=lambda: False)
+        pid, nice, policy, _ = await gate.build(client, HEAVY, BuildJob("tokenize", (HEAVY,)), probe=lambda: False)
         assert pid != os.getpid() and parent_of(pid) == os.getpid()  # a worker process of ours
         assert nice == max(os.getpriority(os.PRIO_PROCESS, 0), min(19, HEAVY_NICE))
         if hasattr(os, "SCHED_IDLE") and policy is not None:
