@@ -7,6 +7,7 @@
 - `retain_freed_memory` (the engine): keep freed heap for the next round instead of handing
   it back and faulting it in again page by page.
 - `return_idle_memory`: collect cyclic garbage, then hand freed heap back (an idle spell).
+- `trim_heap`: hand freed heap back (a front's heavy worker, after each job).
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def retain_freed_memory() -> bool:
 def return_idle_memory() -> None:
     """Collect cyclic garbage, then hand freed heap back to the system (glibc's malloc_trim)."""
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Hand freed heap back to the system (glibc's malloc_trim; a no-op elsewhere)."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):

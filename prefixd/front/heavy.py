@@ -44,6 +44,7 @@ from typing import Any, Callable, Literal
 
 import anyio
 
+from prefixd.engine.memory import trim_heap
 from prefixd.ipc.errors import ErrorCode, ProtocolError
 
 log = logging.getLogger("prefixd.front")
@@ -97,7 +98,12 @@ def _start_worker(make_builder: Callable[[], Any], gone: Any, nice: int) -> None
 
 
 def _run_job(job: BuildJob, slot: int) -> Any:
-    return job.run(_builder, lambda: _gone[slot] != 0)
+    try:
+        return job.run(_builder, lambda: _gone[slot] != 0)
+    finally:
+        # A render of thousands of messages leaves tens of megabytes of freed heap that glibc
+        # keeps; handing it back costs ~3 ms (the soak's worker: 90 -> 119 MB in 30 s without).
+        trim_heap()
 
 
 # -- in the front ---------------------------------------------------------------------------
