@@ -14,9 +14,9 @@ Starts `prefixd serve` on the default model (Unix socket only, metrics off), the
    `--http` also hostile HTTP callers (bodies that are not JSON or nest too deep, bodies over
    the limit, a body trickled a byte at a time, huge chats, streams left after one event,
    floods of completions at sampling edges) beside the same honest socket clients;
-3. settle: wait until no lane is busy and the engine host's idle trim has run (IDLE_TRIM_S
-   of idle, plus 1 s; the same wait precedes the "before" reading), then read RSS, fds and
-   pages again.
+3. settle: wait until no lane is busy and both processes' idle trims have run (each hands
+   freed heap back once after IDLE_TRIM_S idle; status counts them; the same wait precedes
+   the "before" reading), then read RSS (by process too), fds and pages again.
 
 It prints one table: requests served, errors by code, honest p50/p99 TTFT with and without
 hostile clients and their ratio, whether honest outputs are bit-equal to the reference,
@@ -260,6 +260,8 @@ def report(base: HonestRun, soak: HonestRun, tally: Tally, before: dict, after: 
         ("honest failures by kind (soak)", ", ".join(f"{k} {v}" for k, v in sorted(soak.failure_kinds.items())) or "none"),
         ("RSS before / peak / after", f"{before['rss'] / mib:.0f} / {peak_rss / mib:.0f} / {after['rss'] / mib:.0f} MiB"),
         ("RSS after / before", f"{after['rss'] / before['rss']:.3f}"),
+        ("RSS before / after by process", ", ".join(
+            f"{name} {before['rss_by'].get(name, 0) / mib:.0f} / {rss / mib:.0f} MiB" for name, rss in after["rss_by"].items())),
         ("processes before / after (the front and its children)", f"{before['processes']} / {after['processes']}"),
         ("fds before / after", f"{before['fds']} / {after['fds']}"),
         ("pages used before / after", f"{before['pages_used']} / {after['pages_used']}"),

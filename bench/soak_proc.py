@@ -83,14 +83,24 @@ class Daemon:
 
     def rss_bytes(self) -> int:
         """The RSS of the front and its children together."""
-        total = 0
+        return sum(self.rss_by_process().values())
+
+    def rss_by_process(self) -> dict[str, int]:
+        """RSS by process: "front", "engine", "heavy" (the heavy render workers together) and
+        "other" (the pool's resource tracker)."""
+        out: dict[str, int] = {}
         for pid in self.pids():
             try:
                 with open(f"/proc/{pid}/status") as f:
-                    total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+                    rss = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
             except OSError:
-                pass
-        return total
+                continue
+            name = ("front" if pid == self.proc.pid else "engine" if b"prefixd.engine" in cmdline
+                    else "heavy" if b"spawn_main" in cmdline else "other")
+            out[name] = out.get(name, 0) + rss
+        return out
 
     def num_fds(self) -> int:
         total = 0
@@ -132,7 +142,8 @@ class Daemon:
 
     async def measure(self, settle_timeout_s: float) -> dict[str, int]:
         """RSS, fds and pages once no lane is busy and nothing waits (or the timeout passes),
-        and the engine has been idle long enough to return its retained heap."""
+        and both processes have handed their freed heap back (each does once after IDLE_TRIM_S
+        idle: wait for both trim counts to move, or for 3 x IDLE_TRIM_S)."""
         deadline = time.monotonic() + settle_timeout_s
         async with await AsyncClient.connect(self.socket) as client:
             while True:
@@ -140,9 +151,16 @@ class Daemon:
                 if (status["lanes_busy"] == 0 and status["waiting"] == 0) or time.monotonic() > deadline:
                     break
                 await anyio.sleep(0.1)
-        await anyio.sleep(IDLE_TRIM_S + 1.0)  # the engine process returns freed heap after IDLE_TRIM_S idle
+            trims = (status.get("engine_trims"), status.get("front_trims"))
+            trimmed_by = time.monotonic() + 3 * IDLE_TRIM_S
+            while time.monotonic() < trimmed_by:
+                await anyio.sleep(0.25)
+                now = await client.status()
+                if all(a is None or b != a for a, b in zip(trims, (now.get("engine_trims"), now.get("front_trims")))):
+                    break
         self.peak_rss = max(self.peak_rss, self.rss_bytes())
-        return {"rss": self.rss_bytes(), "fds": self.num_fds(), "processes": len(self.pids()),
+        return {"rss": self.rss_bytes(), "rss_by": self.rss_by_process(), "fds": self.num_fds(),
+                "processes": len(self.pids()),
                 "pages_used": status["pages_used"],
                 "lanes_busy": status["lanes_busy"], "waiting": status["waiting"]}
 

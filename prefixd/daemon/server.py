@@ -388,6 +388,7 @@ class Server:
             **self.gate.stats(),
             "engine": {"pid": self.link.pid, "state": self.link.state, "restarts": self.link.restarts,
                        "stalls": self.link.stalls, "last_death": self.link.last_death},
+            "front_trims": self.num_trims,
             "uptime_s": time.monotonic() - self._started_s,
             "socket": str(self.socket_path) if self.socket_path else None,
             "shutting_down": self.should_exit,

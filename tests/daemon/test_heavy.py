@@ -15,11 +15,13 @@ from typing import Any
 import anyio
 import pytest
 
+from prefixd.daemon import server as server_module
 from prefixd.front.bounds import ConnectionBounds
 from prefixd.front.gate import HEAVY_MESSAGES, INLINE_CHARS, INLINE_TOKENS, Gate, GateClient, is_inline
 from prefixd.front.heavy import HEAVY_NICE, BuildJob, HeavyWorkers
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.errors import ErrorCode, ProtocolError
+from tests.daemon.fakes import LetterDevice
 from tests.daemon.harness import running_server
 
 HEAVY = {"messages": [{"role": "user", "content": "x"}] * (HEAVY_MESSAGES + 1)}
@@ -145,3 +147,28 @@ async def test_a_huge_chat_through_the_socket_is_rendered_in_a_worker_process_wi
         assert server.gate.heavy.started
         assert (tuple(got.ids), tuple(got.message_starts)) == (expected.ids, expected.message_starts)
         assert (server.gate.heavy_running, server.gate.heavy_waiting) == (0, 0)
+
+
+async def test_the_front_hands_freed_heap_back_once_an_idle_spell_and_status_counts_it(tmp_path, monkeypatch):
+    """After work (here a generate held open), the front trims its heap once it has been idle
+    IDLE_TRIM_S, once a spell; status's front_trims counts the trims (bench/soak.py waits for
+    it before it reads RSS)."""
+    monkeypatch.setattr(server_module, "IDLE_TRIM_S", 0.4)
+    device = LetterDevice(num_lanes=1)
+    async with running_server(tmp_path, device) as server:
+        async with await AsyncClient.connect(server.socket_path) as client:
+            assert (await client.status())["front_trims"] == 0
+            device.gate.clear()
+            held = await client.generate(prompt="held", max_tokens=2).start()
+            with anyio.fail_after(30):  # liveness bounds, not timing assertions
+                while not device.waiting:
+                    await anyio.sleep(0.01)
+            await anyio.sleep(0.3)  # the trim loop looks every IDLE_TRIM_S / 4: it sees the stream
+            assert server.num_trims == 0  # not while a stream is open (a status would wait for the round)
+            device.gate.set()
+            await held.collect()
+            with anyio.fail_after(30):
+                while (await client.status())["front_trims"] == 0:
+                    await anyio.sleep(0.05)
+            await anyio.sleep(1.0)  # more than twice IDLE_TRIM_S, idle all along
+            assert (await client.status())["front_trims"] == 1  # once a spell
