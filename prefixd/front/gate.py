@@ -153,14 +153,11 @@ class Gate:
         refused (its body, its fields, its model, its token): charged `error_cost` to `peer`,
         as a refused socket frame is, and answered once its client is out of debt. Without
         this a flood of bad requests cost its sender nothing (bench/soak.py --http)."""
-        if self.pacer.limits.rate is None:
-            return
-        budget = self.pacer.visit(peer)
+        client = self.join(peer, connection=False)
         try:
-            budget.frame(refused=True)
-            await budget.wait()
+            await self.paced(client, refused=True)
         finally:
-            self.pacer.leave(budget)
+            self.leave(client)
 
     # -- in flight --------------------------------------------------------------------------
 
