@@ -1,5 +1,6 @@
-"""Build, load and feed prefixd's CPU kernels: mode int4's product (csrc/int4_mm.cpp) and its
-paged attention (csrc/attention.cpp).
+"""Build, load and feed prefixd's CPU kernels: mode int4's product (csrc/int4_mm.cpp), its
+paged attention (csrc/attention.cpp) and a round's decoder layers in one call of both
+(csrc/layers.cpp).
 
 They are C++ against torch's own headers and libraries, built into one library the first time
 a process needs them with the system's C++ compiler (half a minute or so) and kept in a cache
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("int4_mm.cpp", "attention.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("int4_mm.cpp", "attention.cpp", "layers.cpp"))
 HEADERS = (Path(__file__).parent / "csrc" / "common.h",)  # part of the cache key too
 GROUP = 32  # inputs sharing a scale and base; also the activations' quantization group
 BLOCK_N = 32  # outputs a block of the packed layout holds
@@ -217,6 +218,20 @@ def rope_kv(qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], qk: to
     fp32; qk (>= R, heads + kv_heads, D) bf16; pools as `attend`'s; slots
     (n <= R,) int64: rows 0..n-1 go to the pool."""
     torch.ops.prefixd.rope_kv(qkv, tables[0], tables[1], qk, k_pool, v_pool, slots, heads)
+
+
+def layers_int4(h: torch.Tensor, weights: list[torch.Tensor], outs: list[int], eps: float, qk: torch.Tensor,
+                attn: torch.Tensor, act: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor],
+                k_pools: list[torch.Tensor], v_pools: list[torch.Tensor], slots: torch.Tensor,
+                index: tuple[torch.Tensor, torch.Tensor], heads: int) -> None:
+    """Every decoder layer of a round into `h` (fp32 (R, hidden), updated in place), with the bits
+    of model.LlamaModel's loop over `matmul`, `rope_kv` and `attend` (csrc/layers.cpp has the
+    order). weights: ten a layer (input norm, then codes and scales of qkv and o, post norm,
+    codes and scales of gate_up and down); outs: the four products' widths a layer; qk, attn,
+    act: the round's buffers (model._Round); tables: q-scaled rope tables; index:
+    `attention_index`'s (spans, tables)."""
+    torch.ops.prefixd.layers_int4(h, weights, outs, eps, qk, attn, act, tables[0], tables[1], k_pools, v_pools,
+                                  slots, index[0], index[1], heads)
 
 
 def attention_index(spans) -> tuple[torch.Tensor, torch.Tensor]:

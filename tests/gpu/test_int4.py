@@ -453,3 +453,35 @@ except ValueError as exc:
     assert lines[1].startswith("refused: mode 'int4' needs prefixd's CPU kernel") and "no-such-compiler" in lines[1]
     assert "--mode auto runs the invariant mode" in done.stderr
     assert not list(tmp_path.glob("*.so"))
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "default"])
+def test_a_rounds_layers_in_one_call_have_the_python_loops_bits(model, request, monkeypatch):
+    """Mode int4 runs a round's decoder layers as one call of the CPU kernels (csrc/layers.cpp):
+    its logits and K/V are the Python loop's (`one_call = False`), bit for bit, over prefill
+    chunks of three lanes, then decode rounds of all three together; the tiny model's pages are
+    bf16 (head_dim 16), the default model's 8-bit."""
+    from prefixd.scheduler.records import RoundPlan
+    from tests.gpu.runner_helpers import kv_equal, lane_pages, make_runner, prompt, run_chunks, work
+
+    spec = request.getfixturevalue("tiny_llama_dir" if model == "tiny_llama" else "default_gguf")
+    calls = []
+    real = cpu_kernels.layers_int4
+    monkeypatch.setattr(cpu_kernels, "layers_int4", lambda *a: (calls.append(1), real(*a))[1])
+    runners = [make_runner(spec, torch.bfloat16, mode="int4", num_lanes=3, num_pages=60) for _ in range(2)]
+    runners[1].model.one_call = False
+    assert runners[0].model.one_call
+    outs = []
+    for runner in runners:
+        logits = [run_chunks(runner, lane, prompt(19 + 7 * lane, seed=lane), lane_pages(lane), (8, 11 + 7 * lane))
+                  for lane in range(3)]
+        for step in range(3):
+            plan = RoundPlan(tuple(work(lane, 19 + 7 * lane + step, (100 + step + lane,), lane_pages(lane), prefill=False)
+                                   for lane in range(3)))
+            logits += [r.logits for r in runner.run_round(plan).lanes]
+        outs.append(logits)
+    assert len(calls) == 6 + 3, "the one-call runner took the loop"
+    for a, b in zip(*outs):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    for lane in range(3):
+        assert kv_equal(runners[0], lane_pages(lane), runners[1], lane_pages(lane), 22 + 7 * lane)
