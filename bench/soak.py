@@ -13,7 +13,11 @@ Starts `prefixd serve` on the default model (Unix socket only, metrics off), the
    edges, huge chat renders (some abandoned mid-render), clients that leave mid-stream; with
    `--http` also hostile HTTP callers (bodies that are not JSON or nest too deep, bodies over
    the limit, a body trickled a byte at a time, huge chats, streams left after one event,
-   floods of completions at sampling edges) beside the same honest socket clients;
+   floods of completions at sampling edges) beside the same honest socket clients.
+   Baseline and soak alternate in --windows pairs of windows (a sixth of each time by
+   default), so that a slow spell of a shared machine falls on both phases, not on one; a
+   soak window ends when every hostile action has returned, and the next baseline window
+   starts then. RSS "before" is read after the first baseline window;
 3. settle: wait until no lane is busy and both processes' idle trims have run (each hands
    freed heap back once after IDLE_TRIM_S idle; status counts them; the same wait precedes
    the "before" reading), then read RSS (by process too), fds and pages again.
@@ -121,10 +125,12 @@ async def _one_generate(client: AsyncClient, request: dict[str, Any]) -> tuple[t
 
 
 async def run_phase(daemon: Daemon, requests: list[dict[str, Any]], seconds: float, num_honest: int,
-                    reference: dict[int, tuple], hostile: Hostile | None, tally: Tally) -> HonestRun:
+                    reference: dict[int, tuple], hostile: Hostile | None, tally: Tally,
+                    run: HonestRun | None = None) -> HonestRun:
     """Honest clients (and the hostile ones, in their own process) until `seconds` pass; the
-    daemon threads' CPU time over the phase goes to `run.cpu_s`."""
-    run = HonestRun()
+    daemon threads' CPU time over the phase is added to `run.cpu_s`. `run`: a phase's record
+    that earlier windows of the same phase started (a fresh one when None)."""
+    run = HonestRun() if run is None else run
     if hostile is not None:
         await anyio.to_thread.run_sync(hostile.ready.wait, 120.0)  # the child has imported everything
     cpu_before, children_before = daemon.thread_cpu_s(), daemon.children_cpu_s()
@@ -135,10 +141,12 @@ async def run_phase(daemon: Daemon, requests: list[dict[str, Any]], seconds: flo
         tg.start_soon(daemon.sample_rss, deadline)
         for c in range(num_honest):
             tg.start_soon(honest_client, daemon.socket, requests, c * 3, deadline, run, reference)
-    run.cpu_s = _cpu_used(cpu_before, daemon.thread_cpu_s(), daemon.proc.pid)
-    run.cpu_s["engine"] = daemon.children_cpu_s() - children_before  # the engine process, all its threads
+    used = _cpu_used(cpu_before, daemon.thread_cpu_s(), daemon.proc.pid)
+    used["engine"] = daemon.children_cpu_s() - children_before  # the engine process, all its threads
+    for key, value in used.items():
+        run.cpu_s[key] = run.cpu_s.get(key, 0.0) + value
     if hostile is not None:
-        await anyio.to_thread.run_sync(hostile.collect, tally)
+        await anyio.to_thread.run_sync(hostile.collect, tally)  # every hostile action has returned
     return run
 
 
@@ -166,31 +174,36 @@ class Hostile:
         self._go.put(deadline)  # time.monotonic() is the system's CLOCK_MONOTONIC: shared by processes
 
     def collect(self, tally: Tally) -> None:
+        """Wait for the window `start` began to end (every hostile action returned) and add its counts."""
         sent, codes, cpu_s = self._results.get(timeout=120.0)
         tally.sent += sent
         tally.codes.update(codes)
         tally.cpu_s += cpu_s
+
+    def stop(self) -> None:
+        self._go.put(None)
         self.proc.join(timeout=10.0)
 
 
 def _hostile_main(target: dict[str, Any], copies: int, actions: list[str], ready: Any, go: Any,
                   results: Any) -> None:
+    """One window of hostile actions per deadline `go` hands over, until it hands over None."""
     by_name = {action.__name__: action for action in [*HOSTILE_ACTIONS, *HTTP_HOSTILE_ACTIONS]}
     chosen = [by_name[name] for name in actions]
     ready.set()
-    deadline = go.get()
     target = SimpleNamespace(**target)
-    tally = Tally()
+    while (deadline := go.get()) is not None:
+        tally = Tally()
 
-    async def run() -> None:
-        async with anyio.create_task_group() as tg:
-            for _ in range(copies):
-                for action in chosen:
-                    tg.start_soon(_hostile_loop, action, target, deadline, tally)
+        async def run() -> None:
+            async with anyio.create_task_group() as tg:
+                for _ in range(copies):
+                    for action in chosen:
+                        tg.start_soon(_hostile_loop, action, target, deadline, tally)
 
-    cpu_before = time.process_time()
-    anyio.run(run)
-    results.put((tally.sent, dict(tally.codes), time.process_time() - cpu_before))
+        cpu_before = time.process_time()
+        anyio.run(run)
+        results.put((tally.sent, dict(tally.codes), time.process_time() - cpu_before))
 
 
 async def _hostile_loop(action: Any, daemon: Daemon, deadline: float, tally: Tally) -> None:
@@ -239,7 +252,7 @@ def _cpu_text(cpu_s: dict[str, float], seconds: float) -> str:
 
 
 def report(base: HonestRun, soak: HonestRun, tally: Tally, before: dict, after: dict, peak_rss: int,
-           seconds: float, base_seconds: float) -> str:
+           seconds: float, base_seconds: float, windows: int) -> str:
     def ms(v: float) -> str:
         return f"{v * 1000:.1f} ms"
 
@@ -248,6 +261,7 @@ def report(base: HonestRun, soak: HonestRun, tally: Tally, before: dict, after: 
     mib = 1 << 20
     rows = [
         ("soak time", f"{seconds:g} s"),
+        ("windows (baseline and soak alternate)", str(windows)),
         ("honest requests served (baseline / soak)", f"{base.served} / {soak.served}"),
         ("hostile requests sent", str(tally.sent)),
         ("errors by code (hostile)", ", ".join(f"{k} {v}" for k, v in sorted(tally.codes.items())) or "none"),
@@ -283,12 +297,19 @@ async def main_async(args: argparse.Namespace) -> int:
         reference = await fill_reference(daemon, requests)
         await start_heavy_worker(daemon)
         hostile = Hostile(daemon, args.hostile, args.actions) if args.hostile else None
-        base = await run_phase(daemon, requests, args.baseline_seconds, args.honest, reference, None, tally)
-        before = await daemon.measure(SETTLE_TIMEOUT_S)
-        daemon.peak_rss = before["rss"]
-        soak = await run_phase(daemon, requests, args.seconds, args.honest, reference, hostile, tally)
+        base, soak, before = HonestRun(), HonestRun(), None
+        for _ in range(args.windows):
+            await run_phase(daemon, requests, args.baseline_seconds / args.windows, args.honest, reference, None,
+                            tally, base)
+            if before is None:  # after the first baseline window: every process started, nothing hostile yet
+                before = await daemon.measure(SETTLE_TIMEOUT_S)
+                daemon.peak_rss = before["rss"]
+            await run_phase(daemon, requests, args.seconds / args.windows, args.honest, reference, hostile, tally,
+                            soak)
+        if hostile is not None:
+            hostile.stop()
         after = await daemon.measure(SETTLE_TIMEOUT_S)
-        print(report(base, soak, tally, before, after, daemon.peak_rss, args.seconds, args.baseline_seconds))
+        print(report(base, soak, tally, before, after, daemon.peak_rss, args.seconds, args.baseline_seconds, args.windows))
         if args.verbose:
             print(f"\ndaemon log tail:\n{daemon.log_tail(6000)}")
     return 0 if soak.failures == 0 and soak.mismatches == 0 and base.mismatches == 0 else 1
@@ -298,6 +319,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=120.0, help="soak time with hostile clients")
     parser.add_argument("--baseline-seconds", type=float, default=None, help="honest-only time (default: seconds/2)")
+    parser.add_argument("--windows", type=int, default=6,
+                        help="baseline and soak alternate in this many pairs of windows (each a share of "
+                             "--baseline-seconds, then of --seconds), so that a slow spell of the machine "
+                             "falls on both; 1: the whole baseline, then the whole soak")
     parser.add_argument("--model", default="default")
     parser.add_argument("--honest", type=int, default=3, help="honest clients")
     parser.add_argument("--hostile", type=int, default=1, help="copies of each hostile client")
