@@ -99,3 +99,31 @@ async def test_a_body_far_past_the_limit_still_gets_its_413(tmp_path):
             assert answer.status_code == 413
             await _honest(http, server)
         await wait_idle(server)
+
+
+async def test_a_large_body_is_parsed_and_mapped_off_the_event_loop_and_a_small_one_on_it(tmp_path, monkeypatch):
+    """Past OFF_LOOP_BODY_BYTES a chat body's parse and mapping run on a worker thread, so the
+    event loop serves other clients meanwhile; a small body's stay on the loop. Both answer
+    as before."""
+    import threading
+
+    from prefixd.front.http import app as app_module
+
+    mapped_on = []
+    real = app_module.map_chat
+    monkeypatch.setattr(app_module, "map_chat",
+                        lambda *a, **k: (mapped_on.append(threading.get_ident()), real(*a, **k))[1])
+    loop_thread = threading.get_ident()  # the harness serves on the test's own event loop
+    async with running_server(tmp_path, http_addr="127.0.0.1:0") as server:
+        async with httpx.AsyncClient(timeout=60) as http:
+            pad = "x" * app_module.OFF_LOOP_BODY_BYTES  # a field the chat route ignores
+            for turn, extra in enumerate(({}, {"metadata": {"pad": pad}})):
+                # a new prompt each time: the letters device's hits differ
+                messages = [{"role": "user", "content": f"hi {turn}"}]
+                body = {"model": "letters", "messages": messages, "max_tokens": 3, **extra}
+                answer = await http.post(f"{base_url(server)}/chat/completions", json=body)
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["choices"][0]["message"]["content"] == reply_of(messages, 3)
+        await wait_idle(server)
+    assert len(mapped_on) == 2
+    assert mapped_on[0] == loop_thread and mapped_on[1] != loop_thread

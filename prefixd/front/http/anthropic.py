@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from prefixd.front.http.anthropic_map import MessagesRequest, map_messages, user_id
-from prefixd.front.http.app import NAMESPACE_HEADER, _read_json
+from prefixd.front.http.app import NAMESPACE_HEADER, read_mapped
 from prefixd.front.http.extension import UsageExtension
 from prefixd.front.http.openai_map import HttpError
 from prefixd.front.output import reasoning_of
@@ -77,13 +77,15 @@ class MessagesApi:
             return JSONResponse(error_body(e), status_code=e.status)
 
     async def _mapped(self, request: Request, *, counting: bool) -> tuple[MessagesRequest, str]:
-        body = await _read_json(request)
-        self.front.check_model(body.get("model"))
-        namespace = request.headers.get(NAMESPACE_HEADER) or user_id(body)
-        mapped = map_messages(body, namespace, reasoning=self._template_reasons(),
-                              normalisers=self.front.normalisers,
-                              counting=counting)
-        return mapped, namespace
+        reasoning = self._template_reasons()
+
+        def parse(body: dict[str, Any]) -> tuple[MessagesRequest, str]:
+            self.front.check_model(body.get("model"))
+            namespace = request.headers.get(NAMESPACE_HEADER) or user_id(body)
+            return map_messages(body, namespace, reasoning=reasoning, normalisers=self.front.normalisers,
+                                counting=counting), namespace
+
+        return await read_mapped(request, parse)
 
     def _template_reasons(self) -> bool:
         """Whether a chat template of the model renders `reasoning_content` (where thinking

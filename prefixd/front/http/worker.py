@@ -41,7 +41,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import prefixd
-from prefixd.front.http.app import _read_json, openai_namespace
+from prefixd.front.http.app import openai_namespace, read_mapped
 from prefixd.front.http.openai_map import HttpError, map_chat, map_completion
 from prefixd.metrics import MetricsObserver, compat
 from prefixd.metrics.compat import WorkerLoad
@@ -178,17 +178,18 @@ class WorkerApi:
         """vLLM's `/tokenize`: `messages` (a chat body) or `prompt` (a completion's string)
         rendered and tokenized as /v1/chat/completions or /v1/completions would, nothing
         generated: `{count, max_model_len, tokens}`."""
-        body = await _read_json(request)
-        self.front.check_model(body.get("model"))
-        if body.get("continue_final_message") or body.get("add_generation_prompt") is False:
-            raise HttpError(400, "continue_final_message and add_generation_prompt: false are not supported; "
-                            "prefixd renders a chat prompt for a new reply", param="messages")
-        namespace = openai_namespace(request, body)
-        fields = {k: v for k, v in body.items() if k not in ("continue_final_message", "add_generation_prompt")}
-        if "messages" in body:
-            mapped = map_chat(fields, namespace, self.front.normalisers)
-        else:
-            mapped = map_completion(fields, namespace)
+        def parse(body: dict[str, Any]) -> tuple[str, Any]:
+            self.front.check_model(body.get("model"))
+            if body.get("continue_final_message") or body.get("add_generation_prompt") is False:
+                raise HttpError(400, "continue_final_message and add_generation_prompt: false are not supported; "
+                                "prefixd renders a chat prompt for a new reply", param="messages")
+            namespace = openai_namespace(request, body)
+            fields = {k: v for k, v in body.items() if k not in ("continue_final_message", "add_generation_prompt")}
+            if "messages" in body:
+                return namespace, map_chat(fields, namespace, self.front.normalisers)
+            return namespace, map_completion(fields, namespace)
+
+        namespace, mapped = await read_mapped(request, parse)
         built = await self.front.build_only(request, mapped, namespace)
         tokens = [int(t) for t in built.request.tokens]
         max_context = self.services.hello_reply()["model"].get("max_context")
