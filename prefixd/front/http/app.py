@@ -42,7 +42,6 @@ MAX_BODY_BYTES = 8 << 20
 # The thread still holds the interpreter lock while json.loads runs (~8 ms a MiB), but gives
 # it back every switch interval for the rest.
 OFF_LOOP_BODY_BYTES = 64 << 10
-T = TypeVar("T")
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other in a body; the top one is 1
 # A body refused for its size is still read, and dropped, up to this many bytes in all, so that
 # a client still sending it reads the 413 (a close with bytes unread resets the connection).
@@ -335,6 +334,9 @@ def openai_namespace(request: Request, body: dict[str, Any]) -> str:
     `user` where it is a string, else "" (the caller's address then names its client)."""
     user = body.get("user")
     return request.headers.get(NAMESPACE_HEADER) or (user if isinstance(user, str) else "")
+
+
+T = TypeVar("T")  # what a route's parse makes of a body
 
 
 async def _read_json(request: Request) -> dict[str, Any]:
