@@ -139,11 +139,17 @@ class LlamaModel:
         del self._exact  # it holds the file open: not kept past the load
         self.rope = RopeTable(config, device=device)
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        # int4 without a q/k norm: a round's layers in one call of the CPU kernels (False: the
-        # Python loop, op by op; the tests compare the two)
-        self.one_call = mode == "int4" and not config.qk_norm and all(
+        # int4 without a q/k norm or a qkv bias: a round's layers in one call of the CPU kernels,
+        # its weights and output widths listed once (False: the Python loop, op by op; the tests
+        # compare the two)
+        self.one_call = mode == "int4" and not config.qk_norm and not config.attention_bias and all(
             isinstance(w, Int4Weight) for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        self._layer_list: tuple[list[torch.Tensor], list[int]] | None = None
+        self._one_call_weights: tuple[list[torch.Tensor], list[int]] = ([], [])
+        for layer in self.layers if self.one_call else ():
+            for norm, w in ((layer.input_norm, layer.qkv), (None, layer.o), (layer.post_norm, layer.gate_up),
+                            (None, layer.down)):
+                self._one_call_weights[0].extend([w.codes, w.scales] if norm is None else [norm, w.codes, w.scales])
+                self._one_call_weights[1].append(w.shape[0])
 
     def _layer(self, t: dict[str, torch.Tensor], i: int, f32, lin) -> _Layer:
         p = f"model.layers.{i}."
@@ -208,9 +214,9 @@ class LlamaModel:
         rnd = _Round(self, inputs, self.dtype if kv.codes8 else kv.dtype, h.shape[0])  # q and k: bf16 beside 8-bit pages
         if rnd.fused:
             return self._forward_fused(h, rnd, kv)
-        if self.one_call and rnd.cpu_index is not None and rnd.scaled is not None and not c.attention_bias:
+        if self.one_call and rnd.cpu_index is not None and rnd.scaled is not None:
             # int4: the loop below as one call of the CPU kernels (the same ops, the same bits)
-            cpu_kernels.layers_int4(h, *self._one_call_weights(), c.rms_norm_eps, rnd.qk, rnd.attn, rnd.act, rnd.scaled,
+            cpu_kernels.layers_int4(h, *self._one_call_weights, c.rms_norm_eps, rnd.qk, rnd.attn, rnd.act, rnd.scaled,
                                     kv.k, kv.v, rnd.slots, rnd.cpu_index, c.num_heads)
             return rms_norm(h, self.final_norm, c.rms_norm_eps)
         for i, layer in enumerate(self.layers):
@@ -231,18 +237,6 @@ class LlamaModel:
             x = fused.rms_norm(h, layer.post_norm, eps, residual=o, out_dtype=self.dtype)
             pending = matmul(fused.silu_mul(matmul(x, layer.gate_up), rnd.act), layer.down)
         return fused.rms_norm(h, self.final_norm, eps, residual=pending)
-
-    def _one_call_weights(self) -> tuple[list[torch.Tensor], list[int]]:
-        """`cpu_kernels.layers_int4`'s weights and output widths, listed once."""
-        if self._layer_list is None:
-            weights, outs = [], []
-            for layer in self.layers:
-                for norm, w in ((layer.input_norm, layer.qkv), (None, layer.o), (layer.post_norm, layer.gate_up),
-                                (None, layer.down)):
-                    weights += [w.codes, w.scales] if norm is None else [norm, w.codes, w.scales]
-                    outs.append(w.shape[0])
-            self._layer_list = (weights, outs)
-        return self._layer_list
 
     def _normed_product(self, h: torch.Tensor, norm: torch.Tensor, weight: Weight) -> torch.Tensor:
         """rms_norm(h) @ weight.T in the product's dtype; int4 normalizes inside its kernel."""
