@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("int4_mm.cpp", "attention.cpp", "layers.cpp"))
-HEADERS = (Path(__file__).parent / "csrc" / "common.h",)  # part of the cache key too
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("common.h", "kernels.h"))  # in the cache key too
 GROUP = 32  # inputs sharing a scale and base; also the activations' quantization group
 BLOCK_N = 32  # outputs a block of the packed layout holds
 BUILD_TIMEOUT_S = 600  # a compiler that takes longer is given up on: the kernels are then unavailable

@@ -485,3 +485,36 @@ def test_a_rounds_layers_in_one_call_have_the_python_loops_bits(model, request, 
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     for lane in range(3):
         assert kv_equal(runners[0], lane_pages(lane), runners[1], lane_pages(lane), 22 + 7 * lane)
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "default"])
+def test_one_call_layers_keep_the_loops_bits_where_a_lone_rows_keys_are_cut_between_threads(model, request, monkeypatch):
+    """A lone lane past 1,536 keys on two threads: attention cuts its row's key chunks between
+    the threads and joins them after (the one call's region runs those joins between barriers),
+    and prefill chunks of 16 rows or more quantize a share of rows a thread. Decode logits and
+    K/V are still the Python loop's, bit for bit."""
+    from prefixd.scheduler.records import RoundPlan
+    from tests.gpu.runner_helpers import kv_equal, make_runner, pages, prompt, work
+
+    spec = request.getfixturevalue("tiny_llama_dir" if model == "tiny_llama" else "default_gguf")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        calls = []
+        real = cpu_kernels.layers_int4
+        monkeypatch.setattr(cpu_kernels, "layers_int4", lambda *a: (calls.append(1), real(*a))[1])
+        runners = [make_runner(spec, torch.bfloat16, mode="int4", num_lanes=1, num_pages=110) for _ in range(2)]
+        runners[1].model.one_call = False
+        table, tokens = pages(0, 110), prompt(1700, seed=7)
+        outs = []
+        for runner in runners:
+            for at, size in ((0, 600), (600, 600), (1200, 500)):
+                runner.run_round(RoundPlan((work(0, at, tokens[at:at + size], table, all_logits=False),)))
+            outs.append([runner.run_round(RoundPlan((work(0, 1700 + step, (200 + step,), table, prefill=False),))).lanes[0].logits
+                         for step in range(3)])
+        assert len(calls) == 6, "the one-call runner took the loop"
+        for a, b in zip(*outs):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        assert kv_equal(runners[0], table, runners[1], table, 1703)
+    finally:
+        torch.set_num_threads(threads)

@@ -53,6 +53,7 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -1123,8 +1124,31 @@ std::pair<int64_t, bool> check_pools(const at::Tensor& k_pool, const at::Tensor&
   return {dim, true};
 }
 
-void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& spans,
-            const at::Tensor& tables, int64_t heads, int64_t q_stride, at::Tensor& out, c10::string_view path) {
+struct Block {
+  int64_t span, row, rows, keys;  // rows [row, row + rows) of the span; keys: its last row's
+};
+
+}  // namespace
+
+struct prefixd_cpu::AttendPlan {
+  Attn a;
+  Path fns;
+  bool q8;
+  std::vector<Block> blocks;
+  std::vector<std::vector<Task>> lists;            // each thread's tasks
+  std::vector<float> split;                        // the cut blocks' partials
+  std::vector<std::pair<size_t, int64_t>> splits;  // (block, its offset in split)
+  std::vector<std::pair<size_t, int64_t>> joins;   // (split index, row * heads + head) of every cut (row, head)
+};
+
+namespace {
+
+using prefixd_cpu::AttendPlan;
+
+// attend's checks, its tasks and their lists: the plan of a call
+std::shared_ptr<AttendPlan> plan_attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                        const at::Tensor& spans, const at::Tensor& tables, int64_t heads,
+                                        int64_t q_stride, at::Tensor& out, c10::string_view path) {
   const auto [dim, q8] = check_pools(k_pool, v_pool, "attend");
   const int64_t page = k_pool.size(1), kv_heads = k_pool.size(2);
   TORCH_CHECK(dim % LANES == 0 && dim <= MAX_CHUNKS * LANES, "attend: head_dim must be a multiple of 16 up to 256, got ", dim);
@@ -1153,10 +1177,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
   const int64_t* sp = spans.const_data_ptr<int64_t>();
   const int32_t* tb = tables.const_data_ptr<int32_t>();
   const int64_t pages = k_pool.size(0);
-  struct Block {
-    int64_t span, row, rows, keys;  // rows [row, row + rows) of the span; keys: its last row's
-  };
-  std::vector<Block> blocks;
+  auto plan = std::make_shared<AttendPlan>();
+  std::vector<Block>& blocks = plan->blocks;
   for (int64_t s = 0; s < s_count; ++s) {
     const int64_t row = sp[s * 3], start = sp[s * 3 + 1], length = sp[s * 3 + 2];
     TORCH_CHECK(row >= 0 && start >= 0 && length >= 0 && row + length <= std::min(q_rows, out.size(0)), "attend: span ", s, " out of range");
@@ -1185,8 +1207,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
     work += b.keys * b.rows;
   }
   std::vector<Task> tasks;
-  std::vector<float> split;                        // the cut blocks' partials
-  std::vector<std::pair<size_t, int64_t>> splits;  // (block, its offset in split)
+  std::vector<float>& split = plan->split;
+  std::vector<std::pair<size_t, int64_t>>& splits = plan->splits;
   if (static_cast<int64_t>(blocks.size()) >= want) {
     for (const Block& b : blocks) tasks.push_back({b.span, b.row, b.rows, 0, heads, 0, chunks_of(b.keys), -1});
   } else if (total_chunks >= want) {
@@ -1228,7 +1250,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
     by_work.emplace_back(-keys * t.rows * (t.head_to - t.head_from), i);
   }
   std::sort(by_work.begin(), by_work.end());
-  std::vector<std::vector<Task>> lists(static_cast<size_t>(std::min<int64_t>(threads, std::max<size_t>(tasks.size(), 1))));
+  std::vector<std::vector<Task>>& lists = plan->lists;
+  lists.resize(tasks.empty() ? 0 : static_cast<size_t>(std::min<int64_t>(threads, tasks.size())));
   std::vector<int64_t> load(lists.size(), 0);
   for (const auto& [neg, i] : by_work) {
     const size_t least = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
@@ -1255,23 +1278,54 @@ void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_p
     if (p.chunk != nullptr) fns = p;
   }
 #endif
-  if (tasks.empty()) return;
-  at::parallel_for(0, static_cast<int64_t>(lists.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch, local;
-    for (int64_t i = begin; i < end; ++i)
-      for (const Task& t : lists[i]) run_task(a, t, fns, split.data(), scratch, local);
-  });
-  // the split blocks' (row, head) pairs: their chunks joined in order
-  for (const auto& [i, offset] : splits) {
-    const Block& b = blocks[i];
-    const int64_t chunks = chunks_of(b.keys);
-    for (int64_t r = 0; r < b.rows; ++r) {
-      const int64_t own = chunks_of(sp[b.span * 3 + 1] + b.row + r + 1);
-      for (int64_t h = 0; h < heads; ++h)
-        fns.combine(split.data() + offset + (r * heads + h) * chunks * rec, rec, own, dim,
-                    a.out + ((sp[b.span * 3] + b.row + r) * heads + h) * dim);
-    }
+  plan->a = a;
+  plan->fns = fns;
+  plan->q8 = q8;
+  for (size_t j = 0; j < splits.size(); ++j)
+    for (int64_t p = 0; p < blocks[splits[j].first].rows * heads; ++p) plan->joins.emplace_back(j, p);
+  return plan;
+}
+
+// list i's tasks, against the pools at k and v
+void run_list(AttendPlan& plan, int64_t i, const void* k, const void* v, std::vector<float>& scratch,
+              std::vector<float>& local) {
+  Attn a = plan.a;
+  if (plan.q8) {
+    a.k8 = static_cast<const uint8_t*>(k);
+    a.v8 = static_cast<const uint8_t*>(v);
+  } else {
+    a.k = static_cast<const uint16_t*>(k);
+    a.v = static_cast<const uint16_t*>(v);
   }
+  for (const Task& t : plan.lists[i]) run_task(a, t, plan.fns, plan.split.data(), scratch, local);
+}
+
+// the cut blocks' (row, head) pairs [begin, end) of `joins`: their chunks joined in order
+void run_joins(const AttendPlan& plan, int64_t begin, int64_t end) {
+  const Attn& a = plan.a;
+  const int64_t rec = a.dim + 2;
+  for (int64_t j = begin; j < end; ++j) {
+    const auto [at_split, pair] = plan.joins[j];
+    const auto& [i, offset] = plan.splits[at_split];
+    const Block& b = plan.blocks[i];
+    const int64_t r = pair / a.heads, h = pair % a.heads;
+    const int64_t chunks = chunks_of(b.keys);
+    const int64_t own = chunks_of(a.spans[b.span * 3 + 1] + b.row + r + 1);
+    plan.fns.combine(plan.split.data() + offset + (r * a.heads + h) * chunks * rec, rec, own, a.dim,
+                     a.out + ((a.spans[b.span * 3] + b.row + r) * a.heads + h) * a.dim);
+  }
+}
+
+void attend(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& spans,
+            const at::Tensor& tables, int64_t heads, int64_t q_stride, at::Tensor& out, c10::string_view path) {
+  const std::shared_ptr<AttendPlan> plan = plan_attend(q, k_pool, v_pool, spans, tables, heads, q_stride, out, path);
+  const void* k = k_pool.const_data_ptr();
+  const void* v = v_pool.const_data_ptr();
+  at::parallel_for(0, static_cast<int64_t>(plan->lists.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch, local;
+    for (int64_t i = begin; i < end; ++i) run_list(*plan, i, k, v, scratch, local);
+  });
+  run_joins(*plan, 0, static_cast<int64_t>(plan->joins.size()));
 }
 
 // x, or +0 where |x| is below 2^-30 (exponent field under 127 - 30: zeros and subnormals too)
@@ -1284,8 +1338,24 @@ inline at::BFloat16 flush_tiny(at::BFloat16 x) { return ((x.x >> 7) & 0xff) < 97
 //   qk[r, j, i] = flush(bf16(fp32(x[i] * cos[r, j, i]) + fp32(x[i'] * sin[r, j, i])))   (each op rounded)
 // where x is the head's slice of qkv and i' = i + D/2 for i < D/2, else i - D/2; then for rows
 // r < n the k heads go to the pool at slots[r] as they are and the v heads as bf16(v).
-void rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& qk, at::Tensor& k_pool,
-             at::Tensor& v_pool, const at::Tensor& slots, int64_t heads) {
+}  // namespace
+
+struct prefixd_cpu::RopeKv {  // rope_kv's inputs, checked
+  const float* x;
+  const float* cos;
+  const float* sin;
+  at::BFloat16* out;
+  const int64_t* slots;
+  int64_t n, rows, width, dim, heads, kv_heads, page_size;
+  bool q8;
+};
+
+namespace {
+
+using prefixd_cpu::RopeKv;
+
+std::shared_ptr<RopeKv> plan_rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& qk,
+                                     at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots, int64_t heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "rope_kv: qkv must be contiguous fp32 (R, N)");
   const auto [dim, q8] = check_pools(k_pool, v_pool, "rope_kv");
   const int64_t rows = qkv.size(0), kv_heads = k_pool.size(2), qk_heads = heads + kv_heads;
@@ -1301,19 +1371,31 @@ void rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
               "rope_kv: qk must be contiguous bf16 (>= R, heads + kv_heads, D)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1 && slots.size(0) <= rows,
               "rope_kv: slots must be contiguous int64 (n <= R)");
-  const int64_t n = slots.size(0), width = qkv.size(1), half = dim / 2;
+  const int64_t n = slots.size(0), width = qkv.size(1);
   const int64_t* sl = slots.const_data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r) TORCH_CHECK(sl[r] >= 0 && sl[r] < slots_n, "rope_kv: slot ", sl[r], " outside the pool");
-  const float* x = qkv.const_data_ptr<float>();
-  const float* cs = cos.const_data_ptr<float>();
-  const float* sn = sin.const_data_ptr<float>();
-  at::BFloat16* out = qk.mutable_data_ptr<at::BFloat16>();
-  at::BFloat16* kp = q8 ? nullptr : k_pool.mutable_data_ptr<at::BFloat16>();
-  at::BFloat16* vp = q8 ? nullptr : v_pool.mutable_data_ptr<at::BFloat16>();
-  uint8_t* kp8 = q8 ? k_pool.mutable_data_ptr<uint8_t>() : nullptr;
-  uint8_t* vp8 = q8 ? v_pool.mutable_data_ptr<uint8_t>() : nullptr;
+  auto r = std::make_shared<RopeKv>();
+  *r = {qkv.const_data_ptr<float>(), cos.const_data_ptr<float>(), sin.const_data_ptr<float>(),
+        qk.mutable_data_ptr<at::BFloat16>(), sl, n, rows, width, dim, heads, kv_heads, page_size, q8};
+  return r;
+}
+
+// Rows [begin, end) of the plan: their q and k heads, and the K/V rows of those below n into
+// the pools at k_pool and v_pool (a layer's, of the planned shape).
+void rope_rows(const RopeKv& p, void* k_pool, void* v_pool, int64_t begin, int64_t end) {
+  const float* x = p.x;
+  const float* cs = p.cos;
+  const float* sn = p.sin;
+  at::BFloat16* out = p.out;
+  const int64_t* sl = p.slots;
+  const int64_t n = p.n, width = p.width, dim = p.dim, half = dim / 2, heads = p.heads, kv_heads = p.kv_heads;
+  const int64_t qk_heads = heads + kv_heads, page_size = p.page_size;
+  const bool q8 = p.q8;
+  at::BFloat16* kp = q8 ? nullptr : static_cast<at::BFloat16*>(k_pool);
+  at::BFloat16* vp = q8 ? nullptr : static_cast<at::BFloat16*>(v_pool);
+  uint8_t* kp8 = q8 ? static_cast<uint8_t*>(k_pool) : nullptr;
+  uint8_t* vp8 = q8 ? static_cast<uint8_t*>(v_pool) : nullptr;
   const int64_t page_bytes = page_size * kv_heads * (dim + dim / 8), codes_bytes = page_size * kv_heads * dim;
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t j = 0; j < qk_heads; ++j) {
         const float* xh = x + r * width + j * dim;
@@ -1356,10 +1438,48 @@ void rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
         for (int64_t i = 0; i < kv_heads * dim; ++i) vo[i] = at::BFloat16(v[i]);
       }
     }
-  });
+}
+
+void rope_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& qk, at::Tensor& k_pool,
+             at::Tensor& v_pool, const at::Tensor& slots, int64_t heads) {
+  const std::shared_ptr<RopeKv> plan = plan_rope_kv(qkv, cos, sin, qk, k_pool, v_pool, slots, heads);
+  void* k = k_pool.mutable_data_ptr();
+  void* v = v_pool.mutable_data_ptr();
+  at::parallel_for(0, plan->rows, 16, [&](int64_t begin, int64_t end) { rope_rows(*plan, k, v, begin, end); });
 }
 
 }  // namespace
+
+namespace prefixd_cpu {
+
+std::shared_ptr<AttendPlan> attend_plan(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                        const at::Tensor& spans, const at::Tensor& tables, int64_t heads,
+                                        int64_t q_stride, at::Tensor& out, c10::string_view path) {
+  return plan_attend(q, k_pool, v_pool, spans, tables, heads, q_stride, out, path);
+}
+
+int64_t attend_lists(const AttendPlan& plan) { return static_cast<int64_t>(plan.lists.size()); }
+
+int64_t attend_joins(const AttendPlan& plan) { return static_cast<int64_t>(plan.joins.size()); }
+
+void attend_list(AttendPlan& plan, int64_t i, const void* k, const void* v, std::vector<float>& scratch,
+                 std::vector<float>& local) {
+  run_list(plan, i, k, v, scratch, local);
+}
+
+void attend_join(const AttendPlan& plan, int64_t begin, int64_t end) { run_joins(plan, begin, end); }
+
+std::shared_ptr<RopeKv> rope_kv_plan(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                     at::Tensor& qk, at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots,
+                                     int64_t heads) {
+  return plan_rope_kv(qkv, cos, sin, qk, k_pool, v_pool, slots, heads);
+}
+
+void rope_kv_rows(const RopeKv& r, void* k_pool, void* v_pool, int64_t begin, int64_t end) {
+  rope_rows(r, k_pool, v_pool, begin, end);
+}
+
+}  // namespace prefixd_cpu
 
 TORCH_LIBRARY_FRAGMENT(prefixd, m) {
   m.def("attend(Tensor q, Tensor k_pool, Tensor v_pool, Tensor spans, Tensor tables, int heads, int q_stride, "

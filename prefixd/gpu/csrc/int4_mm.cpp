@@ -37,6 +37,7 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -76,7 +77,18 @@ struct Call {
   int64_t M, N, K, Kx;
   int bits;   // of a code: 4 or 8
   bool half;  // scales are fp16 (else bf16)
+  bool accumulate = false;  // out += the product (one fp32 add an output), else out = it
 };
+
+// A finished tile's rows into out, as they are or added to what out holds.
+inline void store_rows(const Call& c, const float* tile, int64_t m, int64_t n0, int64_t cols) {
+  float* o = c.out + m * c.N + n0;
+  if (!c.accumulate) {
+    std::memcpy(o, tile, cols * sizeof(float));
+    return;
+  }
+  for (int64_t i = 0; i < cols; ++i) o[i] = o[i] + tile[i];
+}
 
 inline int64_t group_bytes(int bits) { return bits * 128; }  // 32 outputs x 32 inputs x bits / 8
 
@@ -177,7 +189,7 @@ void tile_scalar(const Call& c, int64_t m0, int rows, int64_t nb) {
         const float step = c.x.d[m * gx + j] * sum;
         acc = acc + step;
       }
-      c.out[m * c.N + n0 + col] = acc;
+      c.out[m * c.N + n0 + col] = c.accumulate ? c.out[m * c.N + n0 + col] + acc : acc;
     }
   }
 }
@@ -357,7 +369,7 @@ PREFIXD_VNNI void tile_vnni(const Call& c, int64_t m0, int rows, int64_t nb) {
       case 2: tile_vnni_rows<2, BITS>(c, m0 + r, nb, tile, fetch); break;
       default: tile_vnni_rows<1, BITS>(c, m0 + r, nb, tile, fetch); break;
     }
-    for (int i = 0; i < n; ++i) std::memcpy(c.out + (m0 + r + i) * c.N + n0, tile + i * BLOCK_N, cols * sizeof(float));
+    for (int i = 0; i < n; ++i) store_rows(c, tile + i * BLOCK_N, m0 + r + i, n0, cols);
   }
 }
 
@@ -375,21 +387,63 @@ bool have_vnni() {
 #endif
 }
 
-// "vnni", "portable" or "auto" (the best this CPU has); the tests run both paths
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n, c10::string_view path,
-                   const std::optional<at::Tensor>& norm_weight, double eps, int64_t passes) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.device().is_cpu(),
-              "int4_mm: x must be a 2-D CPU bf16 or fp32 tensor");
+// The checks of a packed weight (codes and scales of n outputs), and its shape for the product.
+prefixd_cpu::Int4Weight weight_of(const at::Tensor& codes, const at::Tensor& scales, int64_t n) {
   TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   (codes.size(2) == 4 || codes.size(2) == 8) && codes.size(3) == 2 && codes.size(4) == 64,
               "int4_mm: codes must be contiguous uint8 (NB, G, 4, 2, 64), or (NB, G, 8, 2, 64) for 8-bit codes");
   const int bits = static_cast<int>(codes.size(2));
-  const int64_t nblocks = codes.size(0), groups = codes.size(1), k = groups * GROUP;
+  const int64_t nblocks = codes.size(0), groups = codes.size(1);
   TORCH_CHECK(n > 0 && nblocks == (n + BLOCK_N - 1) / BLOCK_N, "int4_mm: codes do not hold ", n, " outputs in blocks of 32");
   const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK((half || scales.scalar_type() == at::kBFloat16) && scales.is_contiguous() && scales.dim() == 4 &&
                   scales.size(0) == nblocks && scales.size(1) == groups && scales.size(2) == 2 && scales.size(3) == BLOCK_N,
               "int4_mm: scales must be contiguous fp16 or bf16 (NB, G, 2, 32)");
+  return {codes.const_data_ptr<uint8_t>(), static_cast<const uint16_t*>(scales.const_data_ptr()), n, groups * GROUP,
+          nblocks, bits, half};
+}
+
+// Rows [begin, end) of x, each quantized on its own (one pass): row r's codes at xq + r * kx,
+// its groups' d and s at r * kx / 32; `row`: kx floats of scratch.
+template <typename T>
+void quantize_range(const T* x, int64_t begin, int64_t end, int64_t kx, const float* norm, float eps, int passes,
+                    bool vnni, float* row, int8_t* xq, float* d, float* s) {
+  const int64_t gx = kx / GROUP;
+  x += begin * kx;
+  xq += begin * passes * kx;
+  d += begin * passes * gx;
+  s += begin * passes * gx;
+#ifdef PREFIXD_X86
+  if (vnni) return quantize_rows_vnni(x, end - begin, kx, norm, eps, passes, row, xq, d, s);
+#endif
+  quantize_rows(x, end - begin, kx, norm, eps, passes, row, xq, d, s);
+}
+
+// The product's tasks [begin, end): task t is rows [64 (t / NB), +64) of output block t % NB.
+void tiles(const Call& c, bool vnni, int64_t begin, int64_t end) {
+  const int64_t nblocks = (c.N + BLOCK_N - 1) / BLOCK_N;
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t chunk = t / nblocks, nb = t % nblocks;
+    const int64_t m0 = chunk * ROW_CHUNK;
+    const int rows = static_cast<int>(std::min<int64_t>(ROW_CHUNK, c.M - m0));
+#ifdef PREFIXD_X86
+    if (vnni && c.bits == 8) tile_vnni<8>(c, m0, rows, nb);
+    else if (vnni) tile_vnni<4>(c, m0, rows, nb);
+    else tile_scalar(c, m0, rows, nb);
+#else
+    (void)vnni;
+    tile_scalar(c, m0, rows, nb);
+#endif
+  }
+}
+
+// "vnni", "portable" or "auto" (the best this CPU has); the tests run both paths
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n, c10::string_view path,
+                   const std::optional<at::Tensor>& norm_weight, double eps, int64_t passes) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.device().is_cpu(),
+              "int4_mm: x must be a 2-D CPU bf16 or fp32 tensor");
+  const prefixd_cpu::Int4Weight w = weight_of(codes, scales, n);
+  const int64_t k = w.k;
   const int64_t m = x.size(0), kx = x.size(1);
   TORCH_CHECK(kx > 0 && kx % GROUP == 0 && k % kx == 0, "int4_mm: x's width ", kx, " does not divide the weight's ", k);
   TORCH_CHECK(path == "auto" || path == "vnni" || path == "portable", "int4_mm: path must be auto, vnni or portable");
@@ -421,42 +475,16 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   const int p = static_cast<int>(passes);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(kx);
-    int8_t* q = xq + begin * p * kx;
-    float* dd = d + begin * p * gx;
-    float* ss = s + begin * p * gx;
     const float e = static_cast<float>(eps);
-    const auto quantize = [&](const auto* x) {  // x's rows [begin, end), on the call's path
-      x += begin * kx;
-#ifdef PREFIXD_X86
-      if (vnni) return quantize_rows_vnni(x, end - begin, kx, norm, e, p, row.data(), q, dd, ss);
-#endif
-      quantize_rows(x, end - begin, kx, norm, e, p, row.data(), q, dd, ss);
-    };
     if (xc.scalar_type() == at::kFloat)
-      quantize(xc.const_data_ptr<float>());
+      quantize_range(xc.const_data_ptr<float>(), begin, end, kx, norm, e, p, vnni, row.data(), xq, d, s);
     else
-      quantize(xc.const_data_ptr<at::BFloat16>());
+      quantize_range(xc.const_data_ptr<at::BFloat16>(), begin, end, kx, norm, e, p, vnni, row.data(), xq, d, s);
   });
 
-  Call c{{xq, d, s},
-         codes.const_data_ptr<uint8_t>(),
-         static_cast<const uint16_t*>(scales.const_data_ptr()),
-         out.mutable_data_ptr<float>(), rows_q, n, k, kx, bits, half};
+  const Call c{{xq, d, s}, w.codes, w.scales, out.mutable_data_ptr<float>(), rows_q, n, k, kx, w.bits, w.half};
   const int64_t chunks = (rows_q + ROW_CHUNK - 1) / ROW_CHUNK;
-  at::parallel_for(0, chunks * nblocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t chunk = t / nblocks, nb = t % nblocks;
-      const int64_t m0 = chunk * ROW_CHUNK;
-      const int rows = static_cast<int>(std::min<int64_t>(ROW_CHUNK, rows_q - m0));
-#ifdef PREFIXD_X86
-      if (vnni && bits == 8) tile_vnni<8>(c, m0, rows, nb);
-      else if (vnni) tile_vnni<4>(c, m0, rows, nb);
-      else tile_scalar(c, m0, rows, nb);
-#else
-      tile_scalar(c, m0, rows, nb);
-#endif
-    }
-  });
+  at::parallel_for(0, chunks * w.nblocks, 1, [&](int64_t begin, int64_t end) { tiles(c, vnni, begin, end); });
   if (passes == 1) return out;
   const at::Tensor both = out.view({m, 2, n});
   return at::add(both.select(1, 0), both.select(1, 1));  // one fp32 add an output
@@ -465,6 +493,33 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 std::string int4_isa() { return have_vnni() ? "avx512-vnni" : "portable"; }
 
 }  // namespace
+
+namespace prefixd_cpu {
+
+Int4Weight int4_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t n) { return weight_of(codes, scales, n); }
+
+bool int4_vnni() { return have_vnni(); }
+
+void int4_quantize(const float* x, int64_t begin, int64_t end, int64_t kx, const float* norm, float eps, float* row,
+                   int8_t* xq, float* d, float* s) {
+  quantize_range(x, begin, end, kx, norm, eps, 1, have_vnni(), row, xq, d, s);
+}
+
+void int4_quantize(const at::BFloat16* x, int64_t begin, int64_t end, int64_t kx, const float* norm, float eps,
+                   float* row, int8_t* xq, float* d, float* s) {
+  quantize_range(x, begin, end, kx, norm, eps, 1, have_vnni(), row, xq, d, s);
+}
+
+int64_t int4_tasks(const Int4Weight& w, int64_t rows) { return (rows + ROW_CHUNK - 1) / ROW_CHUNK * w.nblocks; }
+
+void int4_tiles(const Int4Weight& w, const int8_t* xq, const float* d, const float* s, int64_t rows, int64_t kx,
+                float* out, bool accumulate, int64_t begin, int64_t end) {
+  Call c{{xq, d, s}, w.codes, w.scales, out, rows, w.n, w.k, kx, w.bits, w.half};
+  c.accumulate = accumulate;
+  tiles(c, have_vnni(), begin, end);
+}
+
+}  // namespace prefixd_cpu
 
 TORCH_LIBRARY(prefixd, m) {
   m.def("int4_mm(Tensor x, Tensor codes, Tensor scales, int n, str path='auto', Tensor? norm_weight=None, "

@@ -8,55 +8,176 @@
 //   attend(qk -> attn); h += int4_mm(attn[:-1], o);
 //   g|u = int4_mm(h, gate_up; rms norm w[5]); silu_(g); act = g * u; h += int4_mm(act, down).
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
+#include <omp.h>
+
+#include <vector>
+
+#include "kernels.h"
 
 namespace {
 
-using Int4Mm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, c10::string_view,
-                          const std::optional<at::Tensor>&, double, int64_t);
-using RopeKv = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
-                    const at::Tensor&, int64_t);
-using Attend = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                    int64_t, at::Tensor&, c10::string_view);
+using prefixd_cpu::Int4Weight;
+using prefixd_cpu::share;
 
 constexpr int64_t PER_LAYER = 10;  // input norm, qkv codes and scales, o's, post norm, gate_up's, down's
 constexpr int64_t OUTS = 4;        // qkv, o, gate_up, down
+constexpr int64_t SHARED_ROWS = 16;  // from this many rows the threads quantize a share each; below, each all
+constexpr int64_t SILU_UNIT = 32;    // columns: two AVX-512 vectors, so that a share's elements take the
+                                     // vector loop of at::silu_ and at::mul exactly where the whole call's do
 
-template <typename F>
-c10::TypedOperatorHandle<F> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<F>();
+const float* norm_of(const at::Tensor& w, int64_t width) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 1 && w.size(0) == width && w.is_contiguous(),
+              "layers_int4: a norm weight must be contiguous fp32 (", width, ",)");
+  return w.const_data_ptr<float>();
 }
 
+// A round's layers. The threads of one OpenMP region run every op of every layer, each taking
+// its share of an op's tasks (the product's tiles, attention's task lists, rope's rows, the
+// elementwise ops' columns or rows) and waiting for the others at a barrier where the next op
+// reads what this one wrote: about seven barriers a layer of well under a microsecond each,
+// where one parallel region an op cost two microseconds to start and join. No op's arithmetic
+// changes: each task is the one its op runs on its own, so the bits are the loop's.
 void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, double eps, at::Tensor& qk,
                  at::Tensor& attn, at::Tensor& act, const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_pools,
                  at::TensorList v_pools, const at::Tensor& slots, const at::Tensor& spans, const at::Tensor& tables,
                  int64_t heads) {
-  static const auto mm = op<Int4Mm>("prefixd::int4_mm");
-  static const auto rope_kv = op<RopeKv>("prefixd::rope_kv");
-  static const auto attend = op<Attend>("prefixd::attend");
   const int64_t layers = static_cast<int64_t>(k_pools.size());
   TORCH_CHECK(static_cast<int64_t>(v_pools.size()) == layers && static_cast<int64_t>(weights.size()) == PER_LAYER * layers &&
                   static_cast<int64_t>(outs.size()) == OUTS * layers,
               "layers_int4: ", layers, " layers need ", PER_LAYER, " weights and ", OUTS, " output widths each");
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "layers_int4: h must be contiguous fp32 (R, hidden)");
-  TORCH_CHECK(qk.dim() == 3 && attn.dim() == 2 && attn.size(0) == h.size(0) + 1, "layers_int4: attn must hold R + 1 rows");
-  const int64_t kv_heads = qk.size(1) - heads;
-  const at::Tensor q = qk.view({-1, qk.size(2)});
-  const at::Tensor attended = attn.slice(0, 0, h.size(0));
-  const std::optional<at::Tensor> none;
+  TORCH_CHECK(qk.dim() == 3 && attn.dim() == 2 && attn.size(0) == h.size(0) + 1 && attn.is_contiguous(),
+              "layers_int4: attn must be contiguous and hold R + 1 rows");
+  const int64_t rows = h.size(0), hidden = h.size(1);
+  if (rows == 0 || layers == 0) return;
+  const int64_t kv_heads = qk.size(1) - heads, dim = qk.size(2), width = heads * dim;
+  TORCH_CHECK(act.dim() == 2 && act.size(0) == rows && act.is_contiguous() &&
+                  (act.scalar_type() == at::kBFloat16 || act.scalar_type() == at::kFloat),
+              "layers_int4: act must be contiguous bf16 or fp32 (R, intermediate)");
+  const int64_t inter = act.size(1);
+  std::vector<Int4Weight> ws;
+  std::vector<const float*> norms;
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = weights.data() + PER_LAYER * i;
     const int64_t* n = outs.data() + OUTS * i;
-    at::Tensor k_pool = k_pools[i], v_pool = v_pools[i];
-    const at::Tensor x = mm.call(h, w[1], w[2], n[0], "auto", w[0], eps, 1);
-    rope_kv.call(x, cos, sin, qk, k_pool, v_pool, slots, heads);
-    attend.call(q, k_pool, v_pool, spans, tables, heads, heads + kv_heads, attn, "auto");
-    h.add_(mm.call(attended, w[3], w[4], n[1], "auto", none, 0.0, 1));
-    std::vector<at::Tensor> gate_up = mm.call(h, w[6], w[7], n[2], "auto", w[5], eps, 1).chunk(2, -1);
-    at::silu_(gate_up[0]);
-    at::mul_out(act, gate_up[0], gate_up[1]);
-    h.add_(mm.call(act, w[8], w[9], n[3], "auto", none, 0.0, 1));
+    ws.push_back(prefixd_cpu::int4_weight(w[1], w[2], n[0]));
+    ws.push_back(prefixd_cpu::int4_weight(w[3], w[4], n[1]));
+    ws.push_back(prefixd_cpu::int4_weight(w[6], w[7], n[2]));
+    ws.push_back(prefixd_cpu::int4_weight(w[8], w[9], n[3]));
+    const Int4Weight* l = ws.data() + OUTS * i;
+    TORCH_CHECK(l[0].k == hidden && l[0].n == (heads + 2 * kv_heads) * dim && l[1].k == width && l[1].n == hidden &&
+                    l[2].k == hidden && l[2].n == 2 * inter && l[3].k == inter && l[3].n == hidden,
+                "layers_int4: layer ", i, "'s products do not chain hidden ", hidden, ", attention ", width,
+                " and intermediate ", inter);
+    norms.push_back(norm_of(w[0], hidden));
+    norms.push_back(norm_of(w[5], hidden));
+    TORCH_CHECK(k_pools[i].sizes() == k_pools[0].sizes() && k_pools[i].scalar_type() == k_pools[0].scalar_type() &&
+                    k_pools[i].is_contiguous() && v_pools[i].sizes() == k_pools[0].sizes() &&
+                    v_pools[i].scalar_type() == k_pools[0].scalar_type() && v_pools[i].is_contiguous(),
+                "layers_int4: every layer's pools must have layer 0's shape and type");
+  }
+  const int64_t qkv_n = ws[0].n;
+  const at::Tensor qkv = at::empty({rows, qkv_n}, h.options());
+  const at::Tensor gate_up = at::empty({rows, 2 * inter}, h.options());
+  at::Tensor k0 = k_pools[0], v0 = v_pools[0];
+  const at::Tensor q = qk.view({-1, dim});
+  const auto rope = prefixd_cpu::rope_kv_plan(qkv, cos, sin, qk, k0, v0, slots, heads);
+  const auto plan = prefixd_cpu::attend_plan(q, k0, v0, spans, tables, heads, heads + kv_heads, attn, "auto");
+  const int threads = omp_in_parallel() ? 1 : std::max(1, at::get_num_threads());
+
+  const at::Tensor gate = gate_up.narrow(1, 0, inter), up = gate_up.narrow(1, inter, inter);
+  const int64_t units = (inter + SILU_UNIT - 1) / SILU_UNIT;
+
+  // the rows' codes: one buffer the threads share (a share of rows each, then a barrier), or
+  // below SHARED_ROWS one a thread, each quantizing every row (no barrier to wait at)
+  const bool shared_rows = rows >= SHARED_ROWS;
+  const int64_t kmax = std::max({hidden, width, inter});
+  const int64_t code_floats = (rows * kmax + 3) / 4, group_floats = rows * kmax / 32;
+  const int buffers = shared_rows ? 1 : threads;  // a team is never larger than `threads`
+  std::vector<float> codes(static_cast<size_t>(buffers) * (code_floats + 2 * group_floats));
+  const float feps = static_cast<float>(eps);
+  float* hp = h.mutable_data_ptr<float>();
+  const float* attended = attn.const_data_ptr<float>();
+  float* qkv_p = qkv.mutable_data_ptr<float>();
+  float* gate_up_p = gate_up.mutable_data_ptr<float>();
+  const bool act_bf16 = act.scalar_type() == at::kBFloat16;
+  const void* act_p = act.const_data_ptr();
+  prefixd_cpu::Barrier barrier(threads);
+
+  // thread t of a team of n (n <= threads: OpenMP may give fewer than asked for)
+  const auto run = [&](int t, int n) {
+    // its share of the SiLU and product: rows when there are enough, else columns in units
+    const bool by_rows = rows >= n;
+    const auto [from_, to_] = share(by_rows ? rows : units, t, n);
+    const int64_t from = by_rows ? from_ : from_ * SILU_UNIT, to = by_rows ? to_ : std::min(inter, to_ * SILU_UNIT);
+    const int cut = by_rows ? 0 : 1;
+    at::Tensor my_gate = gate.narrow(cut, from, to - from), my_up = up.narrow(cut, from, to - from);
+    at::Tensor my_act = act.narrow(cut, from, to - from);
+    float* mine = codes.data() + (shared_rows ? 0 : t) * (code_floats + 2 * group_floats);
+    int8_t* xq = reinterpret_cast<int8_t*>(mine);
+    float* d = mine + code_floats;
+    float* s = d + group_floats;
+    std::vector<float> row(kmax), scratch, local;
+    // x's rows quantized for the next product: a share each and a barrier, or every row
+    const auto quantize = [&](const auto* x, int64_t kx, const float* norm) {
+      if (!shared_rows) return prefixd_cpu::int4_quantize(x, 0, rows, kx, norm, feps, row.data(), xq, d, s);
+      const auto [b, e] = share(rows, t, n);
+      prefixd_cpu::int4_quantize(x, b, e, kx, norm, feps, row.data(), xq, d, s);
+      barrier.wait();
+    };
+    const auto product = [&](const Int4Weight& w, int64_t kx, float* out, bool accumulate) {
+      const auto [b, e] = share(prefixd_cpu::int4_tasks(w, rows), t, n);
+      prefixd_cpu::int4_tiles(w, xq, d, s, rows, kx, out, accumulate, b, e);
+      barrier.wait();
+    };
+    for (int64_t i = 0; i < layers; ++i) {
+      const Int4Weight* w = ws.data() + OUTS * i;
+      void* k = k_pools[i].data_ptr();
+      void* v = v_pools[i].data_ptr();
+      quantize(hp, hidden, norms[2 * i]);
+      product(w[0], hidden, qkv_p, false);
+      if (rows >= SHARED_ROWS || t == 0) {
+        const auto [b, e] = rows >= SHARED_ROWS ? share(rows, t, n) : std::pair<int64_t, int64_t>{0, rows};
+        prefixd_cpu::rope_kv_rows(*rope, k, v, b, e);
+      }
+      barrier.wait();
+      for (int64_t l = t; l < prefixd_cpu::attend_lists(*plan); l += n) prefixd_cpu::attend_list(*plan, l, k, v, scratch, local);
+      barrier.wait();
+      if (const int64_t joins = prefixd_cpu::attend_joins(*plan); joins > 0) {
+        const auto [b, e] = share(joins, t, n);
+        prefixd_cpu::attend_join(*plan, b, e);
+        barrier.wait();
+      }
+      quantize(attended, width, nullptr);
+      product(w[1], width, hp, true);  // h += o
+      quantize(hp, hidden, norms[2 * i + 1]);
+      product(w[2], hidden, gate_up_p, false);
+      if (my_gate.numel() > 0) {
+        at::silu_(my_gate);
+        at::mul_out(my_act, my_gate, my_up);
+      }
+      barrier.wait();
+      if (act_bf16)
+        quantize(static_cast<const at::BFloat16*>(act_p), inter, nullptr);
+      else
+        quantize(static_cast<const float*>(act_p), inter, nullptr);
+      product(w[3], inter, hp, true);  // h += down
+    }
+  };
+  if (threads == 1) {
+    run(0, 1);
+    return;
+  }
+  const at::ThreadLocalState state;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp single
+    barrier.reset(omp_get_num_threads());  // before any thread waits: a single ends in a barrier
+    const at::ThreadLocalStateGuard guard(state);  // the caller's inference mode for at::silu_ and at::mul_out
+    run(omp_get_thread_num(), omp_get_num_threads());
   }
 }
 
