@@ -24,7 +24,7 @@ using prefixd_cpu::share;
 
 constexpr int64_t PER_LAYER = 10;  // input norm, qkv codes and scales, o's, post norm, gate_up's, down's
 constexpr int64_t OUTS = 4;        // qkv, o, gate_up, down
-constexpr int64_t SHARED_ROWS = 16;  // from this many rows the threads quantize a share each; below, each all
+constexpr int64_t SHARED_ROWS = 4;  // from this many rows the threads quantize (and rope) a share each; below, each all
 constexpr int64_t SILU_UNIT = 32;    // columns: two AVX-512 vectors, so that a share's elements take the
                                      // vector loop of at::silu_ and at::mul exactly where the whole call's do
 
