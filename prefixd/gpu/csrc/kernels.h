@@ -7,13 +7,21 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 #include <memory>
 #include <thread>
 #include <vector>
 
 #include "common.h"
+
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace prefixd_cpu {
 
@@ -77,35 +85,55 @@ inline std::pair<int64_t, int64_t> share(int64_t total, int tid, int n) {
 }
 
 // A barrier for the threads of one region: a count and a generation. A waiting thread spins a
-// short while (the ops between barriers take microseconds), then yields its core to others.
+// short while (the ops between barriers take microseconds), then sleeps on the generation (a
+// futex) until the last thread wakes it, as OpenMP's own barrier does: a thread whose
+// partner was descheduled must not keep a core that another process, or that partner, needs.
 class Barrier {
  public:
-  explicit Barrier(int n) : n_(n) {}
-  void reset(int n) { n_ = n; }  // while no thread waits
+  explicit Barrier(int n) { reset(n); }
+  void reset(int n) {  // while no thread waits
+    n_ = n;
+    // more threads than cores (as OpenMP's throttled wait): a spinning thread holds a core that a
+    // thread it waits for may need, so it sleeps almost at once
+    spins_ = static_cast<unsigned>(n) > std::max(1u, std::thread::hardware_concurrency()) ? THROTTLED_SPINS : SPINS;
+  }
   void wait() {
     if (n_ <= 1) return;
     const int gen = gen_.load(std::memory_order_acquire);
     if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
       count_.store(0, std::memory_order_relaxed);
-      gen_.store(gen + 1, std::memory_order_release);
+      gen_.store(gen + 1, std::memory_order_seq_cst);
+      if (sleepers_.load(std::memory_order_seq_cst) > 0) wake();
       return;
     }
-    for (int spins = 0; gen_.load(std::memory_order_acquire) == gen; ++spins) {
-      if (spins < SPINS) {
+    for (int spins = 0; spins < spins_; ++spins) {
+      if (gen_.load(std::memory_order_acquire) != gen) return;
 #ifdef PREFIXD_X86
-        _mm_pause();
+      _mm_pause();
 #endif
-      } else {
-        std::this_thread::yield();
-      }
     }
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    while (gen_.load(std::memory_order_seq_cst) == gen) sleep(gen);
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
   }
 
  private:
-  static constexpr int SPINS = 1 << 14;
-  int n_;
+  static constexpr int SPINS = 1 << 11;  // tens of microseconds
+  static constexpr int THROTTLED_SPINS = 1 << 6;
+#ifdef __linux__
+  int* word() { return reinterpret_cast<int*>(&gen_); }
+  void sleep(int gen) { syscall(SYS_futex, word(), FUTEX_WAIT_PRIVATE, gen, nullptr, nullptr, 0); }  // returns at once if gen_ moved
+  void wake() { syscall(SYS_futex, word(), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0); }
+#else
+  void sleep(int) { std::this_thread::yield(); }
+  void wake() {}
+#endif
+  int n_, spins_;
   alignas(64) std::atomic<int> count_{0};
   alignas(64) std::atomic<int> gen_{0};
+  std::atomic<int> sleepers_{0};
 };
+
+static_assert(sizeof(std::atomic<int>) == sizeof(int), "the futex word is the generation itself");
 
 }  // namespace prefixd_cpu
