@@ -1136,6 +1136,7 @@ struct prefixd_cpu::AttendPlan {
   bool q8;
   std::vector<Block> blocks;
   std::vector<std::vector<Task>> lists;            // each thread's tasks
+  std::vector<Task> by_size;                       // every task, the largest first
   std::vector<float> split;                        // the cut blocks' partials
   std::vector<std::pair<size_t, int64_t>> splits;  // (block, its offset in split)
   std::vector<std::pair<size_t, int64_t>> joins;   // (split index, row * heads + head) of every cut (row, head)
@@ -1253,6 +1254,7 @@ std::shared_ptr<AttendPlan> plan_attend(const at::Tensor& q, const at::Tensor& k
   std::vector<std::vector<Task>>& lists = plan->lists;
   lists.resize(tasks.empty() ? 0 : static_cast<size_t>(std::min<int64_t>(threads, tasks.size())));
   std::vector<int64_t> load(lists.size(), 0);
+  for (const auto& [neg, i] : by_work) plan->by_size.push_back(tasks[i]);
   for (const auto& [neg, i] : by_work) {
     const size_t least = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
     lists[least].push_back(tasks[i]);
@@ -1286,9 +1288,8 @@ std::shared_ptr<AttendPlan> plan_attend(const at::Tensor& q, const at::Tensor& k
   return plan;
 }
 
-// list i's tasks, against the pools at k and v
-void run_list(AttendPlan& plan, int64_t i, const void* k, const void* v, std::vector<float>& scratch,
-              std::vector<float>& local) {
+// the plan's call pointed at the pools at k and v
+Attn attn_at(const AttendPlan& plan, const void* k, const void* v) {
   Attn a = plan.a;
   if (plan.q8) {
     a.k8 = static_cast<const uint8_t*>(k);
@@ -1297,6 +1298,13 @@ void run_list(AttendPlan& plan, int64_t i, const void* k, const void* v, std::ve
     a.k = static_cast<const uint16_t*>(k);
     a.v = static_cast<const uint16_t*>(v);
   }
+  return a;
+}
+
+// list i's tasks, against the pools at k and v
+void run_list(AttendPlan& plan, int64_t i, const void* k, const void* v, std::vector<float>& scratch,
+              std::vector<float>& local) {
+  const Attn a = attn_at(plan, k, v);
   for (const Task& t : plan.lists[i]) run_task(a, t, plan.fns, plan.split.data(), scratch, local);
 }
 
@@ -1458,13 +1466,13 @@ std::shared_ptr<AttendPlan> attend_plan(const at::Tensor& q, const at::Tensor& k
   return plan_attend(q, k_pool, v_pool, spans, tables, heads, q_stride, out, path);
 }
 
-int64_t attend_lists(const AttendPlan& plan) { return static_cast<int64_t>(plan.lists.size()); }
+int64_t attend_tasks(const AttendPlan& plan) { return static_cast<int64_t>(plan.by_size.size()); }
 
 int64_t attend_joins(const AttendPlan& plan) { return static_cast<int64_t>(plan.joins.size()); }
 
-void attend_list(AttendPlan& plan, int64_t i, const void* k, const void* v, std::vector<float>& scratch,
+void attend_task(AttendPlan& plan, int64_t i, const void* k, const void* v, std::vector<float>& scratch,
                  std::vector<float>& local) {
-  run_list(plan, i, k, v, scratch, local);
+  run_task(attn_at(plan, k, v), plan.by_size[i], plan.fns, plan.split.data(), scratch, local);
 }
 
 void attend_join(const AttendPlan& plan, int64_t begin, int64_t end) { run_joins(plan, begin, end); }

@@ -60,10 +60,10 @@ struct AttendPlan;
 std::shared_ptr<AttendPlan> attend_plan(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                         const at::Tensor& spans, const at::Tensor& tables, int64_t heads,
                                         int64_t q_stride, at::Tensor& out, c10::string_view path);
-int64_t attend_lists(const AttendPlan& plan);  // at most the thread count
+int64_t attend_tasks(const AttendPlan& plan);
 int64_t attend_joins(const AttendPlan& plan);
-// list i's tasks against the pools at k and v (a layer's: each thread passes the same pointers)
-void attend_list(AttendPlan& plan, int64_t i, const void* k, const void* v, std::vector<float>& scratch,
+// task i (the largest first) against the pools at k and v (a layer's: each thread passes the same pointers)
+void attend_task(AttendPlan& plan, int64_t i, const void* k, const void* v, std::vector<float>& scratch,
                  std::vector<float>& local);
 void attend_join(const AttendPlan& plan, int64_t begin, int64_t end);  // joins [begin, end), after every list
 
@@ -84,56 +84,64 @@ inline std::pair<int64_t, int64_t> share(int64_t total, int tid, int n) {
   return {begin, std::min<int64_t>(total, begin + each)};
 }
 
-// A barrier for the threads of one region: a count and a generation. A waiting thread spins a
-// short while (the ops between barriers take microseconds), then sleeps on the generation (a
-// futex) until the last thread wakes it, as OpenMP's own barrier does: a thread whose
-// partner was descheduled must not keep a core that another process, or that partner, needs.
-class Barrier {
+// One op of a region: its tasks [0, total) taken a grain at a time by whichever thread asks
+// next, and the count of those done, which every thread waits on before the op after it. A
+// thread that its core's other work holds up (a busy neighbour, the daemon's front) delays an
+// op by the one grain it holds, not by a fixed share of the op; a thread that comes late
+// finds the op's tasks taken and done, and goes on. A waiting thread spins a short while (the
+// ops take microseconds), then sleeps on the count (a futex) until the thread that finishes
+// the last task wakes it: it must not keep a core that the thread it waits for may need.
+class Op {
  public:
-  explicit Barrier(int n) { reset(n); }
-  void reset(int n) {  // while no thread waits
-    n_ = n;
-    // more threads than cores (as OpenMP's throttled wait): a spinning thread holds a core that a
-    // thread it waits for may need, so it sleeps almost at once
-    spins_ = static_cast<unsigned>(n) > std::max(1u, std::thread::hardware_concurrency()) ? THROTTLED_SPINS : SPINS;
+  void reset(int total, int grain) {  // before the region
+    total_ = total;
+    grain_ = std::max(1, grain);
+    next_.store(0, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    sleepers_.store(0, std::memory_order_relaxed);
   }
-  void wait() {
-    if (n_ <= 1) return;
-    const int gen = gen_.load(std::memory_order_acquire);
-    if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
-      count_.store(0, std::memory_order_relaxed);
-      gen_.store(gen + 1, std::memory_order_seq_cst);
-      if (sleepers_.load(std::memory_order_seq_cst) > 0) wake();
-      return;
-    }
-    for (int spins = 0; spins < spins_; ++spins) {
-      if (gen_.load(std::memory_order_acquire) != gen) return;
+  int total() const { return total_; }
+  // the next grain of tasks [begin, end), or false when none is left
+  bool take(int& begin, int& end) {
+    if (next_.load(std::memory_order_relaxed) >= total_) return false;
+    begin = next_.fetch_add(grain_, std::memory_order_relaxed);
+    if (begin >= total_) return false;
+    end = std::min(total_, begin + grain_);
+    return true;
+  }
+  void finish(int count) {  // after running a grain's `count` tasks
+    if (done_.fetch_add(count, std::memory_order_seq_cst) + count == total_ &&
+        sleepers_.load(std::memory_order_seq_cst) > 0)
+      wake();
+  }
+  void wait() {  // until every task is done; what they wrote is then visible
+    for (int spins = 0; spins < SPINS; ++spins) {
+      if (done_.load(std::memory_order_acquire) == total_) return;
 #ifdef PREFIXD_X86
       _mm_pause();
 #endif
     }
     sleepers_.fetch_add(1, std::memory_order_seq_cst);
-    while (gen_.load(std::memory_order_seq_cst) == gen) sleep(gen);
+    for (int now; (now = done_.load(std::memory_order_seq_cst)) != total_;) sleep(now);
     sleepers_.fetch_sub(1, std::memory_order_relaxed);
   }
 
  private:
   static constexpr int SPINS = 1 << 11;  // tens of microseconds
-  static constexpr int THROTTLED_SPINS = 1 << 6;
 #ifdef __linux__
-  int* word() { return reinterpret_cast<int*>(&gen_); }
-  void sleep(int gen) { syscall(SYS_futex, word(), FUTEX_WAIT_PRIVATE, gen, nullptr, nullptr, 0); }  // returns at once if gen_ moved
+  int* word() { return reinterpret_cast<int*>(&done_); }
+  void sleep(int now) { syscall(SYS_futex, word(), FUTEX_WAIT_PRIVATE, now, nullptr, nullptr, 0); }  // returns at once if the count moved
   void wake() { syscall(SYS_futex, word(), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0); }
 #else
   void sleep(int) { std::this_thread::yield(); }
   void wake() {}
 #endif
-  int n_, spins_;
-  alignas(64) std::atomic<int> count_{0};
-  alignas(64) std::atomic<int> gen_{0};
+  int total_ = 0, grain_ = 1;
+  alignas(64) std::atomic<int> next_{0};
+  alignas(64) std::atomic<int> done_{0};
   std::atomic<int> sleepers_{0};
 };
 
-static_assert(sizeof(std::atomic<int>) == sizeof(int), "the futex word is the generation itself");
+static_assert(sizeof(std::atomic<int>) == sizeof(int), "the futex word is the count itself");
 
 }  // namespace prefixd_cpu

@@ -13,6 +13,7 @@
 #include <torch/library.h>
 #include <omp.h>
 
+#include <array>
 #include <vector>
 
 #include "kernels.h"
@@ -34,12 +35,12 @@ const float* norm_of(const at::Tensor& w, int64_t width) {
   return w.const_data_ptr<float>();
 }
 
-// A round's layers. The threads of one OpenMP region run every op of every layer, each taking
-// its share of an op's tasks (the product's tiles, attention's task lists, rope's rows, the
-// elementwise ops' columns or rows) and waiting for the others at a barrier where the next op
-// reads what this one wrote: about seven barriers a layer of well under a microsecond each,
-// where one parallel region an op cost two microseconds to start and join. No op's arithmetic
-// changes: each task is the one its op runs on its own, so the bits are the loop's.
+// A round's layers. The threads of one OpenMP region run every op of every layer: each takes
+// an op's tasks a grain at a time (the product's tiles, attention's tasks and joins, rope's
+// rows, the SiLU's pieces) and waits until all of them are done before the next op, which
+// reads what they wrote (`prefixd_cpu::Op`). One parallel region an op cost two microseconds
+// to start and join; an op's wait is well under one. No op's arithmetic changes: each task is
+// the one its op runs on its own, whoever runs it, so the bits are the loop's.
 void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, double eps, at::Tensor& qk,
                  at::Tensor& attn, at::Tensor& act, const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_pools,
                  at::TensorList v_pools, const at::Tensor& slots, const at::Tensor& spans, const at::Tensor& tables,
@@ -88,11 +89,24 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
   const auto plan = prefixd_cpu::attend_plan(q, k0, v0, spans, tables, heads, heads + kv_heads, attn, "auto");
   const int threads = omp_in_parallel() ? 1 : std::max(1, at::get_num_threads());
 
+
+  // SiLU and the product with the up half in pieces: rows where there are enough, else columns
+  // in units of 32
   const at::Tensor gate = gate_up.narrow(1, 0, inter), up = gate_up.narrow(1, inter, inter);
   const int64_t units = (inter + SILU_UNIT - 1) / SILU_UNIT;
+  const bool by_rows = rows >= 2 * threads;
+  const int pieces = static_cast<int>(std::min<int64_t>(by_rows ? rows : units, 2 * threads));
+  std::vector<std::array<at::Tensor, 3>> silu;  // gate, up, act
+  for (int p = 0; p < pieces; ++p) {
+    const auto [b, e] = share(by_rows ? rows : units, p, pieces);
+    const int64_t from = by_rows ? b : b * SILU_UNIT, to = by_rows ? e : std::min(inter, e * SILU_UNIT);
+    const int cut = by_rows ? 0 : 1;
+    silu.push_back({gate.narrow(cut, from, to - from), up.narrow(cut, from, to - from), act.narrow(cut, from, to - from)});
+  }
 
-  // the rows' codes: one buffer the threads share (a share of rows each, then a barrier), or
-  // below SHARED_ROWS one a thread, each quantizing every row (no barrier to wait at)
+  // the rows' codes: one buffer the threads share (a quantizing op of its own, a task a few
+  // rows), or below SHARED_ROWS one a thread, each quantizing every row as it takes its first
+  // tiles of a product (which then cannot end before it has: its input stays as it read it)
   const bool shared_rows = rows >= SHARED_ROWS;
   const int64_t kmax = std::max({hidden, width, inter});
   const int64_t code_floats = (rows * kmax + 3) / 4, group_floats = rows * kmax / 32;
@@ -105,79 +119,92 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
   float* gate_up_p = gate_up.mutable_data_ptr<float>();
   const bool act_bf16 = act.scalar_type() == at::kBFloat16;
   const void* act_p = act.const_data_ptr();
-  prefixd_cpu::Barrier barrier(threads);
 
-  // thread t of a team of n (n <= threads: OpenMP may give fewer than asked for)
-  const auto run = [&](int t, int n) {
-    // its share of the SiLU and product: rows when there are enough, else columns in units
-    const bool by_rows = rows >= n;
-    const auto [from_, to_] = share(by_rows ? rows : units, t, n);
-    const int64_t from = by_rows ? from_ : from_ * SILU_UNIT, to = by_rows ? to_ : std::min(inter, to_ * SILU_UNIT);
-    const int cut = by_rows ? 0 : 1;
-    at::Tensor my_gate = gate.narrow(cut, from, to - from), my_up = up.narrow(cut, from, to - from);
-    at::Tensor my_act = act.narrow(cut, from, to - from);
+  // every op of every layer, in order; a grain of about a quarter of a thread's share
+  enum { QUANT_IN, QKV, ROPE, ATTEND, JOIN, QUANT_ATTN, O, QUANT_POST, GATE_UP, SILU, QUANT_ACT, DOWN, OPS };
+  const auto grain = [&](int64_t total) { return static_cast<int>((total + 4 * threads - 1) / (4 * threads)); };
+  std::vector<prefixd_cpu::Op> ops(static_cast<size_t>(OPS * layers));
+  for (int64_t i = 0; i < layers; ++i) {
+    prefixd_cpu::Op* o = ops.data() + OPS * i;
+    const Int4Weight* w = ws.data() + OUTS * i;
+    for (const int q : {QUANT_IN, QUANT_ATTN, QUANT_POST, QUANT_ACT}) o[q].reset(shared_rows ? rows : 0, grain(rows));
+    const int tiles[] = {QKV, O, GATE_UP, DOWN};
+    for (int j = 0; j < 4; ++j) {
+      const int64_t n = prefixd_cpu::int4_tasks(w[j], rows);
+      o[tiles[j]].reset(static_cast<int>(n), grain(n));
+    }
+    o[ROPE].reset(shared_rows ? rows : 1, shared_rows ? grain(rows) : 1);
+    o[ATTEND].reset(static_cast<int>(prefixd_cpu::attend_tasks(*plan)), 1);
+    const int64_t joins = prefixd_cpu::attend_joins(*plan);
+    o[JOIN].reset(static_cast<int>(joins), grain(joins));
+    o[SILU].reset(pieces, 1);
+  }
+
+  // a thread of the team (of at most `threads`)
+  const auto run = [&](int t) {
     float* mine = codes.data() + (shared_rows ? 0 : t) * (code_floats + 2 * group_floats);
     int8_t* xq = reinterpret_cast<int8_t*>(mine);
     float* d = mine + code_floats;
     float* s = d + group_floats;
     std::vector<float> row(kmax), scratch, local;
-    // x's rows quantized for the next product: a share each and a barrier, or every row
-    const auto quantize = [&](const auto* x, int64_t kx, const float* norm) {
-      if (!shared_rows) return prefixd_cpu::int4_quantize(x, 0, rows, kx, norm, feps, row.data(), xq, d, s);
-      const auto [b, e] = share(rows, t, n);
-      prefixd_cpu::int4_quantize(x, b, e, kx, norm, feps, row.data(), xq, d, s);
-      barrier.wait();
+    // op's tasks, as many as this thread gets, then the wait for the rest; `first` before its first
+    const auto each = [](prefixd_cpu::Op& op, const auto& first, const auto& fn) {
+      if (op.total() == 0) return;
+      int b, e;
+      for (bool started = false; op.take(b, e); op.finish(e - b)) {
+        if (!started) first();
+        started = true;
+        fn(b, e);
+      }
+      op.wait();
     };
-    const auto product = [&](const Int4Weight& w, int64_t kx, float* out, bool accumulate) {
-      const auto [b, e] = share(prefixd_cpu::int4_tasks(w, rows), t, n);
-      prefixd_cpu::int4_tiles(w, xq, d, s, rows, kx, out, accumulate, b, e);
-      barrier.wait();
+    const auto nothing = [] {};
+    // x's rows quantized, then the product's tiles into out (or added to it)
+    const auto product = [&](prefixd_cpu::Op& quant, prefixd_cpu::Op& tiles, const auto* x, int64_t kx, const float* norm,
+                             const Int4Weight& w, float* out, bool accumulate) {
+      each(quant, nothing, [&](int b, int e) { prefixd_cpu::int4_quantize(x, b, e, kx, norm, feps, row.data(), xq, d, s); });
+      const auto own = [&] {
+        if (!shared_rows) prefixd_cpu::int4_quantize(x, 0, rows, kx, norm, feps, row.data(), xq, d, s);
+      };
+      each(tiles, own, [&](int b, int e) { prefixd_cpu::int4_tiles(w, xq, d, s, rows, kx, out, accumulate, b, e); });
     };
     for (int64_t i = 0; i < layers; ++i) {
+      prefixd_cpu::Op* o = ops.data() + OPS * i;
       const Int4Weight* w = ws.data() + OUTS * i;
       void* k = k_pools[i].data_ptr();
       void* v = v_pools[i].data_ptr();
-      quantize(hp, hidden, norms[2 * i]);
-      product(w[0], hidden, qkv_p, false);
-      if (rows >= SHARED_ROWS || t == 0) {
-        const auto [b, e] = rows >= SHARED_ROWS ? share(rows, t, n) : std::pair<int64_t, int64_t>{0, rows};
-        prefixd_cpu::rope_kv_rows(*rope, k, v, b, e);
-      }
-      barrier.wait();
-      for (int64_t l = t; l < prefixd_cpu::attend_lists(*plan); l += n) prefixd_cpu::attend_list(*plan, l, k, v, scratch, local);
-      barrier.wait();
-      if (const int64_t joins = prefixd_cpu::attend_joins(*plan); joins > 0) {
-        const auto [b, e] = share(joins, t, n);
-        prefixd_cpu::attend_join(*plan, b, e);
-        barrier.wait();
-      }
-      quantize(attended, width, nullptr);
-      product(w[1], width, hp, true);  // h += o
-      quantize(hp, hidden, norms[2 * i + 1]);
-      product(w[2], hidden, gate_up_p, false);
-      if (my_gate.numel() > 0) {
-        at::silu_(my_gate);
-        at::mul_out(my_act, my_gate, my_up);
-      }
-      barrier.wait();
+      product(o[QUANT_IN], o[QKV], hp, hidden, norms[2 * i], w[0], qkv_p, false);
+      each(o[ROPE], nothing, [&](int b, int e) {
+        prefixd_cpu::rope_kv_rows(*rope, k, v, shared_rows ? b : 0, shared_rows ? e : rows);
+      });
+      each(o[ATTEND], nothing, [&](int b, int e) {
+        for (int j = b; j < e; ++j) prefixd_cpu::attend_task(*plan, j, k, v, scratch, local);
+      });
+      each(o[JOIN], nothing, [&](int b, int e) { prefixd_cpu::attend_join(*plan, b, e); });
+      product(o[QUANT_ATTN], o[O], attended, width, nullptr, w[1], hp, true);  // h += o
+      product(o[QUANT_POST], o[GATE_UP], hp, hidden, norms[2 * i + 1], w[2], gate_up_p, false);
+      each(o[SILU], nothing, [&](int b, int e) {
+        for (int p = b; p < e; ++p) {
+          auto& [g, u, a] = silu[p];
+          at::silu_(g);
+          at::mul_out(a, g, u);
+        }
+      });
       if (act_bf16)
-        quantize(static_cast<const at::BFloat16*>(act_p), inter, nullptr);
+        product(o[QUANT_ACT], o[DOWN], static_cast<const at::BFloat16*>(act_p), inter, nullptr, w[3], hp, true);  // h += down
       else
-        quantize(static_cast<const float*>(act_p), inter, nullptr);
-      product(w[3], inter, hp, true);  // h += down
+        product(o[QUANT_ACT], o[DOWN], static_cast<const float*>(act_p), inter, nullptr, w[3], hp, true);
     }
   };
   if (threads == 1) {
-    run(0, 1);
+    run(0);
     return;
   }
   const at::ThreadLocalState state;
 #pragma omp parallel num_threads(threads)
   {
-#pragma omp single
-    barrier.reset(omp_get_num_threads());  // before any thread waits: a single ends in a barrier
     const at::ThreadLocalStateGuard guard(state);  // the caller's inference mode for at::silu_ and at::mul_out
-    run(omp_get_thread_num(), omp_get_num_threads());
+    run(omp_get_thread_num());
   }
 }
 
