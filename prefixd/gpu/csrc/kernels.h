@@ -86,9 +86,8 @@ inline std::pair<int64_t, int64_t> share(int64_t total, int tid, int n) {
 
 // One op of a region: its tasks [0, total) taken a grain at a time by whichever thread asks
 // next, and the count of those done, which every thread waits on before the op after it. A
-// thread that its core's other work holds up (a busy neighbour, the daemon's front) delays an
-// op by the one grain it holds, not by a fixed share of the op; a thread that comes late
-// finds the op's tasks taken and done, and goes on. A waiting thread spins a short while (the
+// thread that comes late (its core's other work held it up: a busy neighbour, the daemon's
+// front) finds its grain taken by a thread that came early, and the op perhaps done. A waiting thread spins a short while (the
 // ops take microseconds), then sleeps on the count (a futex) until the thread that finishes
 // the last task wakes it: it must not keep a core that the thread it waits for may need.
 class Op {

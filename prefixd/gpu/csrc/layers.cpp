@@ -25,8 +25,8 @@ using prefixd_cpu::share;
 
 constexpr int64_t PER_LAYER = 10;  // input norm, qkv codes and scales, o's, post norm, gate_up's, down's
 constexpr int64_t OUTS = 4;        // qkv, o, gate_up, down
-constexpr int64_t SHARED_ROWS = 4;  // from this many rows the threads quantize (and rope) a share each; below, each all
-constexpr int64_t SILU_UNIT = 32;    // columns: two AVX-512 vectors, so that a share's elements take the
+constexpr int64_t SHARED_ROWS = 4;  // from this many rows quantizing (and rope) are ops of their own; below, each thread quantizes all
+constexpr int64_t SILU_UNIT = 32;    // columns: two AVX-512 vectors, so that a piece's elements take the
                                      // vector loop of at::silu_ and at::mul exactly where the whole call's do
 
 const float* norm_of(const at::Tensor& w, int64_t width) {
@@ -36,9 +36,9 @@ const float* norm_of(const at::Tensor& w, int64_t width) {
 }
 
 // A round's layers. The threads of one OpenMP region run every op of every layer: each takes
-// an op's tasks a grain at a time (the product's tiles, attention's tasks and joins, rope's
-// rows, the SiLU's pieces) and waits until all of them are done before the next op, which
-// reads what they wrote (`prefixd_cpu::Op`). One parallel region an op cost two microseconds
+// an op's tasks a grain (a thread's share) at a time while any are left (the product's tiles,
+// attention's tasks and joins, rope's rows, the SiLU's pieces) and waits until all of them are
+// done before the next op, which reads what they wrote (`prefixd_cpu::Op`). One parallel region an op cost two microseconds
 // to start and join; an op's wait is well under one. No op's arithmetic changes: each task is
 // the one its op runs on its own, whoever runs it, so the bits are the loop's.
 void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, double eps, at::Tensor& qk,
@@ -89,7 +89,6 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
   const auto plan = prefixd_cpu::attend_plan(q, k0, v0, spans, tables, heads, heads + kv_heads, attn, "auto");
   const int threads = omp_in_parallel() ? 1 : std::max(1, at::get_num_threads());
 
-
   // SiLU and the product with the up half in pieces: rows where there are enough, else columns
   // in units of 32
   const at::Tensor gate = gate_up.narrow(1, 0, inter), up = gate_up.narrow(1, inter, inter);
@@ -120,9 +119,11 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
   const bool act_bf16 = act.scalar_type() == at::kBFloat16;
   const void* act_p = act.const_data_ptr();
 
-  // every op of every layer, in order; a grain of about a quarter of a thread's share
+  // every op of every layer, in order. A grain is a thread's share: a thread that comes late
+  // finds its share taken by one that came early. (Finer grains were slower on an idle machine,
+  // by 3 to 9 % with a quarter of a share, and no faster beside a busy neighbour.)
   enum { QUANT_IN, QKV, ROPE, ATTEND, JOIN, QUANT_ATTN, O, QUANT_POST, GATE_UP, SILU, QUANT_ACT, DOWN, OPS };
-  const auto grain = [&](int64_t total) { return static_cast<int>((total + 4 * threads - 1) / (4 * threads)); };
+  const auto grain = [&](int64_t total) { return static_cast<int>((total + threads - 1) / threads); };
   std::vector<prefixd_cpu::Op> ops(static_cast<size_t>(OPS * layers));
   for (int64_t i = 0; i < layers; ++i) {
     prefixd_cpu::Op* o = ops.data() + OPS * i;
