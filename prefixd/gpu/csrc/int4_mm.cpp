@@ -403,8 +403,8 @@ prefixd_cpu::Int4Weight weight_of(const at::Tensor& codes, const at::Tensor& sca
           nblocks, bits, half};
 }
 
-// Rows [begin, end) of x, each quantized on its own (one pass): row r's codes at xq + r * kx,
-// its groups' d and s at r * kx / 32; `row`: kx floats of scratch.
+// Rows [begin, end) of x, each quantized on its own into `passes` rows of codes: row r's first
+// at xq + passes * r * kx, their groups' d and s at passes * r * kx / 32; `row`: kx floats of scratch.
 template <typename T>
 void quantize_range(const T* x, int64_t begin, int64_t end, int64_t kx, const float* norm, float eps, int passes,
                     bool vnni, float* row, int8_t* xq, float* d, float* s) {

@@ -1,6 +1,6 @@
 // The kernels' parts that csrc/layers.cpp runs inside its one parallel region: each op split
 // into its serial set-up (the checks and the plan) and its tasks, so that a region's threads can
-// share an op's tasks and wait for each other at a barrier instead of each op starting and
+// share an op's tasks and wait for them to be done (`Op`) instead of each op starting and
 // joining a team of its own. The ops (int4_mm, attend, rope_kv) are built from these same parts,
 // so both give the same bits.
 #pragma once
