@@ -118,6 +118,11 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
   float* gate_up_p = gate_up.mutable_data_ptr<float>();
   const bool act_bf16 = act.scalar_type() == at::kBFloat16;
   const void* act_p = act.const_data_ptr();
+  std::vector<void*> k_at, v_at;  // each layer's pools, read here: the region touches no tensor but SiLU's pieces
+  for (int64_t i = 0; i < layers; ++i) {
+    k_at.push_back(k_pools[i].mutable_data_ptr());
+    v_at.push_back(v_pools[i].mutable_data_ptr());
+  }
 
   // every op of every layer, in order. A grain is a thread's share: a thread that comes late
   // finds its share taken by one that came early. (Finer grains were slower on an idle machine,
@@ -172,8 +177,8 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
     for (int64_t i = 0; i < layers; ++i) {
       prefixd_cpu::Op* o = ops.data() + OPS * i;
       const Int4Weight* w = ws.data() + OUTS * i;
-      void* k = k_pools[i].data_ptr();
-      void* v = v_pools[i].data_ptr();
+      void* k = k_at[i];
+      void* v = v_at[i];
       product(o[QUANT_IN], o[QKV], hp, hidden, norms[2 * i], w[0], qkv_p, false);
       each(o[ROPE], nothing, [&](int b, int e) {
         prefixd_cpu::rope_kv_rows(*rope, k, v, shared_rows ? b : 0, shared_rows ? e : rows);
