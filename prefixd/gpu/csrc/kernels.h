@@ -53,9 +53,10 @@ void int4_tiles(const Int4Weight& w, const int8_t* xq, const float* d, const flo
 
 // ---- attention (attention.cpp) --------------------------------------------------------------------
 
-// A call's tasks in per-thread lists, and the joins of the rows whose key chunks were cut
-// between tasks. It depends on the spans, tables and shapes only, so a round plans once for
-// every layer: `pools` points the plan at a layer's K and V pools (of the planned shape).
+// A call's tasks (the largest first; `attend` itself runs them in per-thread lists) and the
+// joins of the rows whose key chunks were cut between tasks. It depends on the spans, tables
+// and shapes only, so a round plans once for every layer: `attend_task` takes a layer's K and V
+// pools (of the planned shape) as pointers.
 struct AttendPlan;
 std::shared_ptr<AttendPlan> attend_plan(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                         const at::Tensor& spans, const at::Tensor& tables, int64_t heads,
@@ -65,7 +66,7 @@ int64_t attend_joins(const AttendPlan& plan);
 // task i (the largest first) against the pools at k and v (a layer's: each thread passes the same pointers)
 void attend_task(AttendPlan& plan, int64_t i, const void* k, const void* v, std::vector<float>& scratch,
                  std::vector<float>& local);
-void attend_join(const AttendPlan& plan, int64_t begin, int64_t end);  // joins [begin, end), after every list
+void attend_join(const AttendPlan& plan, int64_t begin, int64_t end);  // joins [begin, end), after every task
 
 // ---- rope and the K/V write (attention.cpp) ----------------------------------------------------------
 
@@ -87,9 +88,10 @@ inline std::pair<int64_t, int64_t> share(int64_t total, int tid, int n) {
 // One op of a region: its tasks [0, total) taken a grain at a time by whichever thread asks
 // next, and the count of those done, which every thread waits on before the op after it. A
 // thread that comes late (its core's other work held it up: a busy neighbour, the daemon's
-// front) finds its grain taken by a thread that came early, and the op perhaps done. A waiting thread spins a short while (the
-// ops take microseconds), then sleeps on the count (a futex) until the thread that finishes
-// the last task wakes it: it must not keep a core that the thread it waits for may need.
+// front) finds its grain taken by a thread that came early, and the op perhaps done. A waiting
+// thread spins a short while (the ops take microseconds), then sleeps on the count (a futex)
+// until the thread that finishes the last task wakes it: it must not keep a core that the
+// thread it waits for may need.
 class Op {
  public:
   void reset(int total, int grain) {  // before the region
