@@ -187,7 +187,8 @@ def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, p
 
 def attention_path(q8: bool = False) -> str:
     """The path attention takes on this CPU: for bf16 pools "avx512-bf16", "avx512" or "portable",
-    for 8-bit pages "avx512-vnni" or "portable" (each pool kind's paths give the same bits)."""
+    for 8-bit pages "avx512-bf16" (VNNI scores, BF16 value sums), "avx512-vnni" or "portable"
+    (each pool kind's paths give the same bits)."""
     load()
     return torch.ops.prefixd.attention_q8_isa() if q8 else torch.ops.prefixd.attention_isa()
 

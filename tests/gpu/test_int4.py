@@ -426,7 +426,7 @@ def test_the_disk_tier_keys_a_mode_on_its_revision():
     revision must never be served."""
     from prefixd.gpu.families import mode_identity
 
-    assert mode_identity("int4") == "int4@9"
+    assert mode_identity("int4") == "int4@10"
     assert mode_identity("invariant") == "invariant@5"
     with pytest.raises(ValueError, match="no revision"):
         mode_identity("int3")

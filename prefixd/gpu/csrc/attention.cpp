@@ -190,6 +190,21 @@ inline float quantize_block(const float* x, int8_t* codes) {
   return a / 127.f;
 }
 
+// A value weight of 8-bit pages (a key's e times its V scale, never negative) as the value sums
+// take it: zero below 2^-60, else rounded to bf16, nearest-even (NaN stays NaN, its quiet bit
+// set), held in fp32. Each product of such a weight and a code is then exact and a multiple of
+// 2^-67, so every partial sum is zero or a normal float: the BF16 dot-product instruction (which
+// flushes subnormal inputs and results) and an fma chain agree.
+inline float bf16_weight(float w) {
+  if (w < QUANT_TINY) return 0.f;  // NaN fails the test: kept
+  uint32_t b;
+  std::memcpy(&b, &w, sizeof b);
+  b = std::isnan(w) ? b | 0x00400000u : b + 0x7fffu + ((b >> 16) & 1u);
+  b &= 0xffff0000u;
+  std::memcpy(&w, &b, sizeof w);
+  return w;
+}
+
 inline const uint8_t* page8(const uint8_t* pool, const Attn& a, const int32_t* table, int64_t t) {
   return pool + static_cast<int64_t>(table[t / a.page]) * a.page_bytes;
 }
@@ -345,7 +360,7 @@ void chunk_q8_portable(const Attn& a, const Task& task, int64_t chunk, float* pa
       softmax_portable(s, k0, end, nan, a.dim, rec, [&](int64_t t, float e, float* o) {
         const int8_t* v = value_row8(a, table, t, kv);
         for (int64_t b = 0; b < nq; ++b) {
-          const float ev = e * *scale8(a.v8, a, table, t, kv, b);
+          const float ev = bf16_weight(e * *scale8(a.v8, a, table, t, kv, b));
           for (int64_t d = b * QBLOCK; d < (b + 1) * QBLOCK; ++d) o[d] = std::fma(ev, static_cast<float>(v[d]), o[d]);
         }
       });
@@ -855,10 +870,102 @@ ValueQ8Fn<Src> value_q8_fn(int64_t pairs) {
   }
 }
 
+// The value weights of 16 keys as `bf16_weight` gives them (lanes of w, held in fp32).
+PREFIXD_AVX512 inline __m512 bf16_weights(__m512 w) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(w, _mm512_set1_ps(QUANT_TINY), _CMP_NLT_UQ);  // >= 2^-60, or NaN
+  const __mmask16 nan = _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q);
+  const __m512i b = _mm512_castps_si512(w);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_mask_or_epi32(r, nan, b, _mm512_set1_epi32(0x00400000));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)));
+  return _mm512_maskz_mov_ps(keep, _mm512_castsi512_ps(r));
+}
+
+// The BF16 value sums read keys two at a time: a 32-bit word holds key 2i's bf16 (of a weight,
+// or of a code) in its high half and key 2i + 1's in its low half, and the instruction adds the
+// high halves' product first, then the low halves': o = fma(w_2i, v_2i, o), then
+// fma(w_2i+1, v_2i+1, o), the fma chain in key order. 16 keys' weights w (before rounding) as
+// 8 such words, `bf16_weights`' bits by the BF16 conversion (nearest-even, NaN quieted; it
+// would flush a subnormal input, but those lanes are zeroed first):
+PREFIXD_AVX512_BF16 inline void store_weight_words(__m512 w, uint32_t* to) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(w, _mm512_set1_ps(QUANT_TINY), _CMP_NLT_UQ);  // >= 2^-60, or NaN
+  const __m256i halves = (__m256i)_mm512_maskz_cvtneps_pbh(keep, w);  // key order
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), _mm256_ror_epi32(halves, 16));
+}
+
+// 16 dims of two keys' codes as such words: a code (|c| <= 127) widened to fp32 has a zero low
+// half, so the high half of its bits is its bf16, exactly.
+PREFIXD_AVX512 inline __m512i code_bits(const int8_t* c) {  // 16 codes' fp32 bits
+  return _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)))));
+}
+
+PREFIXD_AVX512 inline __m512i code_pairs(const int8_t* first, const int8_t* second) {
+  return _mm512_or_si512(code_bits(first), _mm512_srli_epi32(code_bits(second), 16));
+}
+
+// Where the BF16 value sums read a block's key pairs: from paired codes stored once (8 pairs x
+// D words), or each pair's rows paired as they are read (rows[2i], rows[2i + 1]: the keys'
+// codes of the kv head).
+template <int D>
+struct PairedBlock {
+  const uint32_t* vb;
+  PREFIXD_AVX512 __m512i operator()(int64_t kp, int c) const { return _mm512_loadu_si512(vb + kp * D + 16 * c); }
+};
+
+struct PairRows {
+  const int8_t* const* rows;
+  PREFIXD_AVX512 __m512i operator()(int64_t kp, int c) const { return code_pairs(rows[2 * kp] + 16 * c, rows[2 * kp + 1] + 16 * c); }
+};
+
+// The value sums of NP pairs as `values_q8` gives them, two keys an instruction: e[n] holds
+// words of weights (a row of words per block of 32 dims, `estride` apart), and end, common
+// count key pairs (a pair past a row's last key adds a weight of 0 times a finite code).
+template <class Src>
+using ValueDotFn = void (*)(Src src, const uint32_t* const* e, int64_t estride, float* const* o, const int64_t* end,
+                            int64_t common);
+
+template <int NQ, int NP, class Src>
+PREFIXD_AVX512_BF16 void values_dot(Src src, const uint32_t* const* e, int64_t estride, float* const* o,
+                                    const int64_t* end, int64_t common) {
+  constexpr int C = 2 * NQ;
+  __m512 acc[NP][C];
+  for (int n = 0; n < NP; ++n)
+    for (int c = 0; c < C; ++c) acc[n][c] = _mm512_load_ps(o[n] + 16 * c);
+  for (int64_t kp = 0; kp < common; ++kp) {
+    __m512bh v[C];
+    for (int c = 0; c < C; ++c) v[c] = (__m512bh)src(kp, c);
+    for (int n = 0; n < NP; ++n)
+      for (int j = 0; j < NQ; ++j) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(e[n][j * estride + kp]));
+        acc[n][2 * j] = _mm512_dpbf16_ps(acc[n][2 * j], w, v[2 * j]);
+        acc[n][2 * j + 1] = _mm512_dpbf16_ps(acc[n][2 * j + 1], w, v[2 * j + 1]);
+      }
+  }
+  for (int n = 0; n < NP; ++n) {
+    for (int64_t kp = common; kp < end[n]; ++kp)
+      for (int j = 0; j < NQ; ++j) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(e[n][j * estride + kp]));
+        acc[n][2 * j] = _mm512_dpbf16_ps(acc[n][2 * j], w, (__m512bh)src(kp, 2 * j));
+        acc[n][2 * j + 1] = _mm512_dpbf16_ps(acc[n][2 * j + 1], w, (__m512bh)src(kp, 2 * j + 1));
+      }
+    for (int c = 0; c < C; ++c) _mm512_store_ps(o[n] + 16 * c, acc[n][c]);
+  }
+}
+
+template <int NQ, class Src, int N = values_q8_max(NQ)>
+ValueDotFn<Src> value_dot_fn(int64_t pairs) {
+  if constexpr (N == 1) {
+    return &values_dot<NQ, 1, Src>;
+  } else {
+    return pairs == N ? &values_dot<NQ, N, Src> : value_dot_fn<NQ, Src, N - 1>(pairs);
+  }
+}
+
 // One chunk of keys for the task's pairs from 8-bit pages: the bf16 chunk's plan (blocks of 16
 // keys read in place when pages hold a multiple of 16 keys, else gathered; the pairs of a kv
 // head in groups; prefetch PREFETCH_BLOCKS blocks on), with the arithmetic of `chunk_q8_portable`.
-template <int NQ>
+template <int NQ, bool DOT>
 PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t chunk, float* part, int64_t pair_stride,
                                        std::vector<float>& scratch) {
   constexpr int64_t D = QBLOCK * NQ, QUADS = D / 4;
@@ -953,7 +1060,8 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
     tb += step * LANES;
   }
   // softmax: m, e and l as the bf16 chunk's; each pair's weights per block of dims, e times the
-  // keys' V scales (dead lanes 0)
+  // keys' V scales as `bf16_weight` rounds it (dead lanes 0): floats, or with DOT words of two
+  uint32_t* words = reinterpret_cast<uint32_t*>(weights);
   for (int64_t p = 0; p < rh; ++p) {
     const int64_t n = std::min(pos0 + p / hn + 1, keys) - k0;
     const int64_t kv = (h0 + p % hn) / group;
@@ -971,17 +1079,23 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
           for (int64_t k = 0; k < LANES && t + k < n; ++k) gs[k] = *scale8(a.v8, a, table, k0 + t + k, kv, j);
           sv = _mm512_load_ps(gs);
         }
-        _mm512_storeu_ps(weights + (p * NQ + j) * padded + t, _mm512_maskz_mul_ps(live, e, sv));
+        const __m512 w = _mm512_maskz_mul_ps(live, e, sv);
+        if constexpr (DOT)
+          store_weight_words(w, words + (p * NQ + j) * (padded / 2) + t / 2);
+        else
+          _mm512_storeu_ps(weights + (p * NQ + j) * padded + t, bf16_weights(w));
       }
     }
   }
   // o = sum of weights times codes, each dim's fma chain in key order; a block's codes widened
-  // once for every pair of the task, or as they are read where a kv head's pairs are one group
-  // (a decode row's heads: no widened block stored and read back)
+  // (with DOT: paired) once for every pair of the task, or as they are read where a kv head's
+  // pairs are one group (a decode row's heads: no block stored and read back)
   const bool one_group = most_pairs <= values_q8_max(NQ);
+  static const int8_t no_codes[MAX_CHUNKS * LANES] = {};  // a block's key past its last: weight 0
   std::fill(obuf, obuf + rh * D, 0.f);
   for (int64_t tb = k0; tb < keys; tb += LANES) {
     const int64_t live = std::min<int64_t>(LANES, keys - tb);
+    const int64_t held = DOT ? (live + 1) / 2 * 2 : live;  // keys read: with DOT whole pairs
     if (tb + PREFETCH_BLOCKS * LANES < keys) {
       const int64_t ahead = tb + PREFETCH_BLOCKS * LANES;
       const int64_t n = std::min<int64_t>(LANES, keys - ahead);
@@ -990,49 +1104,67 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
         for (int64_t l = 0; l < kvn * D; l += 64) _mm_prefetch(vp + l, _MM_HINT_T0);
       }
     }
-    const int8_t* vrows[LANES];  // one group: each key's codes, widened as they are read
-    for (int64_t k = 0; k < live; ++k) {
-      const int8_t* vr = value_row8(a, table, tb + k, kv0);
-      if (one_group) {
-        vrows[k] = vr;
-        continue;
-      }
-      for (int64_t g = 0; g < kvn; ++g)
-        for (int64_t c = 0; c < D / LANES; ++c) {
-          const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vr + g * D + c * LANES));
-          _mm512_store_ps(vbuf + (g * LANES + k) * D + c * LANES, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)));
+    const int8_t* vrows[LANES];  // each key's codes of the task's kv heads
+    for (int64_t k = 0; k < live; ++k) vrows[k] = value_row8(a, table, tb + k, kv0);
+    const auto codes_of = [&](int64_t k, int64_t g) { return k < live ? vrows[k] + g * D : no_codes; };
+    if (!one_group) {
+      for (int64_t g = 0; g < kvn; ++g) {
+        if constexpr (DOT) {
+          uint32_t* vw = reinterpret_cast<uint32_t*>(vbuf) + g * LANES / 2 * D;
+          for (int64_t kp = 0; kp < held / 2; ++kp)
+            for (int64_t c = 0; c < D / LANES; ++c)
+              _mm512_storeu_si512(vw + kp * D + c * LANES, code_pairs(codes_of(2 * kp, g) + c * LANES, codes_of(2 * kp + 1, g) + c * LANES));
+        } else {
+          for (int64_t k = 0; k < live; ++k)
+            for (int64_t c = 0; c < D / LANES; ++c) {
+              const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vrows[k] + g * D + c * LANES));
+              _mm512_store_ps(vbuf + (g * LANES + k) * D + c * LANES, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)));
+            }
         }
+      }
     }
     for (int64_t g = 0; g < kvn; ++g)
       for_groups(g, values_q8_max(NQ), [&](const int64_t* p, int64_t size) {
-        const float* e[SCORE_GROUP];
         float* o[SCORE_GROUP];
         int64_t end[SCORE_GROUP], common = LANES;
         for (int64_t y = 0; y < size; ++y) {
-          e[y] = weights + p[y] * NQ * padded + tb - k0;
           o[y] = obuf + p[y] * D;
           end[y] = std::clamp<int64_t>(pos0 + p[y] / hn + 1 - tb, 0, live);
+          if (DOT) end[y] = (end[y] + 1) / 2;  // key pairs
           common = std::min(common, end[y]);
         }
-        if (one_group) {
-          const int8_t* rows_g[LANES];
-          for (int64_t k = 0; k < live; ++k) rows_g[k] = vrows[k] + g * D;
-          value_q8_fn<NQ, CodeRows>(size)(CodeRows{rows_g}, e, padded, o, end, common);
+        const int8_t* rows_g[LANES];
+        if (one_group)
+          for (int64_t k = 0; k < held; ++k) rows_g[k] = codes_of(k, g);
+        if constexpr (DOT) {
+          const uint32_t* e[SCORE_GROUP];
+          for (int64_t y = 0; y < size; ++y) e[y] = words + p[y] * NQ * (padded / 2) + (tb - k0) / 2;
+          if (one_group)
+            value_dot_fn<NQ, PairRows>(size)(PairRows{rows_g}, e, padded / 2, o, end, common);
+          else
+            value_dot_fn<NQ, PairedBlock<D>>(size)(PairedBlock<D>{reinterpret_cast<const uint32_t*>(vbuf) + g * LANES / 2 * D},
+                                                   e, padded / 2, o, end, common);
         } else {
-          value_q8_fn<NQ, WidenedBlock<D>>(size)(WidenedBlock<D>{vbuf + g * LANES * D}, e, padded, o, end, common);
+          const float* e[SCORE_GROUP];
+          for (int64_t y = 0; y < size; ++y) e[y] = weights + p[y] * NQ * padded + tb - k0;
+          if (one_group)
+            value_q8_fn<NQ, CodeRows>(size)(CodeRows{rows_g}, e, padded, o, end, common);
+          else
+            value_q8_fn<NQ, WidenedBlock<D>>(size)(WidenedBlock<D>{vbuf + g * LANES * D}, e, padded, o, end, common);
         }
       });
   }
   for (int64_t p = 0; p < rh; ++p) std::memcpy(part + p * pair_stride + 2, obuf + p * D, D * sizeof(float));
 }
 
-ChunkFn q8_chunk(int64_t dim) {
+// With `dot`, the value sums take the BF16 dot product (the "avx512-bf16" path), else fmas
+// (the "avx512-vnni" path): the same bits.
+ChunkFn q8_chunk(int64_t dim, bool dot) {
   switch (dim / QBLOCK) {
-    case 1: return &chunk_q8_vnni<1>;
-    case 2: return &chunk_q8_vnni<2>;
-    case 3: return &chunk_q8_vnni<3>;
-    case 4: return &chunk_q8_vnni<4>;
-    case 8: return &chunk_q8_vnni<8>;
+#define PREFIXD_CASE(NQ) \
+  case NQ: return dot ? &chunk_q8_vnni<NQ, true> : &chunk_q8_vnni<NQ, false>;
+    PREFIXD_CASE(1) PREFIXD_CASE(2) PREFIXD_CASE(3) PREFIXD_CASE(4) PREFIXD_CASE(8)
+#undef PREFIXD_CASE
     default: return nullptr;
   }
 }
@@ -1081,8 +1213,11 @@ bool have_avx512_vnni() {
 // The fastest path this CPU has: "avx512-bf16", "avx512" or "portable" (the same bits).
 std::string best_path() { return have_avx512_bf16() ? "avx512-bf16" : have_avx512() ? "avx512" : "portable"; }
 
-// The same for 8-bit pools: "avx512-vnni" or "portable" (the same bits).
-std::string best_q8_path() { return have_avx512_vnni() ? "avx512-vnni" : "portable"; }
+// The same for 8-bit pools: "avx512-bf16" (VNNI scores, BF16 value sums), "avx512-vnni" (VNNI
+// scores, fma value sums) or "portable" (the same bits).
+std::string best_q8_path() {
+  return have_avx512_vnni() && have_avx512_bf16() ? "avx512-bf16" : have_avx512_vnni() ? "avx512-vnni" : "portable";
+}
 
 // One task: its chunks' partials, then each (row, head)'s output (a task holding every chunk of
 // its rows) or the partials into its block's share of the split buffer (combined after all tasks).
@@ -1163,8 +1298,8 @@ std::shared_ptr<AttendPlan> plan_attend(const at::Tensor& q, const at::Tensor& k
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(1) == heads * dim,
               "attend: out must be contiguous fp32 (rows, heads * D)");
   if (q8) {
-    TORCH_CHECK(path == "auto" || path == "avx512-vnni" || path == "portable",
-                "attend: path must be auto, avx512-vnni or portable for 8-bit pages");
+    TORCH_CHECK(path == "auto" || path == "avx512-bf16" || path == "avx512-vnni" || path == "portable",
+                "attend: path must be auto, avx512-bf16, avx512-vnni or portable for 8-bit pages");
   } else {
     TORCH_CHECK(path == "auto" || path == "avx512-bf16" || path == "avx512" || path == "portable",
                 "attend: path must be auto, avx512-bf16, avx512 or portable");
@@ -1172,7 +1307,8 @@ std::shared_ptr<AttendPlan> plan_attend(const at::Tensor& q, const at::Tensor& k
   const std::string take = path == "auto" ? (q8 ? best_q8_path() : best_path()) : std::string(path);
   TORCH_CHECK(take != "avx512" || have_avx512(), "attend: this CPU has no AVX-512");
   TORCH_CHECK(take != "avx512-bf16" || have_avx512_bf16(), "attend: this CPU has no AVX-512 BF16");
-  TORCH_CHECK(take != "avx512-vnni" || have_avx512_vnni(), "attend: this CPU has no AVX-512 VNNI");
+  TORCH_CHECK((take != "avx512-vnni" && !(q8 && take == "avx512-bf16")) || have_avx512_vnni(),
+              "attend: this CPU has no AVX-512 VNNI");
 
   const int64_t s_count = spans.size(0), table_len = tables.size(1), q_rows = q.size(0) / q_stride;
   const int64_t* sp = spans.const_data_ptr<int64_t>();
@@ -1273,8 +1409,8 @@ std::shared_ptr<AttendPlan> plan_attend(const at::Tensor& q, const at::Tensor& k
     fns.chunk = &chunk_q8_portable;
   }
 #ifdef PREFIXD_X86
-  if (q8 && take == "avx512-vnni") {
-    if (ChunkFn c = q8_chunk(dim); c != nullptr) fns.chunk = c;
+  if (q8 && take != "portable") {
+    if (ChunkFn c = q8_chunk(dim, take == "avx512-bf16"); c != nullptr) fns.chunk = c;
   } else if (!q8 && take != "portable") {
     const Path p = avx512_path(dim / LANES, take == "avx512-bf16");
     if (p.chunk != nullptr) fns = p;

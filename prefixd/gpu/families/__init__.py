@@ -82,9 +82,11 @@ CPU_DEFAULT_MODE = "int4"
 # invariant 5; int4's group scales and bases kept as fp16, a GGUF's own, where bf16 rounded
 # them: int4 7; the int4 lm_head reads two 8-bit codes of each activation, its codes and those
 # of their rounding error: int4 8; int4's KV pool holds 8-bit pages, K and V as codes with a
-# scale per 32 dims, and its attention scores q's codes against K's in integers: int4 9), so that
-# the disk tier, which keys on `mode_identity`, never serves rows computed by an earlier revision.
-MODE_REVISIONS = {"invariant": 5, "int4": 9}
+# scale per 32 dims, and its attention scores q's codes against K's in integers: int4 9; its
+# value sums take each weight (e times the V scale) rounded to bf16, two keys a BF16 dot-product
+# step: int4 10), so that the disk tier, which keys on `mode_identity`, never serves rows
+# computed by an earlier revision.
+MODE_REVISIONS = {"invariant": 5, "int4": 10}
 
 
 def mode_identity(mode: str) -> str:
