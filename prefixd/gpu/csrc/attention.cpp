@@ -422,6 +422,34 @@ inline void for_pair_groups(const Task& task, int64_t group, int64_t kv, int64_t
   }
 }
 
+// `for_pair_groups` of each kv head a task reads (kv0 .. kv0 + kvn - 1), listed once: making
+// the groups divides, and a chunk walks them for every block of keys.
+constexpr int SCORE_GROUP = 8;  // chains scored together (pairs times key blocks), at most
+
+class PairGroups {
+ public:
+  PairGroups(const Task& task, int64_t group, int64_t kv0, int64_t kvn, int64_t most) : first_(kvn + 1) {
+    int64_t buf[SCORE_GROUP];
+    for (int64_t g = 0; g < kvn; ++g) {
+      first_[g] = static_cast<int64_t>(sizes_.size());
+      for_pair_groups(task, group, kv0 + g, most, buf, [&](const int64_t* p, int64_t size) {
+        starts_.push_back(static_cast<int64_t>(pairs_.size()));
+        sizes_.push_back(size);
+        pairs_.insert(pairs_.end(), p, p + size);
+      });
+    }
+    first_[kvn] = static_cast<int64_t>(sizes_.size());
+  }
+  // fn(pairs, size) for each group of kv head kv0 + g, in order
+  template <class Fn>
+  void each(int64_t g, const Fn& fn) const {
+    for (int64_t i = first_[g]; i < first_[g + 1]; ++i) fn(pairs_.data() + starts_[i], sizes_[i]);
+  }
+
+ private:
+  std::vector<int64_t> first_, starts_, sizes_, pairs_;
+};
+
 inline __mmask16 live_lanes(int64_t n, int64_t t) {  // lanes t .. n - 1 of a block of 16
   return n - t >= LANES ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
 }
@@ -496,7 +524,6 @@ PREFIXD_AVX512 void scores_fma(const uint16_t* const* kb, int64_t stride, int64_
     for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out[n] + 16 * b, acc[n][b]);
 }
 
-constexpr int SCORE_GROUP = 8;  // chains scored together (pairs times key blocks), at most
 
 template <bool BF16, int NP, int NB = SCORE_GROUP / NP>
 ScoreFn score_fn_blocks(int64_t blocks) {
@@ -593,12 +620,10 @@ PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk,
         for (int c = 0; c < C; ++c) _mm512_store_ps(qf + (i * hn + j) * d + c * LANES, load_bf16(q + c * LANES));
       }
   }
-  // The pairs of kv head g (g - kv0 < kvn) in groups of near-equal size, up to `most` a group:
-  // fn(pairs, size) for each group, pairs in row-major order.
-  int64_t group_pairs[SCORE_GROUP];
-  const auto for_groups = [&](int64_t g, int64_t most, const auto& fn) {
-    for_pair_groups(task, group, kv0 + g, most, group_pairs, fn);
-  };
+  // The pairs of kv head g (g - kv0 < kvn) in groups of near-equal size, up to SCORE_GROUP a
+  // group for the scores, values_group_max(C) for the value sums: fn(pairs, size) for each
+  // group, pairs in row-major order.
+  const PairGroups score_groups(task, group, kv0, kvn, SCORE_GROUP), value_groups(task, group, kv0, kvn, values_group_max(C));
   // scores of every (row, head) pair, a step of blocks of 16 keys at a time: the pairs of one
   // kv head in groups, each dim pair vector of a block read once a group. With pages of a
   // multiple of 16 keys a block is one page's run of keys and is read in place; else its keys'
@@ -642,7 +667,7 @@ PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk,
       stride = LANES * 2;
     }
     for (int64_t g = 0; g < kvn; ++g)
-      for_groups(g, SCORE_GROUP, [&](const int64_t* p, int64_t size) {
+      score_groups.each(g, [&](const int64_t* p, int64_t size) {
         const int64_t most = SCORE_GROUP / size;  // blocks a call: a few pairs take more blocks at once
         for (int64_t b0 = 0; b0 < step; b0 += most) {
           const int64_t nb = std::min(most, step - b0);
@@ -692,7 +717,7 @@ PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk,
       }
     }
     for (int64_t g = 0; g < kvn; ++g)
-      for_groups(g, values_group_max(C), [&](const int64_t* p, int64_t size) {
+      value_groups.each(g, [&](const int64_t* p, int64_t size) {
         const float* e[SCORE_GROUP];
         float* o[SCORE_GROUP];
         int64_t end[SCORE_GROUP], common = LANES;
@@ -708,7 +733,9 @@ PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk,
   for (int64_t p = 0; p < rh; ++p) std::memcpy(part + p * pair_stride + 2, obuf + p * d, d * sizeof(float));
 }
 
-template <int C>
+// With PAIRED (the bf16 chunks' order), o's dims are put back in order; else (8-bit pages' chunks)
+// they are in order already. Either way the arithmetic of `combine_portable`.
+template <int C, bool PAIRED = true>
 PREFIXD_AVX512 void combine_avx512(const float* part, int64_t stride, int64_t chunks, int64_t, float* out) {
   constexpr int CP = C / 2;
   __m512 o[C];
@@ -728,9 +755,13 @@ PREFIXD_AVX512 void combine_avx512(const float* part, int64_t stride, int64_t ch
       for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(rec + 2 + 16 * c), o[c]);
     }
   }
+  const __m512 sum = _mm512_set1_ps(l);
+  if constexpr (!PAIRED) {
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_div_ps(o[c], sum));
+    return;
+  }
   const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i hi_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-  const __m512 sum = _mm512_set1_ps(l);
   for (int c = 0; c < CP; ++c) {
     const __m512 even = _mm512_div_ps(o[2 * c], sum);
     const __m512 odd = _mm512_div_ps(o[2 * c + 1], sum);
@@ -743,6 +774,7 @@ PREFIXD_AVX512 void combine_avx512(const float* part, int64_t stride, int64_t ch
 // ---- 8-bit pages, AVX-512 VNNI path -----------------------------------------------------------------
 
 #define PREFIXD_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+#define PREFIXD_AVX512_VNNI_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16")))
 
 // The scores of NP pairs against NB blocks of 16 keys from 8-bit pages (the portable path's
 // arithmetic): per block of 32 dims, 8 steps of `vpdpbusd` (4 dims of 16 keys, K's unsigned
@@ -886,8 +918,8 @@ PREFIXD_AVX512 inline __m512 bf16_weights(__m512 w) {
 // or of a code) in its high half and key 2i + 1's in its low half, and the instruction adds the
 // high halves' product first, then the low halves': o = fma(w_2i, v_2i, o), then
 // fma(w_2i+1, v_2i+1, o), the fma chain in key order. 16 keys' weights w (before rounding) as
-// 8 such words, `bf16_weights`' bits by the BF16 conversion (nearest-even, NaN quieted; it
-// would flush a subnormal input, but those lanes are zeroed first):
+// 8 such words: `bf16_weights`' bits by the BF16 conversion (nearest-even, NaN quieted; it
+// would flush a subnormal input, but those lanes are zeroed first).
 PREFIXD_AVX512_BF16 inline void store_weight_words(__m512 w, uint32_t* to) {
   const __mmask16 keep = _mm512_cmp_ps_mask(w, _mm512_set1_ps(QUANT_TINY), _CMP_NLT_UQ);  // >= 2^-60, or NaN
   const __m256i halves = (__m256i)_mm512_maskz_cvtneps_pbh(keep, w);  // key order
@@ -965,8 +997,10 @@ ValueDotFn<Src> value_dot_fn(int64_t pairs) {
 // One chunk of keys for the task's pairs from 8-bit pages: the bf16 chunk's plan (blocks of 16
 // keys read in place when pages hold a multiple of 16 keys, else gathered; the pairs of a kv
 // head in groups; prefetch PREFETCH_BLOCKS blocks on), with the arithmetic of `chunk_q8_portable`.
+// (With the BF16 target for DOT's weight words, which inline only into a function that has it;
+// the fma instantiation has no BF16 code to emit: it converts by integer operations.)
 template <int NQ, bool DOT>
-PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t chunk, float* part, int64_t pair_stride,
+PREFIXD_AVX512_VNNI_BF16 void chunk_q8_vnni(const Attn& a, const Task& task, int64_t chunk, float* part, int64_t pair_stride,
                                        std::vector<float>& scratch) {
   constexpr int64_t D = QBLOCK * NQ, QUADS = D / 4;
   const int64_t* sp = a.spans + task.span * 3;
@@ -979,10 +1013,14 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
   const int64_t keys = std::min(pos0 + rows, k0 + KEY_CHUNK);
   const int64_t padded = (keys - k0 + LANES - 1) / LANES * LANES;
   // scratch: q codes (rh QCodes) | scores (rh, padded) | weights (rh, NQ, padded) | a block's
-  // values (kvn, 16, D) | value sums (rh, D) | a gathered block: quads (kvn * QUADS, 16) and
+  // values (kvn, 16, D), and before them the chunk's V scales (kvn, NQ, padded): 16 D floats a
+  // kv head either way | value sums (rh, D) | a gathered block: quads (kvn * QUADS, 16) and
   // scales (kvn * NQ, 16) when pages are not read in place
   const int64_t qfloats = (rh * static_cast<int64_t>(sizeof(QCodes)) + 63) / 64 * 16;
-  scratch.resize(qfloats + rh * padded * (1 + NQ) + kvn * LANES * D + rh * D + kvn * (QUADS + NQ) * LANES + LANES);
+  // sized for a whole chunk whatever this one holds: the buffer then stays where it is across
+  // the task's chunks, and q's codes made on its first chunk serve the others
+  const int64_t room = KEY_CHUNK;
+  scratch.resize(qfloats + rh * room * (1 + NQ) + kvn * LANES * D + rh * D + kvn * (QUADS + NQ) * LANES + LANES);
   float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   QCodes* qc = reinterpret_cast<QCodes*>(base);
   float* scores = base + qfloats;
@@ -991,11 +1029,9 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
   float* obuf = vbuf + kvn * LANES * D;
   uint32_t* gathered = reinterpret_cast<uint32_t*>(obuf + rh * D);
   float* gathered_scales = reinterpret_cast<float*>(gathered + kvn * QUADS * LANES);
-  for (int64_t p = 0; p < rh; ++p) quantize_q(a.q + ((r0 + p / hn) * a.q_stride + h0 + p % hn) * D, D, qc[p]);
-  int64_t group_pairs[SCORE_GROUP];
-  const auto for_groups = [&](int64_t g, int64_t most, const auto& fn) {
-    for_pair_groups(task, group, kv0 + g, most, group_pairs, fn);
-  };
+  if (chunk == task.chunk_from)  // the task's chunks run in order, on one thread, with one scratch
+    for (int64_t p = 0; p < rh; ++p) quantize_q(a.q + ((r0 + p / hn) * a.q_stride + h0 + p % hn) * D, D, qc[p]);
+  const PairGroups score_groups(task, group, kv0, kvn, SCORE_GROUP), value_groups(task, group, kv0, kvn, values_q8_max(NQ));
   const bool in_place = a.page % LANES == 0;
   const int64_t most_pairs = rows * std::min(group, hn);
   const int64_t most_blocks = !in_place || most_pairs >= 3 ? 1 : SCORE_GROUP / most_pairs;
@@ -1040,7 +1076,7 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
       stride = LANES * 4, sstride = LANES, gstride = QUADS * stride, gsstride = NQ * LANES;
     }
     for (int64_t g = 0; g < kvn; ++g)
-      for_groups(g, SCORE_GROUP, [&](const int64_t* p, int64_t size) {
+      score_groups.each(g, [&](const int64_t* p, int64_t size) {
         const int64_t most = SCORE_GROUP / size;
         for (int64_t b0 = 0; b0 < step; b0 += most) {
           const int64_t nb = std::min(most, step - b0);
@@ -1059,33 +1095,51 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
       });
     tb += step * LANES;
   }
-  // softmax: m, e and l as the bf16 chunk's; each pair's weights per block of dims, e times the
-  // keys' V scales as `bf16_weight` rounds it (dead lanes 0): floats, or with DOT words of two
+  // softmax: m, e and l as the bf16 chunk's (`softmax_chunk`); each pair's weights per block of
+  // dims, e times the keys' V scales as `bf16_weight` rounds it (lanes past the pair's keys 0):
+  // floats, or with DOT words of two. The V scales are read once for all of a kv head's pairs.
   uint32_t* words = reinterpret_cast<uint32_t*>(weights);
+  float* vscales = vbuf;  // (kvn, NQ, padded): free until the value sums
+  for (int64_t g = 0; g < kvn; ++g)
+    for (int64_t j = 0; j < NQ; ++j)
+      for (int64_t t = 0; t < padded; t += LANES) {
+        float* to = vscales + (g * NQ + j) * padded + t;
+        const __mmask16 live = live_lanes(keys - k0, t);
+        if (in_place) {
+          _mm512_storeu_ps(to, _mm512_maskz_loadu_ps(live, scale8(a.v8, a, table, k0 + t, kv0 + g, j)));
+        } else {
+          for (int64_t k = 0; k < LANES; ++k) to[k] = t + k < keys - k0 ? *scale8(a.v8, a, table, k0 + t + k, kv0 + g, j) : 0.f;
+        }
+      }
   for (int64_t p = 0; p < rh; ++p) {
     const int64_t n = std::min(pos0 + p / hn + 1, keys) - k0;
-    const int64_t kv = (h0 + p % hn) / group;
-    float* s = scores + p * padded;
-    softmax_chunk(s, n, part + p * pair_stride);
+    const float* sv = vscales + ((h0 + p % hn) / group - kv0) * NQ * padded;
+    const float* s = scores + p * padded;
+    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __mmask16 nan = 0;
     for (int64_t t = 0; t < n; t += LANES) {
       const __mmask16 live = live_lanes(n, t);
-      const __m512 e = _mm512_maskz_loadu_ps(live, s + t);
+      const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
+      nan |= _mm512_mask_cmp_ps_mask(live, x, x, _CMP_UNORD_Q);
+      mv = _mm512_mask_max_ps(mv, live, mv, x);
+    }
+    const float m = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mv);
+    __m512 l = _mm512_setzero_ps();
+    const __m512 mm = _mm512_set1_ps(m);
+    for (int64_t t = 0; t < n; t += LANES) {
+      const __mmask16 live = live_lanes(n, t);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp_fixed(_mm512_sub_ps(_mm512_loadu_ps(s + t), mm)));
+      l = _mm512_add_ps(l, e);
       for (int64_t j = 0; j < NQ; ++j) {
-        __m512 sv;
-        if (in_place) {
-          sv = _mm512_maskz_loadu_ps(live, scale8(a.v8, a, table, k0 + t, kv, j));
-        } else {
-          alignas(64) float gs[LANES] = {};
-          for (int64_t k = 0; k < LANES && t + k < n; ++k) gs[k] = *scale8(a.v8, a, table, k0 + t + k, kv, j);
-          sv = _mm512_load_ps(gs);
-        }
-        const __m512 w = _mm512_maskz_mul_ps(live, e, sv);
+        const __m512 w = _mm512_maskz_mul_ps(live, e, _mm512_loadu_ps(sv + j * padded + t));
         if constexpr (DOT)
           store_weight_words(w, words + (p * NQ + j) * (padded / 2) + t / 2);
         else
           _mm512_storeu_ps(weights + (p * NQ + j) * padded + t, bf16_weights(w));
       }
     }
+    part[p * pair_stride] = m;
+    part[p * pair_stride + 1] = halve16(l);
   }
   // o = sum of weights times codes, each dim's fma chain in key order; a block's codes widened
   // (with DOT: paired) once for every pair of the task, or as they are read where a kv head's
@@ -1124,7 +1178,7 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
       }
     }
     for (int64_t g = 0; g < kvn; ++g)
-      for_groups(g, values_q8_max(NQ), [&](const int64_t* p, int64_t size) {
+      value_groups.each(g, [&](const int64_t* p, int64_t size) {
         float* o[SCORE_GROUP];
         int64_t end[SCORE_GROUP], common = LANES;
         for (int64_t y = 0; y < size; ++y) {
@@ -1158,14 +1212,15 @@ PREFIXD_AVX512_VNNI void chunk_q8_vnni(const Attn& a, const Task& task, int64_t 
 }
 
 // With `dot`, the value sums take the BF16 dot product (the "avx512-bf16" path), else fmas
-// (the "avx512-vnni" path): the same bits.
-ChunkFn q8_chunk(int64_t dim, bool dot) {
+// (the "avx512-vnni" path): the same bits. Chunks are joined in dim order (`combine_portable`'s
+// arithmetic, vectorized).
+Path q8_path(int64_t dim, bool dot) {
   switch (dim / QBLOCK) {
 #define PREFIXD_CASE(NQ) \
-  case NQ: return dot ? &chunk_q8_vnni<NQ, true> : &chunk_q8_vnni<NQ, false>;
+  case NQ: return {dot ? &chunk_q8_vnni<NQ, true> : &chunk_q8_vnni<NQ, false>, &combine_avx512<2 * NQ, false>};
     PREFIXD_CASE(1) PREFIXD_CASE(2) PREFIXD_CASE(3) PREFIXD_CASE(4) PREFIXD_CASE(8)
 #undef PREFIXD_CASE
-    default: return nullptr;
+    default: return {nullptr, nullptr};
   }
 }
 
@@ -1410,7 +1465,7 @@ std::shared_ptr<AttendPlan> plan_attend(const at::Tensor& q, const at::Tensor& k
   }
 #ifdef PREFIXD_X86
   if (q8 && take != "portable") {
-    if (ChunkFn c = q8_chunk(dim, take == "avx512-bf16"); c != nullptr) fns.chunk = c;
+    if (const Path p = q8_path(dim, take == "avx512-bf16"); p.chunk != nullptr) fns = p;
   } else if (!q8 && take != "portable") {
     const Path p = avx512_path(dim / LANES, take == "avx512-bf16");
     if (p.chunk != nullptr) fns = p;
