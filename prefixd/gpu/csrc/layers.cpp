@@ -23,11 +23,29 @@ namespace {
 using prefixd_cpu::Int4Weight;
 using prefixd_cpu::share;
 
+// act = silu(gate) * up into a bf16 act: each product one fp32 multiply, rounded to bf16
+// nearest-even, the bits at::mul_out gives for every finite value. (A NaN's payload may differ,
+// and is never read: the down product's quantizer gives a group holding one zero codes and a
+// NaN scale of its own.) at::mul_out into bf16 computes into an fp32 buffer of its own and
+// copies it over: three times the time of this loop on a decode round's pieces.
+void mul_to_bf16(const at::Tensor& g, const at::Tensor& u, const at::Tensor& a) {
+  const int64_t rows = g.size(0), cols = g.size(1);
+  const float* gp = g.const_data_ptr<float>();
+  const float* up = u.const_data_ptr<float>();
+  at::BFloat16* ap = a.mutable_data_ptr<at::BFloat16>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gr = gp + r * g.stride(0);
+    const float* ur = up + r * u.stride(0);
+    at::BFloat16* ar = ap + r * a.stride(0);
+    for (int64_t i = 0; i < cols; ++i) ar[i] = at::BFloat16(gr[i] * ur[i]);
+  }
+}
+
 constexpr int64_t PER_LAYER = 10;  // input norm, qkv codes and scales, o's, post norm, gate_up's, down's
 constexpr int64_t OUTS = 4;        // qkv, o, gate_up, down
 constexpr int64_t SHARED_ROWS = 4;  // from this many rows quantizing (and rope) are ops of their own; below, each thread quantizes all
 constexpr int64_t SILU_UNIT = 32;    // columns: two AVX-512 vectors, so that a piece's elements take the
-                                     // vector loop of at::silu_ and at::mul exactly where the whole call's do
+                                     // vector loop of at::silu_ exactly where the whole call's does
 
 const float* norm_of(const at::Tensor& w, int64_t width) {
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 1 && w.size(0) == width && w.is_contiguous(),
@@ -193,7 +211,10 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
         for (int p = b; p < e; ++p) {
           auto& [g, u, a] = silu[p];
           at::silu_(g);
-          at::mul_out(a, g, u);
+          if (act_bf16)
+            mul_to_bf16(g, u, a);
+          else
+            at::mul_out(a, g, u);
         }
       });
       if (act_bf16)
@@ -209,7 +230,7 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
   const at::ThreadLocalState state;
 #pragma omp parallel num_threads(threads)
   {
-    const at::ThreadLocalStateGuard guard(state);  // the caller's inference mode for at::silu_ and at::mul_out
+    const at::ThreadLocalStateGuard guard(state);  // the caller's inference mode for at::silu_ (and at::mul_out)
     run(omp_get_thread_num());
   }
 }
