@@ -39,9 +39,12 @@
 //               sk_t,b, s), where i_b = the exact int32 sum of q's codes times k_t's codes in
 //               the block (what `vpdpbusd` gives, K stored as code + 128, less 128 times the
 //               sum of q's codes), sq_b q's scale and sk_t,b the key's
-//   o_j[d] = fma(e_t * sv_t,b, fp32(v_t[d]'s code), o_j[d]) for the block b holding d.
-// Integer sums make the scores independent of the order of their products: the AVX-512 VNNI
-// path and the portable one give the same bits (the AVX-512 path without VNNI takes the portable one).
+//   o_j[d] = fma(w_t,b, fp32(v_t[d]'s code), o_j[d]) for the block b holding d, where
+//               w_t,b = `bf16_weight`(e_t * sv_t,b): the product rounded to bf16 (0 below 2^-60)
+// Integer sums make the scores independent of the order of their products, and each product of
+// a bf16 weight and a code is exact, so that the BF16 dot product (two keys a step, the
+// "avx512-bf16" path), fmas (the "avx512-vnni" path) and the portable loop give the same bits
+// (the AVX-512 path without VNNI takes the portable one).
 //
 // Inputs: q ((R + 1) * q_stride, D) bf16, round row r's head h at r * q_stride + h; k, v pools
 // (pages, P, kv_heads, D) bf16 (K pages as above), or 8-bit pages (pages, P, kv_heads, D + D/8)
@@ -454,9 +457,8 @@ inline __mmask16 live_lanes(int64_t n, int64_t t) {  // lanes t .. n - 1 of a bl
   return n - t >= LANES ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
 }
 
-// A pair's softmax over its n scores of a chunk (the header's m, e and l): the exponents in
-// place of the scores, m and l into rec[0] and rec[1].
-PREFIXD_AVX512 inline void softmax_chunk(float* s, int64_t n, float* rec) {
+// m of a pair's n scores of a chunk: the largest, NaN when one is NaN
+PREFIXD_AVX512 inline float chunk_max(const float* s, int64_t n) {
   __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __mmask16 nan = 0;
   for (int64_t t = 0; t < n; t += LANES) {
@@ -465,7 +467,13 @@ PREFIXD_AVX512 inline void softmax_chunk(float* s, int64_t n, float* rec) {
     nan |= _mm512_mask_cmp_ps_mask(live, x, x, _CMP_UNORD_Q);
     mv = _mm512_mask_max_ps(mv, live, mv, x);
   }
-  const float m = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mv);
+  return nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mv);
+}
+
+// A pair's softmax over its n scores of a chunk (the header's m, e and l): the exponents in
+// place of the scores, m and l into rec[0] and rec[1].
+PREFIXD_AVX512 inline void softmax_chunk(float* s, int64_t n, float* rec) {
+  const float m = chunk_max(s, n);
   __m512 l = _mm512_setzero_ps();
   const __m512 mm = _mm512_set1_ps(m);
   for (int64_t t = 0; t < n; t += LANES) {
@@ -1115,15 +1123,7 @@ PREFIXD_AVX512_VNNI_BF16 void chunk_q8_vnni(const Attn& a, const Task& task, int
     const int64_t n = std::min(pos0 + p / hn + 1, keys) - k0;
     const float* sv = vscales + ((h0 + p % hn) / group - kv0) * NQ * padded;
     const float* s = scores + p * padded;
-    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __mmask16 nan = 0;
-    for (int64_t t = 0; t < n; t += LANES) {
-      const __mmask16 live = live_lanes(n, t);
-      const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
-      nan |= _mm512_mask_cmp_ps_mask(live, x, x, _CMP_UNORD_Q);
-      mv = _mm512_mask_max_ps(mv, live, mv, x);
-    }
-    const float m = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mv);
+    const float m = chunk_max(s, n);  // then e and l as `softmax_chunk`, each block's weights at once
     __m512 l = _mm512_setzero_ps();
     const __m512 mm = _mm512_set1_ps(m);
     for (int64_t t = 0; t < n; t += LANES) {
