@@ -425,10 +425,10 @@ inline void for_pair_groups(const Task& task, int64_t group, int64_t kv, int64_t
   }
 }
 
-// `for_pair_groups` of each kv head a task reads (kv0 .. kv0 + kvn - 1), listed once: making
-// the groups divides, and a chunk walks them for every block of keys.
 constexpr int SCORE_GROUP = 8;  // chains scored together (pairs times key blocks), at most
 
+// `for_pair_groups` of each kv head a task reads (kv0 .. kv0 + kvn - 1), listed once: making
+// the groups divides, and a chunk walks them for every block of keys.
 class PairGroups {
  public:
   PairGroups(const Task& task, int64_t group, int64_t kv0, int64_t kvn, int64_t most) : first_(kvn + 1) {
@@ -531,7 +531,6 @@ PREFIXD_AVX512 void scores_fma(const uint16_t* const* kb, int64_t stride, int64_
   for (int n = 0; n < NP; ++n)
     for (int b = 0; b < NB; ++b) _mm512_storeu_ps(out[n] + 16 * b, acc[n][b]);
 }
-
 
 template <bool BF16, int NP, int NB = SCORE_GROUP / NP>
 ScoreFn score_fn_blocks(int64_t blocks) {
