@@ -19,9 +19,10 @@
 // above, then its rounding error, per group r[i] = x[i] - d * xq[i] (one fp32 multiply, one
 // subtract; 0 for a group whose d is 0 or not finite), quantized by the same rule into (xq2, d2,
 // s2). Each pass is a row of its own to the product (rows 2m and 2m + 1), and out[m] = acc(2m)
-// + acc(2m + 1), one fp32 add: about 15 bits of each activation for the cost of a second
-// integer product over the weights already loaded (the lm_head's call). The codes may also be
-// 8-bit (q in 0..255, the same arithmetic: |dot| < 2^20 stays exact): the lm_head's format.
+// + acc(2m + 1), one fp32 add, made as the second row is stored: about 15 bits of each
+// activation for the cost of a second integer product over the weights already loaded (the
+// lm_head's call). The codes may also be 8-bit (q in 0..255, the same arithmetic: |dot| < 2^20
+// stays exact): the lm_head's format.
 //
 // Layout (prefixd/gpu/cpu_kernels.py packs it), N padded to NB blocks of 32 outputs:
 //   codes  uint8 (NB, G, 4, 2, 64): byte 4*l + b of [nb, g, i, h] holds, for output
@@ -60,6 +61,7 @@ constexpr int GROUP = 32;
 constexpr int BLOCK_N = 32;
 constexpr int ROW_TILE = 6;    // rows whose sums stay in registers
 constexpr int ROW_CHUNK = 64;  // rows of one task (its activations stay in cache)
+static_assert(ROW_CHUNK % 2 == 0 && ROW_TILE % 2 == 0, "a pair's two rows share a task and a tile (`out_row`)");
 constexpr int FETCH_ROWS = 4;  // from this many rows a task prefetches the next block (`tile_vnni_rows`)
 
 
@@ -78,12 +80,23 @@ struct Call {
   int bits;   // of a code: 4 or 8
   bool half;  // scales are fp16 (else bf16)
   bool accumulate = false;  // out += the product (one fp32 add an output), else out = it
+  bool paired = false;      // rows 2m, 2m + 1 are a row's two passes: out (M / 2, N) = acc(2m) + acc(2m + 1)
 };
+
+// Where row m's outputs go, and whether they are added (one fp32 add an output) to what is there:
+// when the call accumulates, or m is a pair's second row (a task's rows start at a multiple of
+// ROW_CHUNK and its tiles at multiples of ROW_TILE, both even, so a pair's first row is stored
+// before its second, by the same thread).
+inline float* out_row(const Call& c, int64_t m, bool* add) {
+  *add = c.accumulate || (c.paired && (m & 1));
+  return c.out + (c.paired ? m >> 1 : m) * c.N;
+}
 
 // A finished tile's rows into out, as they are or added to what out holds.
 inline void store_rows(const Call& c, const float* tile, int64_t m, int64_t n0, int64_t cols) {
-  float* o = c.out + m * c.N + n0;
-  if (!c.accumulate) {
+  bool add;
+  float* o = out_row(c, m, &add) + n0;
+  if (!add) {
     std::memcpy(o, tile, cols * sizeof(float));
     return;
   }
@@ -189,7 +202,9 @@ void tile_scalar(const Call& c, int64_t m0, int rows, int64_t nb) {
         const float step = c.x.d[m * gx + j] * sum;
         acc = acc + step;
       }
-      c.out[m * c.N + n0 + col] = c.accumulate ? c.out[m * c.N + n0 + col] + acc : acc;
+      bool add;
+      float* o = out_row(c, m, &add) + n0 + col;
+      *o = add ? *o + acc : acc;
     }
   }
 }
@@ -462,7 +477,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   if (m == 0) return at::empty({m, n}, x.options().dtype(at::kFloat));
   const at::Tensor xc = x.contiguous();
   const int64_t gx = kx / GROUP, rows_q = passes * m;  // the product's rows: one per pass of each row of x
-  at::Tensor out = at::empty({rows_q, n}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
   // the rows' codes (rows_q, kx) int8 and their groups' d and s (rows_q, gx) fp32, in the calling
   // thread's buffer kept between calls (a decode token makes ~120 calls: three allocations each
   // were ~0.15 ms of a token); the workers only read and write their rows of it
@@ -482,12 +497,11 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
       quantize_range(xc.const_data_ptr<at::BFloat16>(), begin, end, kx, norm, e, p, vnni, row.data(), xq, d, s);
   });
 
-  const Call c{{xq, d, s}, w.codes, w.scales, out.mutable_data_ptr<float>(), rows_q, n, k, kx, w.bits, w.half};
+  Call c{{xq, d, s}, w.codes, w.scales, out.mutable_data_ptr<float>(), rows_q, n, k, kx, w.bits, w.half};
+  c.paired = passes == 2;
   const int64_t chunks = (rows_q + ROW_CHUNK - 1) / ROW_CHUNK;
   at::parallel_for(0, chunks * w.nblocks, 1, [&](int64_t begin, int64_t end) { tiles(c, vnni, begin, end); });
-  if (passes == 1) return out;
-  const at::Tensor both = out.view({m, 2, n});
-  return at::add(both.select(1, 0), both.select(1, 1));  // one fp32 add an output
+  return out;
 }
 
 std::string int4_isa() { return have_vnni() ? "avx512-vnni" : "portable"; }
