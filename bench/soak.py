@@ -30,11 +30,16 @@ process with all its threads, and the front's worker threads). RSS is the front'
 child processes' together (the engine, and the heavy worker a warm-up render starts before
 the baseline), and so are fds. Every loop is bounded by the deadline and a count; every
 wait by a timeout. It stops by itself.
+
+With `--trace FILE` it also writes every honest request (phase, start, TTFT) and every
+hostile action (name, start, end) as JSON lines, in time.monotonic() seconds: a run's p99
+rests on its ~20 slowest requests, and the trace shows what each of them ran beside.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import random
 import sys
@@ -72,6 +77,7 @@ class HonestRun:
     mismatches: int = 0
     failure_kinds: Counter = field(default_factory=Counter)
     cpu_s: dict[str, float] = field(default_factory=dict)  # the daemon's threads over the phase
+    starts: list[float] = field(default_factory=list)  # each ttft_s entry's request start (time.monotonic())
 
 
 def honest_requests(vocab: int, count: int, seed: int) -> list[dict[str, Any]]:
@@ -94,6 +100,7 @@ async def honest_client(path: str, requests: list[dict[str, Any]], offset: int, 
             if time.monotonic() >= deadline:
                 return
             key = (offset + i) % len(requests)
+            started = time.monotonic()
             try:
                 with anyio.fail_after(REQUEST_TIMEOUT_S):
                     output, ttft = await _one_generate(client, requests[key])
@@ -103,6 +110,7 @@ async def honest_client(path: str, requests: list[dict[str, Any]], offset: int, 
                 continue
             run.served += 1
             run.ttft_s.append(ttft)
+            run.starts.append(started)
             if output != reference[key]:
                 run.mismatches += 1
 
@@ -175,10 +183,11 @@ class Hostile:
 
     def collect(self, tally: Tally) -> None:
         """Wait for the window `start` began to end (every hostile action returned) and add its counts."""
-        sent, codes, cpu_s = self._results.get(timeout=120.0)
+        sent, codes, cpu_s, spans = self._results.get(timeout=120.0)
         tally.sent += sent
         tally.codes.update(codes)
         tally.cpu_s += cpu_s
+        tally.spans += spans
 
     def stop(self) -> None:
         self._go.put(None)
@@ -203,19 +212,21 @@ def _hostile_main(target: dict[str, Any], copies: int, actions: list[str], ready
 
         cpu_before = time.process_time()
         anyio.run(run)
-        results.put((tally.sent, dict(tally.codes), time.process_time() - cpu_before))
+        results.put((tally.sent, dict(tally.codes), time.process_time() - cpu_before, tally.spans))
 
 
 async def _hostile_loop(action: Any, daemon: Daemon, deadline: float, tally: Tally) -> None:
     for _ in range(MAX_LOOPS):
         if time.monotonic() >= deadline:
             return
+        start = time.monotonic()
         with anyio.move_on_after(max(0.1, min(30.0, deadline - time.monotonic() + 5))):
             try:
                 await action(daemon, tally)
             except (OSError, ClientError, anyio.BrokenResourceError, anyio.EndOfStream,
                     anyio.ClosedResourceError) as e:
                 tally.note(getattr(e, "code", type(e).__name__))
+        tally.spans.append((action.__name__, start, time.monotonic()))
         await anyio.sleep(0.01)
 
 
@@ -238,6 +249,18 @@ async def start_heavy_worker(daemon: Daemon) -> None:
     async with await AsyncClient.connect(daemon.socket) as client:
         with anyio.fail_after(REQUEST_TIMEOUT_S):
             await client.tokenize(messages=messages)
+
+
+def write_trace(path: Path, base: HonestRun, soak: HonestRun, tally: Tally) -> None:
+    """JSON lines, in time.monotonic() seconds: each honest request's phase, start and TTFT, and
+    each hostile action's name, start and end, so a slow request can be set beside what ran
+    with it."""
+    with path.open("w") as f:
+        for phase, run in (("baseline", base), ("soak", soak)):
+            for start, ttft in zip(run.starts, run.ttft_s):
+                f.write(json.dumps({"honest": phase, "start": start, "ttft_s": ttft}) + "\n")
+        for name, start, end in tally.spans:
+            f.write(json.dumps({"hostile": name, "start": start, "end": end}) + "\n")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -310,6 +333,8 @@ async def main_async(args: argparse.Namespace) -> int:
             hostile.stop()
         after = await daemon.measure(SETTLE_TIMEOUT_S)
         print(report(base, soak, tally, before, after, daemon.peak_rss, args.seconds, args.baseline_seconds, args.windows))
+        if args.trace is not None:
+            write_trace(args.trace, base, soak, tally)
         if args.verbose:
             print(f"\ndaemon log tail:\n{daemon.log_tail(6000)}")
     return 0 if soak.failures == 0 and soak.mismatches == 0 and base.mismatches == 0 else 1
@@ -336,6 +361,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--daemon-root", type=Path, default=ROOT,
                         help="the source tree the daemon runs from (default: this one)")
     parser.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="extra `prefixd serve` flags")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="write each honest request (phase, start, TTFT) and each hostile action "
+                             "(name, start, end) to this file as JSON lines")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     offered = [*HOSTILE_ACTIONS, *(HTTP_HOSTILE_ACTIONS if args.http else [])]

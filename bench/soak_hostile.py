@@ -45,6 +45,7 @@ class Tally:
     sent: int = 0
     codes: Counter = field(default_factory=Counter)
     cpu_s: float = 0.0  # the hostile process's own CPU time (user + system)
+    spans: list = field(default_factory=list)  # (action, start, end) in time.monotonic(), for --trace
 
     def note(self, code: str) -> None:
         self.codes[str(code)] += 1
