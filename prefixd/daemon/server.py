@@ -10,7 +10,6 @@ shielded.
 from __future__ import annotations
 
 import functools
-import gc
 import itertools
 import logging
 import os
@@ -27,7 +26,7 @@ import prefixd
 from prefixd.daemon.config import DaemonConfig
 from prefixd.daemon.startup import StartupError, activation_socket, bind_socket, check_device, open_exporter
 from prefixd.daemon.systemd import Notifier
-from prefixd.engine.memory import IDLE_TRIM_S, one_malloc_arena, return_idle_memory
+from prefixd.engine.memory import IDLE_TRIM_S, freeze_loaded_heap, one_malloc_arena, return_idle_memory
 from prefixd.front.accept import AcceptErrors, refuse_connection, return_freed_memory
 from prefixd.front.bounds import ConnectionBounds
 from prefixd.front.connection import Connection, Services
@@ -405,16 +404,6 @@ def kv_event_source(cfg: DaemonConfig) -> KvEventSource | None:
     replay = parse_endpoint(cfg.kv_events_replay).address if cfg.kv_events_replay else None
     return KvEventSource(endpoint=endpoint.address, topic=endpoint.topic.decode(), replay_endpoint=replay,
                          buffer_steps=RING_BATCHES, hwm=SEND_HWM)
-
-
-def freeze_loaded_heap() -> None:
-    """Collect once, then move every object alive now (modules, the tokenizer, the model's
-    Python side) out of the cyclic collector's reach, for the process's life: a full
-    collection then walks only what serving allocated since. Unfrozen, a gen-2 collection
-    walked ~200,000 objects and held the GIL for 63-81 ms, and every round in flight waited for
-    it (docs/benchmarks.md, *Soak*). Process-wide, so only the serve process does it."""
-    gc.collect()
-    gc.freeze()
 
 
 def serve(cfg: DaemonConfig) -> int:

@@ -29,7 +29,6 @@ made the socketpair and sends the start spec as the first frame.
 
 from __future__ import annotations
 
-import gc
 import importlib
 import logging
 import os
@@ -44,7 +43,8 @@ from prefixd.engine.contract import OBSERVED, REFUSAL_CODES, VERSION, EngineSpec
     pack_object, unpack_object
 from prefixd.engine.kv_events import open_kv_events
 from prefixd.engine.link import BlockingLink, LinkClosed, inherit
-from prefixd.engine.memory import IDLE_TRIM_S, one_malloc_arena, retain_freed_memory, return_idle_memory
+from prefixd.engine.memory import (IDLE_TRIM_S, freeze_loaded_heap, one_malloc_arena, retain_freed_memory,
+                                   return_idle_memory)
 
 log = logging.getLogger("prefixd.engine")
 
@@ -303,15 +303,6 @@ def ready_message(runtime: Any, local: dict[str, Any] | None = None) -> dict[str
     return message("ready", version=VERSION, model_info=runtime.model_info, tokenizer=tokenizer,
                    warnings=[warning] if warning else [], pages=[allocator.num_free, allocator.num_used],
                    pid=os.getpid())
-
-
-def freeze_loaded_heap() -> None:
-    """Collect once, then move every object alive now (modules, the model's Python side) out
-    of the cyclic collector's reach: a full collection then walks only what serving allocated
-    since. Unfrozen, a gen-2 collection walked ~200,000 objects and held the GIL for 63-81 ms,
-    and the round in flight waited for it (docs/benchmarks.md, *Soak*)."""
-    gc.collect()
-    gc.freeze()
 
 
 def _is_model_error(error: Exception) -> bool:
