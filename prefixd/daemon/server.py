@@ -284,7 +284,8 @@ class Server:
 
     async def _serve_connection(self, stream: anyio.abc.SocketStream, cred: PeerCred) -> None:
         framed = FramedStream(stream, self.limits, send_timeout_s=self.bounds.send_timeout_s,
-                              frame_deadline_s=self.bounds.frame_deadline_s, budget=self.buffers)
+                              frame_deadline_s=self.bounds.frame_deadline_s, budget=self.buffers,
+                              off_loop_bytes=self.bounds.off_loop_bytes)
         assert self.gate is not None
         client = self.gate.join((cred.pid, cred.uid))
         connection = Connection(framed, self._services(), self.bounds, client)

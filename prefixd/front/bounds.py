@@ -24,6 +24,7 @@ class ConnectionBounds:
     send_timeout_s: float = 30.0  # a client that takes no bytes for this long is disconnected
     frame_deadline_s: float = 30.0  # an incomplete frame must complete within this, from its first byte
     max_buffered_bytes: int = 64 << 20  # incomplete frames, all connections together
+    off_loop_bytes: int = 64 << 10  # a read completing this many bytes of frames is decoded on a worker thread
     accept_backoff_s: float = 0.1  # pause after a failed accept (EMFILE...) before trying again
     max_heavy_jobs: int = 1  # heavy renders/encodes running at once (gate.py); one per client
     pace: PaceLimits = field(default_factory=PaceLimits)  # one client's frame budget (pacing.py)
@@ -39,7 +40,7 @@ class ConnectionBounds:
 
     def __post_init__(self) -> None:
         if min(self.max_connections, self.max_streams, self.out_frames, self.max_buffered_bytes,
-               self.max_heavy_jobs) < 1:
+               self.off_loop_bytes, self.max_heavy_jobs) < 1:
             raise ValueError(f"connection bounds must be positive: {self}")
         if min(self.send_timeout_s, self.frame_deadline_s, self.accept_backoff_s) <= 0:
             raise ValueError(f"connection timeouts must be positive: {self}")

@@ -1,12 +1,18 @@
 """FramedStream.send_many: a burst of replies goes out in one write, in order; a map with
 descriptors is written on its own; a map that does not fit stops the burst after the maps
-before it."""
+before it. FramedStream.receive_frame with `off_loop_bytes`: a read that completes that many
+bytes of frames is decoded on a worker thread, with the same maps and the same errors."""
 
 from __future__ import annotations
 
-import pytest
+import socket
 
-from prefixd.ipc.errors import ProtocolError
+import anyio
+import msgpack
+import pytest
+from anyio.abc import UNIXSocketStream
+
+from prefixd.ipc.errors import ErrorCode, ProtocolError
 from prefixd.ipc.framing import FrameDecoder, Limits, encode_frame
 from prefixd.ipc.transport import FramedStream
 
@@ -49,3 +55,84 @@ async def test_a_map_that_does_not_fit_is_not_sent_but_the_ones_before_it_are():
         await framed.send_many([{"type": "ok", "id": 1}, {"type": "text", "id": 2, "text": "x" * 8192},
                                 {"type": "ok", "id": 3}])
     assert stream.writes == [(encode_frame({"type": "ok", "id": 1}, framed.limits), 0)]
+
+
+class ThreadHops:
+    """Counts the calls FramedStream makes through anyio.to_thread.run_sync (and makes them)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        real = anyio.to_thread.run_sync
+
+        async def counting(fn, *args, **kwargs):
+            self.calls += 1
+            return await real(fn, *args, **kwargs)
+
+        monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
+
+
+def chat(n: int) -> dict:
+    return {"type": "tokenize", "id": 7, "messages": [{"role": "user", "content": f"m{i}"} for i in range(n)]}
+
+
+async def _received(msgs: list[bytes], off_loop_bytes: int | None) -> tuple[list, list[ProtocolError]]:
+    """What a FramedStream reading a socketpair makes of `msgs` (raw bytes, each sent whole,
+    then the other end closes): the maps, and the error that ended the reading, if any."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    framed = FramedStream(await UNIXSocketStream.from_socket(ours), off_loop_bytes=off_loop_bytes)
+    maps: list = []
+    errors: list[ProtocolError] = []
+
+    def send() -> None:
+        for data in msgs:
+            theirs.sendall(data)
+        theirs.close()
+
+    async with framed:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, send)
+            try:
+                while True:
+                    maps.append((await framed.receive_frame()).msg)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+            except ProtocolError as e:
+                errors.append(e)
+    return maps, errors
+
+
+async def test_a_read_completing_a_big_frame_is_decoded_off_the_loop_with_the_same_map(monkeypatch):
+    big = chat(8000)  # ~200 KB: several reads, only the last completes it
+    small = {"type": "status", "id": 1}
+    frames = [encode_frame(small), encode_frame(big), encode_frame(small)]
+    assert 2 * (64 << 10) < len(frames[1]) < Limits().max_frame_bytes
+    hops = ThreadHops(monkeypatch)
+    maps, errors = await _received(frames, off_loop_bytes=64 << 10)
+    off_loop_calls = hops.calls - 1  # one hop is the sender's own thread
+    assert errors == [] and maps == [small, big, small]
+    assert off_loop_calls >= 1  # the read that ended the big frame
+    assert off_loop_calls <= 2  # not the reads that only added to it, nor the small frames'
+
+    hops.calls = 0
+    maps, errors = await _received(frames, off_loop_bytes=None)
+    assert errors == [] and maps == [small, big, small] and hops.calls == 1  # the sender's only
+
+
+async def test_small_frames_stay_on_the_loop(monkeypatch):
+    frames = [encode_frame({"type": "detokenize", "id": i, "ids": [65, 66]}) for i in range(50)]
+    hops = ThreadHops(monkeypatch)
+    maps, errors = await _received([b"".join(frames)], off_loop_bytes=64 << 10)
+    assert errors == [] and [m["id"] for m in maps] == list(range(50)) and hops.calls == 1
+
+
+@pytest.mark.parametrize("off_loop_bytes", [None, 1024])
+async def test_a_bad_big_frame_off_the_loop_is_the_same_framing_error(off_loop_bytes):
+    deep: object = 1
+    for _ in range(12):
+        deep = [deep]
+    body = msgpack.packb({"type": "tokenize", "id": 3, "pad": "x" * 4096, "deep": deep})
+    bad_key = msgpack.packb({"type": "tokenize", "id": 3, "pad": "x" * 4096, "m": {1: 2}}, strict_types=False)
+    for raw, words in ((body, "nesting deeper"), (bad_key, "map key")):
+        maps, errors = await _received([len(raw).to_bytes(4, "big") + raw], off_loop_bytes)
+        assert maps == [] and len(errors) == 1
+        assert errors[0].code == ErrorCode.BAD_FRAME and words in str(errors[0]), (off_loop_bytes, str(errors[0]))
