@@ -13,7 +13,7 @@ connection before more of it is read; and a recvmsg that brings more descriptors
 `max_fds_per_frame` is a framing error.
 
 With `off_loop_bytes`, a read that completes at least that many bytes of frames is decoded
-and checked on a worker thread, not on the event loop: a 200 KB map of 8,000 chat messages
+and checked on a worker thread, not on the event loop: a ~220 KB map of 8,000 chat messages
 takes ~6 ms of msgpack and tree checks, and every other connection's frames would wait for
 it (the daemon sets it; docs/protocol.md).
 """
