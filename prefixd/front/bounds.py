@@ -13,6 +13,10 @@ from typing import Any
 from prefixd.front.abandon import AbandonLimits
 from prefixd.front.pacing import PaceLimits
 
+# A request body (HTTP) or a read of frames (the socket) this large is parsed and checked on a
+# worker thread, not on the event loop, in both fronts: a long agent chat (8,000 messages,
+# ~220 KB) costs ~6 ms to decode and check, and on the loop every other client waits that long.
+OFF_LOOP_BYTES = 64 << 10
 
 @dataclass(frozen=True, slots=True)
 class ConnectionBounds:
@@ -24,7 +28,7 @@ class ConnectionBounds:
     send_timeout_s: float = 30.0  # a client that takes no bytes for this long is disconnected
     frame_deadline_s: float = 30.0  # an incomplete frame must complete within this, from its first byte
     max_buffered_bytes: int = 64 << 20  # incomplete frames, all connections together
-    off_loop_bytes: int = 64 << 10  # a read completing this many bytes of frames is decoded on a worker thread
+    off_loop_bytes: int = OFF_LOOP_BYTES  # a read completing this many bytes of frames is decoded on a worker thread
     accept_backoff_s: float = 0.1  # pause after a failed accept (EMFILE...) before trying again
     max_heavy_jobs: int = 1  # heavy renders/encodes running at once (gate.py); one per client
     pace: PaceLimits = field(default_factory=PaceLimits)  # one client's frame budget (pacing.py)

@@ -102,7 +102,7 @@ async def test_a_body_far_past_the_limit_still_gets_its_413(tmp_path):
 
 
 async def test_a_large_body_is_parsed_and_mapped_off_the_event_loop_and_a_small_one_on_it(tmp_path, monkeypatch):
-    """Past OFF_LOOP_BODY_BYTES a chat body's parse and mapping run on a worker thread, so the
+    """Past OFF_LOOP_BYTES a chat body's parse and mapping run on a worker thread, so the
     event loop serves other clients meanwhile; a small body's stay on the loop. Both answer
     as before."""
     import threading
@@ -116,7 +116,7 @@ async def test_a_large_body_is_parsed_and_mapped_off_the_event_loop_and_a_small_
     loop_thread = threading.get_ident()  # the harness serves on the test's own event loop
     async with running_server(tmp_path, http_addr="127.0.0.1:0") as server:
         async with httpx.AsyncClient(timeout=60) as http:
-            pad = "x" * app_module.OFF_LOOP_BODY_BYTES  # a field the chat route ignores
+            pad = "x" * app_module.OFF_LOOP_BYTES  # a field the chat route ignores
             for turn, extra in enumerate(({}, {"metadata": {"pad": pad}})):
                 # a new prompt each time: the letters device's hits differ
                 messages = [{"role": "user", "content": f"hi {turn}"}]

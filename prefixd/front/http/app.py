@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from prefixd.front.bounds import OFF_LOOP_BYTES
 from prefixd.front.engine_link import EngineLost
 from prefixd.front.gate import GateClient
 from prefixd.front.heavy import BuildJob
@@ -35,13 +36,12 @@ from prefixd.scheduler.streams import TokenEvent as EngineTokens
 from prefixd.text.hygiene import DEFAULT_NORMALISERS
 
 MAX_BODY_BYTES = 8 << 20
-# A body past this is parsed (and mapped, where the route can) on a worker thread, not on the
-# event loop: an agent's 300 KB chat of 8,000 messages costs ~5 ms to parse and check and ~5 ms
+# A body past OFF_LOOP_BYTES (front/bounds.py, the socket front's threshold too) is parsed (and
+# mapped, where the route can) on a worker thread, not on the event loop: an agent's 300 KB chat of 8,000 messages costs ~5 ms to parse and check and ~5 ms
 # more to map, and on the loop every other client's tokens waited that long (bench/soak.py
 # --http, huge chats alone: honest p99 TTFT 1.43x the baseline on the loop, 1.07x off it).
 # The thread still holds the interpreter lock while json.loads runs (~8 ms a MiB), but gives
 # it back every switch interval for the rest.
-OFF_LOOP_BODY_BYTES = 64 << 10
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other in a body; the top one is 1
 # A body refused for its size is still read, and dropped, up to this many bytes in all, so that
 # a client still sending it reads the 413 (a close with bytes unread resets the connection).
@@ -346,7 +346,7 @@ async def _read_json(request: Request) -> dict[str, Any]:
 
 async def read_mapped(request: Request, parse: Callable[[dict[str, Any]], T]) -> T:
     """`parse` (a route's checks and mapping; no shared state) of the request body as a JSON
-    object: on the event loop for a small body, on a worker thread past OFF_LOOP_BODY_BYTES.
+    object: on the event loop for a small body, on a worker thread past OFF_LOOP_BYTES.
     413 past MAX_BODY_BYTES, once the rest of the body is read and dropped (up to
     MAX_DROPPED_BODY_BYTES); 400 when it is not JSON, nests deeper than MAX_JSON_DEPTH or is
     not an object; 400 too when the client hangs up before the body is whole (the answer then
@@ -356,7 +356,7 @@ async def read_mapped(request: Request, parse: Callable[[dict[str, Any]], T]) ->
         raw = await _read_body(request)
     except ClientDisconnect:
         raise HttpError(400, "the client hung up before its body was whole") from None
-    if len(raw) <= OFF_LOOP_BODY_BYTES:
+    if len(raw) <= OFF_LOOP_BYTES:
         return parse(_json_object(raw))
     return await anyio.to_thread.run_sync(lambda: parse(_json_object(raw)))
 
