@@ -62,7 +62,6 @@ constexpr int BLOCK_N = 32;
 constexpr int ROW_TILE = 6;    // rows whose sums stay in registers
 constexpr int ROW_CHUNK = 64;  // rows of one task (its activations stay in cache)
 static_assert(ROW_CHUNK % 2 == 0 && ROW_TILE % 2 == 0, "a pair's two rows share a task and a tile (`out_row`)");
-constexpr int FETCH_ROWS = 4;  // from this many rows a task prefetches the next block (`tile_vnni_rows`)
 
 
 struct Quantized {  // x's rows, quantized
@@ -216,10 +215,11 @@ void tile_scalar(const Call& c, int64_t m0, int rows, int64_t nb) {
 
 // With `fetch_next`, the codes and scales of block nb + 1 are prefetched group by group: the
 // tasks of a thread run blocks in order, and once the weights outgrow the caches (a model's
-// layers do) the next block's lines would otherwise arrive only when it starts. Below
-// FETCH_ROWS rows a block's arithmetic is too short to hide the lines behind, the read is a
-// plain stream the hardware prefetches, and the hints would only add instructions. A prefetch
-// is a hint (it cannot fault past the end) and changes no arithmetic.
+// layers do) the next block's lines would otherwise arrive only when it starts. A block's
+// first tile of rows fetches, at any row count: a decode row's product (one to three rows) was
+// once left to the hardware's stream prefetch, which on a later machine read 10-20 % slower
+// than with the hints (docs/runtime.md). A prefetch is a hint (it cannot fault past the end)
+// and changes no arithmetic.
 template <int R, int BITS>
 PREFIXD_VNNI inline void tile_vnni_rows(const Call& c, int64_t m0, int64_t nb, float* out_tile /* (R, 32) */,
                                         bool fetch_next) {
@@ -375,7 +375,7 @@ PREFIXD_VNNI void tile_vnni(const Call& c, int64_t m0, int rows, int64_t nb) {
   const int64_t cols = std::min<int64_t>(BLOCK_N, c.N - n0);
   for (int r = 0; r < rows; r += ROW_TILE) {
     const int n = std::min(ROW_TILE, rows - r);
-    const bool fetch = r == 0 && rows >= FETCH_ROWS;
+    const bool fetch = r == 0;
     switch (n) {
       case 6: tile_vnni_rows<6, BITS>(c, m0 + r, nb, tile, fetch); break;
       case 5: tile_vnni_rows<5, BITS>(c, m0 + r, nb, tile, fetch); break;
