@@ -26,14 +26,22 @@ def test_threads_for_rounds_free_cores_within_one_and_max(free, threads):
 
 def test_tick_applies_a_count_once_and_remeasures_after_the_interval():
     samples = iter([CpuSample(0.0, 0.0, 0.0),  # at construction
-                    CpuSample(0.5, 0.0, 0.5),  # too soon: keep max_threads
                     CpuSample(2.0, 0.0, 1.0),  # others busy 2 s of 1 s wall on 2 cores: none free
-                    CpuSample(2.0, 0.0, 1.5),  # too soon: keep 1
                     CpuSample(2.0, 0.0, 2.0)])  # an idle second: both free
+    taken: list[CpuSample] = []
+
+    def sample() -> CpuSample:
+        taken.append(next(samples))
+        return taken[-1]
+
+    # the clock at construction, then at each tick (and again after a measurement, for the next)
+    clock = iter([0.0, 0.5, 1.0, 1.0, 1.5, 2.0, 2.0])
     applied: list[int] = []
-    policy = CpuThreads(2, interval_s=1.0, num_cores=2, sample=lambda: next(samples), set_threads=applied.append)
+    policy = CpuThreads(2, interval_s=1.0, num_cores=2, sample=sample, clock=lambda: next(clock),
+                        set_threads=applied.append)
     assert [policy.tick() for _ in range(4)] == [2, 1, 1, 2]
     assert applied == [2, 1, 2]
+    assert len(taken) == 3  # a tick before the interval reads the clock, not /proc
 
 
 def test_read_sample_reads_this_machine():
