@@ -45,6 +45,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from prefixd.engine.contract import VERSION, EngineSpec, decode, encode, message, pack_object, unpack_object
 from prefixd.engine.link import LinkReader, pack, receive_some, send_frame
+from prefixd.gpu.threads import engine_omp_env
 from prefixd.ipc.framing import close_fds
 from prefixd.scheduler.streams import DoneEvent, StreamRequest, TokenEvent
 
@@ -144,7 +145,8 @@ class ProcessLauncher:
     def launch(self) -> tuple[socket.socket, Child]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            env = {**os.environ, "PREFIXD_FRONT_PID": str(os.getpid())}  # engine.runtime.FRONT_PID_ENV
+            env = {**os.environ, **engine_omp_env(os.environ),
+                   "PREFIXD_FRONT_PID": str(os.getpid())}  # engine.runtime.FRONT_PID_ENV
             proc = subprocess.Popen([self.python, "-m", "prefixd.engine", str(theirs.fileno())],
                                     pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         except BaseException:

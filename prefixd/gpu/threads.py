@@ -20,9 +20,24 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 DEFAULT_INTERVAL_S = 1.0
+# libgomp's GOMP_SPINCOUNT for the engine process: how long (in pause-loop turns, ~40 us
+# here) a team member waiting at a barrier, or for the next parallel region, spins before it
+# sleeps. libgomp's own default spins ~300,000 turns (milliseconds): between rounds the
+# engine's second thread then held a core the front and the clients needed, and a member
+# the kernel had descheduled kept its partner spinning at every barrier of a round
+# (docs/benchmarks.md, *Soak*).
+ENGINE_SPIN_COUNT = 2000
+
+
+def engine_omp_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The OpenMP setting the engine process starts with (libgomp reads it once, at load):
+    a short spin, unless `environ` already chooses a wait policy or a spin count."""
+    if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
+        return {}
+    return {"GOMP_SPINCOUNT": str(ENGINE_SPIN_COUNT)}
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,25 @@ async def test_a_request_sent_while_the_engine_restarts_waits_for_it(tmp_path):
         assert server.link.restarts == 1
 
 
+async def test_the_engine_process_waits_at_barriers_with_a_short_spin(tmp_path, monkeypatch):
+    """libgomp spins milliseconds by default before a waiting thread sleeps: the engine
+    process starts with a short spin instead, unless the user chose a spin or a wait policy."""
+    from prefixd.gpu.threads import ENGINE_SPIN_COUNT
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cfg = letters_config(tmp_path)
+    async with process_server(tmp_path, letters_engine(cfg), cfg) as server:
+        await wait_serving(server)
+        environ = Path(f"/proc/{server.link.pid}/environ").read_bytes().split(b"\0")
+    assert f"GOMP_SPINCOUNT={ENGINE_SPIN_COUNT}".encode() in environ
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    async with process_server(tmp_path, letters_engine(cfg), cfg) as server:
+        await wait_serving(server)
+        environ = Path(f"/proc/{server.link.pid}/environ").read_bytes().split(b"\0")
+    assert not any(v.startswith(b"GOMP_SPINCOUNT=") for v in environ)
+
+
 async def test_repeated_deaths_back_off(tmp_path):
     cfg = letters_config(tmp_path)
     async with process_server(tmp_path, letters_engine(cfg), cfg) as server:
