@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 DEFAULT_INTERVAL_S = 1.0
-# libgomp's GOMP_SPINCOUNT for the engine process: how long (in pause-loop turns, ~40 us
+# libgomp's GOMP_SPINCOUNT for the engine process: how long (in pause-loop turns, ~50 us
 # here) a team member waiting at a barrier, or for the next parallel region, spins before it
-# sleeps. libgomp's own default spins ~300,000 turns (milliseconds): between rounds the
+# sleeps. libgomp's own default spins ~300,000 turns (7-8 ms here): between rounds the
 # engine's second thread then held a core the front and the clients needed, and a member
 # the kernel had descheduled kept its partner spinning at every barrier of a round
 # (docs/benchmarks.md, *Soak*).
