@@ -45,7 +45,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from prefixd.engine.contract import VERSION, EngineSpec, decode, encode, message, pack_object, unpack_object
 from prefixd.engine.link import LinkReader, pack, receive_some, send_frame
-from prefixd.gpu.threads import engine_omp_env
+from prefixd.engine.openmp import engine_omp_env
 from prefixd.ipc.framing import close_fds
 from prefixd.scheduler.streams import DoneEvent, StreamRequest, TokenEvent
 

@@ -20,24 +20,9 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable
 
 DEFAULT_INTERVAL_S = 1.0
-# libgomp's GOMP_SPINCOUNT for the engine process: how long (in pause-loop turns, ~50 us
-# here) a team member waiting at a barrier, or for the next parallel region, spins before it
-# sleeps. libgomp's own default spins ~300,000 turns (7-8 ms here): between rounds the
-# engine's second thread then held a core the front and the clients needed, and a member
-# the kernel had descheduled kept its partner spinning at every barrier of a round
-# (docs/benchmarks.md, *Soak*).
-ENGINE_SPIN_COUNT = 2000
-
-
-def engine_omp_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The OpenMP setting the engine process starts with (libgomp reads it once, at load):
-    a short spin, unless `environ` already chooses a wait policy or a spin count."""
-    if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
-        return {}
-    return {"GOMP_SPINCOUNT": str(ENGINE_SPIN_COUNT)}
 
 
 @dataclass(frozen=True)
@@ -113,9 +98,8 @@ class CpuThreads:
 
     `tick()` may change the calling thread's torch thread count; it returns the count in use.
     Between measurements a tick reads only `clock`: a sample reads /proc/stat and the front's
-    /proc/PID/stat (40-70 µs on an idle machine, more on a busy one), once a round was a
-    measurable share of a small round's time. `sample`, `clock` and `set_threads` are
-    injectable for tests.
+    /proc/PID/stat (40-70 µs on an idle machine, more on a busy one), too much for every round.
+    `sample`, `clock` and `set_threads` are injectable for tests.
     """
 
     def __init__(self, max_threads: int, *, interval_s: float = DEFAULT_INTERVAL_S,

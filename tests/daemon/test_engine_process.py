@@ -18,6 +18,7 @@ import pytest
 
 from prefixd.daemon.config import DaemonConfig
 from prefixd.daemon.server import Server
+from prefixd.engine.openmp import ENGINE_SPIN_COUNT, engine_omp_env
 from prefixd.front.engine_link import ProcessLauncher, RestartPolicy
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.errors import ClientError
@@ -130,8 +131,6 @@ async def test_a_request_sent_while_the_engine_restarts_waits_for_it(tmp_path):
 async def test_the_engine_process_waits_at_barriers_with_a_short_spin(tmp_path, monkeypatch):
     """libgomp spins milliseconds by default before a waiting thread sleeps: the engine
     process starts with a short spin instead, unless the user chose a spin or a wait policy."""
-    from prefixd.gpu.threads import ENGINE_SPIN_COUNT
-
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     cfg = letters_config(tmp_path)
@@ -144,6 +143,12 @@ async def test_the_engine_process_waits_at_barriers_with_a_short_spin(tmp_path, 
         await wait_serving(server)
         environ = Path(f"/proc/{server.link.pid}/environ").read_bytes().split(b"\0")
     assert not any(v.startswith(b"GOMP_SPINCOUNT=") for v in environ)
+
+
+def test_the_engine_spins_briefly_unless_the_user_chose_how_openmp_waits():
+    assert engine_omp_env({}) == {"GOMP_SPINCOUNT": str(ENGINE_SPIN_COUNT)}
+    assert engine_omp_env({"GOMP_SPINCOUNT": "300000"}) == {}
+    assert engine_omp_env({"OMP_WAIT_POLICY": "PASSIVE"}) == {}
 
 
 async def test_repeated_deaths_back_off(tmp_path):

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from prefixd.gpu import cpu_kernels
-from prefixd.gpu.threads import (ENGINE_SPIN_COUNT, CpuSample, CpuThreads, engine_omp_env, free_cores, read_sample,
-                                  threads_for)
+from prefixd.gpu.threads import CpuSample, CpuThreads, free_cores, read_sample, threads_for
 from tests.gpu.runner_helpers import DEVICE, lane_pages, make_runner, prompt, run_chunks
 
 
@@ -70,8 +69,3 @@ def test_a_rounds_bits_do_not_depend_on_the_thread_count(tiny_llama_dir, mode):
         torch.set_num_threads(before)
     assert torch.equal(one, many)
 
-
-def test_the_engine_spins_briefly_unless_the_user_chose_how_openmp_waits():
-    assert engine_omp_env({}) == {"GOMP_SPINCOUNT": str(ENGINE_SPIN_COUNT)}
-    assert engine_omp_env({"GOMP_SPINCOUNT": "300000"}) == {}
-    assert engine_omp_env({"OMP_WAIT_POLICY": "PASSIVE"}) == {}
