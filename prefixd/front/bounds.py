@@ -18,6 +18,7 @@ from prefixd.front.pacing import PaceLimits
 # ~220 KB) costs ~6 ms to decode and check, and on the loop every other client waits that long.
 OFF_LOOP_BYTES = 64 << 10
 
+
 @dataclass(frozen=True, slots=True)
 class ConnectionBounds:
     """Per-daemon and per-connection bounds of the socket front."""

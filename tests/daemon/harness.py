@@ -11,7 +11,7 @@ import os
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
 
@@ -20,6 +20,8 @@ from prefixd.daemon.config import DaemonConfig
 from prefixd.daemon.server import Server
 from prefixd.front.engine_link import ThreadLauncher
 from tests.daemon.fakes import LetterDevice, fake_runtime_factory
+
+T = TypeVar("T")
 
 
 def open_fds() -> set[int]:
@@ -78,3 +80,17 @@ async def wait_idle(server: Server) -> dict:
             assert status["integrity"] is None, status["integrity"]
             return status
         await anyio.sleep(0.01)
+
+
+async def honest_beside(hostile: Callable[[], Awaitable[None]], honest: Callable[[], Awaitable[T]]) -> T:
+    """What `honest()` returns when `hostile()` runs beside it (both started together, both
+    run to their end)."""
+    result: list[T] = []
+
+    async def run_honest() -> None:
+        result.append(await honest())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(hostile)
+        tg.start_soon(run_honest)
+    return result[0]

@@ -14,7 +14,7 @@ import msgpack
 from prefixd.front.bounds import OFF_LOOP_BYTES
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.framing import FrameDecoder
-from tests.daemon.harness import fds_once_closed, running_server, wait_idle
+from tests.daemon.harness import fds_once_closed, honest_beside, running_server, wait_idle
 
 PAD = "x" * (OFF_LOOP_BYTES + 1024)  # makes any frame big
 
@@ -77,15 +77,7 @@ async def test_big_frames_good_and_bad_beside_an_honest_client_leave_its_bits_un
                 for body in BAD_FRAMES:
                     answers.append(await anyio.to_thread.run_sync(_send_bad, path, body))
 
-        beside: list = []
-
-        async def run_honest() -> None:
-            beside.append(await honest())
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(hostile)
-            tg.start_soon(run_honest)
-        assert beside == [alone]
+        assert await honest_beside(hostile, honest) == alone
         assert big_tokens == [len(PAD)] * 4  # the letters tokenizer: a token a character
         assert [a["type"] for a in answers] == ["error"] * 8
         assert [a["code"] for a in answers] == ["bad_frame"] * 8

@@ -12,7 +12,7 @@ from prefixd.front.bounds import ConnectionBounds
 from prefixd.front.pacing import PaceLimits
 from prefixd.ipc.client import AsyncClient
 from tests.daemon.fakes import LetterDevice
-from tests.daemon.harness import running_server, wait_idle
+from tests.daemon.harness import honest_beside, running_server, wait_idle
 
 
 def url(server, path: str) -> str:
@@ -141,15 +141,8 @@ async def test_a_hostile_http_caller_leaves_honest_socket_bits_unchanged(tmp_pat
                             break  # leaves mid-stream
                     await http.post(url(server, "completions"), json={"prompt": f"flood {i}", "max_tokens": 3})
 
-            beside: list = []
-
-            async def run_honest() -> None:
-                beside.append(await honest())
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(hostile)
-                tg.start_soon(run_honest)
-        assert beside == [alone]
+            beside = await honest_beside(hostile, honest)
+        assert beside == alone
         status = await wait_idle(server)
         assert status["lanes_busy"] == 0
         assert server.link.num_open_streams == 0 and server.gate.seats.num_free == server.gate.seats.num_seats

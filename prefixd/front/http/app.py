@@ -37,9 +37,10 @@ from prefixd.text.hygiene import DEFAULT_NORMALISERS
 
 MAX_BODY_BYTES = 8 << 20
 # A body past OFF_LOOP_BYTES (front/bounds.py, the socket front's threshold too) is parsed (and
-# mapped, where the route can) on a worker thread, not on the event loop: an agent's 300 KB chat of 8,000 messages costs ~5 ms to parse and check and ~5 ms
-# more to map, and on the loop every other client's tokens waited that long (bench/soak.py
-# --http, huge chats alone: honest p99 TTFT 1.43x the baseline on the loop, 1.07x off it).
+# mapped, where the route can) on a worker thread, not on the event loop: an agent's 300 KB
+# chat of 8,000 messages costs ~5 ms to parse and check and ~5 ms more to map, and on the loop
+# every other client's tokens waited that long (bench/soak.py --http, huge chats alone: honest
+# p99 TTFT 1.43x the baseline on the loop, 1.07x off it).
 # The thread still holds the interpreter lock while json.loads runs (~8 ms a MiB), but gives
 # it back every switch interval for the rest.
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other in a body; the top one is 1
