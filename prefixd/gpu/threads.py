@@ -9,6 +9,11 @@ sets torch's thread count to the cores they leave free, between 1 and `max_threa
 of one has no barrier to wait at. (OMP_WAIT_POLICY=PASSIVE instead halves prefill on an
 idle machine: every op then wakes sleeping workers; docs/runtime.md.)
 
+A measurement covers the time since the last one, and the engine measures only when it runs
+rounds: after it waited idle, the window holds mostly others' past (a build that has ended,
+or the run before this one), so the next measurement comes after `FRESH_S` instead of a full
+interval, and the count follows the present within a tenth of a second.
+
 A thread count never changes a row's bits (tests/gpu/test_threads.py), so switching between
 rounds keeps every exactness rule. torch keeps the count per thread: `tick` must run on the
 thread that runs the rounds. This module imports torch only when a count is set.
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 DEFAULT_INTERVAL_S = 1.0
+FRESH_S = 0.1  # the next measurement after a window over 1.5 intervals (the engine waited idle)
 
 
 @dataclass(frozen=True)
@@ -94,9 +100,10 @@ def threads_for(free: float, max_threads: int) -> int:
 
 class CpuThreads:
     """Adapts torch's intra-op thread count to the cores other processes leave free (the
-    daemon's front process counts as another: its renders and encodes take a core too).
+    processes named in `read_sample`'s `also_own`, such as the daemon's front, count as its own).
 
     `tick()` may change the calling thread's torch thread count; it returns the count in use.
+    It measures every `interval_s`, and `FRESH_S` after a window that spanned an idle wait.
     Between measurements a tick reads only `clock`: a sample reads /proc/stat and the front's
     /proc/PID/stat (40-70 µs on an idle machine, more on a busy one), too much for every round.
     `sample`, `clock` and `set_threads` are injectable for tests.
@@ -132,10 +139,13 @@ class CpuThreads:
         """Re-measure when `interval_s` has passed; apply the count if it changed."""
         if self._clock() >= self._due:
             now = self._sample()
+            wait = self.interval_s
             if now is not None and self._last is not None:
                 self.threads = threads_for(free_cores(self._last, now, self.num_cores), self.max_threads)
+                if now.wall_s - self._last.wall_s > 1.5 * self.interval_s:
+                    wait = min(FRESH_S, self.interval_s)  # a stale window: look again soon
             self._last = now
-            self._due = self._clock() + self.interval_s
+            self._due = self._clock() + wait
         threads = self.threads
         if threads != self._applied:
             self._set_threads(threads)

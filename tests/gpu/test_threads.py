@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from prefixd.gpu import cpu_kernels
-from prefixd.gpu.threads import CpuSample, CpuThreads, free_cores, read_sample, threads_for
+from prefixd.gpu.threads import FRESH_S, CpuSample, CpuThreads, free_cores, read_sample, threads_for
 from tests.gpu.runner_helpers import DEVICE, lane_pages, make_runner, prompt, run_chunks
 
 
@@ -42,6 +42,25 @@ def test_tick_applies_a_count_once_and_remeasures_after_the_interval():
     assert [policy.tick() for _ in range(4)] == [2, 1, 1, 2]
     assert applied == [2, 1, 2]
     assert len(taken) == 3  # a tick before the interval reads the clock, not /proc
+
+
+def test_after_an_idle_wait_the_policy_looks_again_within_fresh_s():
+    """A window that spans an idle wait holds others' past: its count holds only until a
+    measurement FRESH_S later, not a whole interval later."""
+    samples = iter([CpuSample(0.0, 0.0, 0.0),  # at construction
+                    CpuSample(20.0, 0.0, 10.0),  # 10 s idle while others kept both cores busy
+                    CpuSample(20.2, 0.2, 10.1)])  # then only this process: both free
+    clock = iter([0.0,  # construction
+                  10.0, 10.0,  # a tick that measures (and the clock for the next)
+                  10.05,  # before FRESH_S: no measurement
+                  10.1, 10.1,  # at FRESH_S: measures again
+                  10.5])  # a normal interval from here: none yet
+    applied: list[int] = []
+    policy = CpuThreads(2, interval_s=1.0, num_cores=2, sample=lambda: next(samples), clock=lambda: next(clock),
+                        set_threads=applied.append)
+    assert FRESH_S == 0.1
+    assert [policy.tick() for _ in range(4)] == [1, 1, 2, 2]
+    assert applied == [1, 2]
 
 
 def test_read_sample_reads_this_machine():
