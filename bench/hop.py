@@ -18,6 +18,13 @@ the engine link: each in-process round's events and observer calls encoded and f
 the engine process sends them (`contract.encode`, `link.pack`), with the link's bytes per
 second at the daemon's round rate. tok/s counts tokens while every lane decodes (prefill
 left out); rounds/s counts every round from the first submit to the last token.
+
+A second table accounts for the CPU a round takes in each process: the in-process engine
+(this process), and through the daemon its engine process, its front process and the client
+(this process again, reading its 8 connections). On a machine whose cores the engine's
+threads fill, the front's and the client's CPU is taken from the engine's team: their share
+of the cores bounds the ratio (a team member preempted for a millisecond holds its partner
+at the next barrier for as long).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import ServedDaemon, fmt_ratio, markdown_table, median, print_machine  # noqa: E402
 from bench.daemon import scrape  # noqa: E402
+from prefixd.gpu.threads import process_cpu_s  # noqa: E402
 from prefixd.ipc.client import AsyncClient  # noqa: E402
 from prefixd.ipc.events import TokenEvent  # noqa: E402
 
@@ -69,6 +77,7 @@ class Decode:
     span_s: float  # first submit to last token
     rounds: int
     round_bytes: list[int] = field(default_factory=list)  # in-process: each round message's frame
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds in the run, by process
 
     def tok_s(self) -> float:
         """Tokens per second while every stream decodes (after the last first token, before the first last one)."""
@@ -81,6 +90,17 @@ class Decode:
 
     def rounds_s(self) -> float:
         return self.rounds / self.span_s
+
+    def tokens_per_round(self) -> float:
+        return sum(len(i) for i in self.ids) / self.rounds if self.rounds else float("nan")
+
+    def cpu_ms_per_round(self, who: str) -> float:
+        return 1e3 * self.cpu_s[who] / self.rounds if self.rounds else float("nan")
+
+
+def own_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
 
 
 def prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -117,7 +137,7 @@ class InProcess:
 
         engine, runtime = self.runtime.engine, self.runtime
         order = {}
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), own_cpu_s()
         for lane, tokens in enumerate(lane_prompts):
             sid = next(self._ids)
             order[sid] = lane
@@ -145,11 +165,14 @@ class InProcess:
             run.round_bytes.append(len(data))
         run.span_s = max(a[-1] for a in arrivals) - start
         run.ids = [tuple(i) for i in ids]
+        run.cpu_s = {"engine": own_cpu_s() - cpu_start}
         return run
 
 
-async def socket_decode(socket: str, metrics_url: str, lane_prompts: list[list[int]], max_tokens: int) -> Decode:
-    """The same workload through the daemon, one connection per stream; rounds from its metrics."""
+async def socket_decode(socket: str, metrics_url: str, lane_prompts: list[list[int]], max_tokens: int,
+                        pids: dict[str, int]) -> Decode:
+    """The same workload through the daemon, one connection per stream; rounds from its metrics;
+    the CPU of the processes in `pids` (by role) and of this one (the client)."""
     arrivals: list[list[float]] = [[] for _ in lane_prompts]
     ids: list[list[int]] = [[] for _ in lane_prompts]
 
@@ -163,16 +186,24 @@ async def socket_decode(socket: str, metrics_url: str, lane_prompts: list[list[i
                     ids[lane].extend(event.ids)
 
     before = await anyio.to_thread.run_sync(scrape, metrics_url)
+    cpu_before = {who: process_cpu_s(pid) for who, pid in pids.items()} | {"client": own_cpu_s()}
     start = time.perf_counter()
     with anyio.fail_after(REQUEST_TIMEOUT_S):
         async with anyio.create_task_group() as tg:
             for lane in range(len(lane_prompts)):
                 tg.start_soon(one, lane)
     span = max(a[-1] for a in arrivals) - start
+    cpu_after = {who: process_cpu_s(pid) for who, pid in pids.items()} | {"client": own_cpu_s()}
     await anyio.sleep(0.2)  # the last round's observer calls reach the front's metrics
     after = await anyio.to_thread.run_sync(scrape, metrics_url)
     rounds = int(after.get(f"{ROUND_METRIC}_count", 0) - before.get(f"{ROUND_METRIC}_count", 0))
-    return Decode(arrivals, [tuple(i) for i in ids], span, rounds)
+    return Decode(arrivals, [tuple(i) for i in ids], span, rounds,
+                  cpu_s={who: cpu_after[who] - cpu_before[who] for who in cpu_before})
+
+
+async def engine_pid(socket: str) -> int:
+    async with await AsyncClient.connect(socket) as client:
+        return int((await client.status())["engine"]["pid"])
 
 
 @dataclass
@@ -189,12 +220,14 @@ def measure(args: argparse.Namespace, sizes: Sizes) -> tuple[list[Pair], str]:
     pairs: list[Pair] = []
     with ServedDaemon(serve_flags(args)[2:], model=args.model, metrics=True, root=args.daemon_root) as daemon:
         assert daemon.metrics_url is not None, "metrics=True"
-        anyio.run(socket_decode, daemon.socket, daemon.metrics_url, warm, 4)
+        assert daemon.proc is not None
+        pids = {"engine": anyio.run(engine_pid, daemon.socket), "front": daemon.proc.pid}
+        anyio.run(socket_decode, daemon.socket, daemon.metrics_url, warm, 4, pids)
         for p in range(sizes.pairs):
             for lanes in sizes.lanes:
                 work = prompts(lanes, sizes.prompt, local.vocab, seed=p * 100 + lanes)
                 mine = local.decode(work, sizes.tokens)
-                theirs = anyio.run(socket_decode, daemon.socket, daemon.metrics_url, work, sizes.tokens)
+                theirs = anyio.run(socket_decode, daemon.socket, daemon.metrics_url, work, sizes.tokens, pids)
                 pairs.append(Pair(lanes, mine, theirs))
                 print(f"pair {p + 1}, {lanes} lanes: in-process {mine.tok_s():.1f} tok/s, socket "
                       f"{theirs.tok_s():.1f} tok/s, load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
@@ -215,10 +248,27 @@ def report(pairs: list[Pair], sizes: Sizes) -> str:
         rows.append([lanes, f"{local_tok:.1f}", f"{sock_tok:.1f}", f"{ratio:.3f}x",
                      "met" if ratio >= GOAL_RATIO else "MISSED", "yes" if equal else "no",
                      f"{median(p.local.rounds_s() for p in mine):.1f}", f"{sock_rounds:.1f}",
+                     f"{median(p.local.tokens_per_round() for p in mine):.2f} / "
+                     f"{median(p.sock.tokens_per_round() for p in mine):.2f}",
                      f"{per_round:.0f}", f"{per_round * sock_rounds / 1024:.1f}"])
     return markdown_table(["lanes", "in-process tok/s", "socket tok/s", "ratio (socket / in-process)",
                            f"goal >= {GOAL_RATIO}x", "ids equal", "in-process rounds/s", "daemon rounds/s",
-                           "link bytes / round (median)", "link KiB/s at daemon rounds/s"], rows)
+                           "tokens / round (in-process / daemon)", "link bytes / round (median)", "link KiB/s at daemon rounds/s"], rows)
+
+
+def cpu_report(pairs: list[Pair], sizes: Sizes) -> str:
+    """CPU milliseconds a round, by process (medians over the pairs), and the share of the
+    machine's cores the front and the client took while the daemon decoded."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    rows = []
+    for lanes in sizes.lanes:
+        mine = [p for p in pairs if p.lanes == lanes]
+        beside = median((p.sock.cpu_s["front"] + p.sock.cpu_s["client"]) / p.sock.span_s / cores for p in mine)
+        rows.append([lanes, f"{median(p.local.cpu_ms_per_round('engine') for p in mine):.2f}",
+                     *(f"{median(p.sock.cpu_ms_per_round(who) for p in mine):.2f}" for who in ("engine", "front", "client")),
+                     f"{100 * beside:.1f} %"])
+    return markdown_table(["lanes", "in-process engine CPU ms / round", "daemon: engine", "front", "client",
+                           f"front + client, share of {cores} cores"], rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -237,12 +287,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_machine({"model": args.model, "device": args.device, "mode": mode, "pairs": str(sizes.pairs),
                    "daemon code": args.daemon_root})
     print(report(pairs, sizes))
+    print()
+    print(cpu_report(pairs, sizes))
     print(f"\n- workload: {sizes.prompt}-token prompts, {sizes.tokens} greedy tokens each, no stop ids; 8 lanes: "
           "8 streams at once (8 connections on the socket side); in-process and socket back to back, fresh prompts "
           "each pair; tok/s counted while every stream decodes, ratio the median of the pairs'")
     print("- link bytes / round: every in-process round's `round` message (events, observer calls, pages) "
           "through contract.encode and link.pack, as the engine process frames it; rounds/s from first submit "
-          "to last token (the daemon's from prefixd_round_duration_seconds_count)")
+          "to last token (the daemon's from prefixd_round_duration_seconds_count); tokens / round: all generated tokens over "
+          "those rounds (drafts verified raise it)")
     return 0
 
 

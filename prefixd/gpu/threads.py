@@ -60,11 +60,11 @@ def read_sample(stat_path: Path = Path("/proc/stat"), cores: frozenset[int] | No
             values = [int(v) for v in fields[1:9]]
             busy_ticks += sum(values) - values[3] - values[4]
     times = os.times()
-    own_s = times.user + times.system + sum(_process_cpu_s(pid) for pid in also_own)
+    own_s = times.user + times.system + sum(process_cpu_s(pid) for pid in also_own)
     return CpuSample(busy_s=busy_ticks / os.sysconf("SC_CLK_TCK"), own_s=own_s, wall_s=time.monotonic())
 
 
-def _process_cpu_s(pid: int) -> float:
+def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system, all threads) process `pid` has used; 0 once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
