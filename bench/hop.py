@@ -109,7 +109,7 @@ def prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def serve_flags(args: argparse.Namespace) -> list[str]:
-    return ["--model", args.model, "--device", args.device, "--lanes", "8", "--disk-cache", ""]
+    return ["--model", args.model, "--device", args.device, "--lanes", "8", "--disk-cache", "", "--draft", args.draft]
 
 
 class InProcess:
@@ -277,6 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=None, help="in-process/socket pairs per lane count")
     parser.add_argument("--model", default="default")
     parser.add_argument("--device", default="cpu", help="cpu or cuda: the daemon's and the in-process engine's")
+    parser.add_argument("--draft", default="auto", choices=["auto", "ngram", "mtp", "off"],
+                        help="`serve --draft` on both sides; off takes the draft policy's choices out of the "
+                             "ratio, which then measures the round rate alone (default: %(default)s)")
     parser.add_argument("--daemon-root", default=str(ROOT), help="the source tree the daemon runs from")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
@@ -284,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes = Sizes(sizes.prompt, sizes.tokens, sizes.lanes, max(1, args.pairs))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the daemon is stopped too
     pairs, mode = measure(args, sizes)
-    print_machine({"model": args.model, "device": args.device, "mode": mode, "pairs": str(sizes.pairs),
+    print_machine({"model": args.model, "device": args.device, "mode": mode, "draft": args.draft,
+                   "pairs": str(sizes.pairs),
                    "daemon code": args.daemon_root})
     print(report(pairs, sizes))
     print()
