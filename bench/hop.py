@@ -3,6 +3,7 @@
     python bench/hop.py                    # the measurement, about a minute (run it on an idle machine)
     python bench/hop.py --quick            # a smoke run with small sizes
     python bench/hop.py --device cuda      # the same on a GPU
+    python bench/hop.py --draft off        # the round rate alone (no draft policy in the ratio)
 
 Loads the model in this process the way the engine process does (`load_runtime` from the
 same `serve` flags) and drives its `Engine` directly, round by round; and starts
