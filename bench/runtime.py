@@ -8,15 +8,24 @@ decode tok/s at 4K context, aggregate decode tok/s at 8 lanes, each beside llama
 (llama-cpp-python, when importable) on the same GGUF file and thread count, measured in
 the same run; medians of several repeats. Every runner mode that exists gets a column.
 
+The engines take turns: each row's repeats alternate between them (prefixd's modes, then
+llama.cpp, then again), and a ratio is the median of the repeats' own ratios, each of two
+timings a few seconds apart. A machine whose speed drifts from minute to minute then moves
+both sides of a ratio together; measured one engine after the other, minutes apart, the
+same code read 1.55x in one run and 1.96x in the next. `--sequential` measures one engine
+after the other (the order of earlier runs in docs/benchmarks.md).
+
     python bench/runtime.py --busy-core   # also: every row again beside one busy process
     python bench/runtime.py --accuracy    # also: bench/accuracy.py's table (KL, top-1 against fp32)
 
 Below the table, the bytes a one-lane decode token reads (weights by kind, the head, K/V at the
 context: bench/token_bytes.py, from the loaded tensors and the GGUF's), the read bandwidth a
-streaming sum reaches on the same thread count in the same run (before and after the engines;
-the higher is the bound), and the fraction of that bound each measured decode reaches.
+streaming sum reaches on the same thread count in the same run (a read in turns with each
+repeat of a one-lane decode row, the median of a row's the bound for that row; with
+--sequential, before and after the engines, the higher), and the fraction of that bound each
+measured decode reaches.
 
-With --busy-core each engine is measured quiet, then again while one other process spins
+With --busy-core the engines are measured quiet, then again while one other process spins
 on a core, and a second table gives the busy rates and the slowdown (quiet / busy) of each
 engine side by side. prefixd runs the daemon's thread policy (prefixd/gpu/threads.py:
 torch threads = the cores other processes leave free, re-measured every second) unless
@@ -34,8 +43,9 @@ import os
 import random
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -46,12 +56,20 @@ from bench.common import (  # noqa: E402
     fmt_rate,
     fmt_ratio,
     markdown_table,
+    median,
     print_machine,
     rate,
     time_calls,
 )
 from bench.heads import apply_head, split_mode  # noqa: E402
-from bench.token_bytes import TokenBytes, gguf_account, read_bandwidth, render_account, runner_account  # noqa: E402
+from bench.token_bytes import (  # noqa: E402
+    StreamRead,
+    TokenBytes,
+    gguf_account,
+    read_bandwidth,
+    render_account,
+    runner_account,
+)
 from prefixd.gpu.threads import CpuThreads  # noqa: E402
 from prefixd.scheduler.records import LaneWork, RoundPlan, SamplerSetup, SamplingParams  # noqa: E402
 
@@ -191,19 +209,74 @@ class LlamaCppMeasure(Measure):
 
 
 def measure_all(m: Measure, sizes: Sizes, vocab: int, name: str = "") -> dict[str, float]:
-    """tok/s per row label; each row also on stderr as it is measured (a full run takes minutes)."""
+    """tok/s per row label, one engine alone (`--sequential`); each row also on stderr as it is
+    measured (a full run takes minutes)."""
     out: dict[str, float] = {}
+    for row in table_rows(sizes, vocab):
+        row.setup(m)
+        out[row.label] = rate(row.count, time_calls(lambda: row.call(m), sizes.repeats, warmup=0))
+        _progress(name, row.label, out)
+    return out
+
+
+SWITCH_PAUSE_S = 0.05  # between two engines' turns: the last one's spinning threads go to sleep
+
+
+@dataclass
+class Row:
+    """One row of the table: on an engine, `setup` (untimed), then timed calls of `call`, each
+    of `count` tokens."""
+
+    label: str
+    count: int
+    setup: Callable[[Measure], None]
+    call: Callable[[Measure], None]
+
+
+def table_rows(sizes: Sizes, vocab: int) -> list[Row]:
+    rows = []
     for n in sizes.prefill:
         tokens = prompt_tokens(n, vocab, seed=n)
-        out[f"prefill {n} tok"] = rate(n, time_calls(lambda: m.prefill(tokens), sizes.repeats, warmup=0))
-        _progress(name, f"prefill {n} tok", out)
+        rows.append(Row(f"prefill {n} tok", n, lambda m: None, lambda m, t=tokens: m.prefill(t)))
     for label, contexts in decode_cases(sizes, vocab):
-        m.start_decode(contexts)
         steps = sizes.decode_steps
-        times = time_calls(lambda: m.decode(contexts, steps), sizes.repeats, warmup=1)
-        out[label] = rate(len(contexts) * steps, times)
-        _progress(name, label, out)
-    return out
+
+        def setup(m: Measure, c: dict[int, list[int]] = contexts, s: int = steps) -> None:
+            m.start_decode(c)
+            m.decode(c, s)  # the warm-up call
+
+        rows.append(Row(label, len(contexts) * steps, setup, lambda m, c=contexts, s=steps: m.decode(c, s)))
+    return rows
+
+
+def measure_turns(engines: dict[str, Measure], sizes: Sizes, vocab: int, reference: str | None,
+                  tag: str = "", stream: StreamRead | None = None,
+                  readings: dict[str, list[float]] | None = None) -> tuple[Results, Results]:
+    """Every row on every engine, the repeats taking turns (engine by engine, repeat by
+    repeat): rates (count / the median time) by engine, and each engine's ratio to
+    `reference` (the median of the repeats' ratios) by engine. With `stream`, a one-lane
+    decode row's repeats take one more turn each: a streaming read, into readings[label]."""
+    results: Results = {name: {} for name in engines}
+    ratios: Results = {name: {} for name in engines if reference is not None and name != reference}
+    for row in table_rows(sizes, vocab):
+        for m in engines.values():
+            row.setup(m)
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(sizes.repeats):
+            for name, m in engines.items():
+                time.sleep(SWITCH_PAUSE_S)
+                start = time.perf_counter()
+                row.call(m)
+                times[name].append(time.perf_counter() - start)
+            if stream is not None and readings is not None and row.label.startswith("decode 1 lane"):
+                time.sleep(SWITCH_PAUSE_S)
+                readings.setdefault(row.label, []).append(stream.read())
+        for name in engines:
+            results[name][row.label] = rate(row.count, times[name])
+            _progress(name + tag, row.label, results[name])
+        for name in ratios:
+            ratios[name][row.label] = median(theirs / ours for ours, theirs in zip(times[name], times[reference]))
+    return results, ratios
 
 
 def _progress(name: str, label: str, out: dict[str, float]) -> None:
@@ -248,10 +321,13 @@ class Account:
 
     engines: dict[str, TokenBytes] = dataclasses.field(default_factory=dict)
     bandwidth: list[float] = dataclasses.field(default_factory=list)  # bytes/s, before and after
+    turns: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # row label -> reads in its turns
 
 
 def run_engines(args: argparse.Namespace, sizes: Sizes,
-                account: Account) -> tuple[Results, Results, list[str], dict[str, str]]:
+                account: Account) -> tuple[Results, Results, Results, list[str], dict[str, str]]:
+    """Load every engine, measure (in turns, or one after the other with --sequential), and
+    return rates, busy rates, ratios to llama.cpp (in turns only), notes and versions."""
     from prefixd.gpu.loading import load_checkpoint
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -260,12 +336,24 @@ def run_engines(args: argparse.Namespace, sizes: Sizes,
     num_threads = torch.get_num_threads()  # llama.cpp's too; the policy may lower prefixd's per round
     results: Results = {}
     busy_results: Results = {}
+    ratios: Results = {}
     notes: list[str] = []
     versions = {"model": str(checkpoint.path), "dtype": args.dtype, "grid": str(args.grid),
                 "threads": str(num_threads),
-                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "(unset)")}
+                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+                "order": "one engine after the other" if args.sequential else "in turns, repeat by repeat"}
     policy = None if args.fixed_threads or device.type != "cpu" else CpuThreads.up_to_current()
     account.bandwidth.append(read_bandwidth(num_threads))
+    engines: dict[str, Measure] = {}
+
+    def measure_one(name: str, m: Measure) -> None:
+        if args.sequential:
+            measure_engine(m, name, sizes, vocab, args.busy_core, results, busy_results)
+            if args.profile and isinstance(m, RunnerMeasure):
+                notes.extend(profile(m, sizes, vocab, name.removeprefix("prefixd ")))
+        else:
+            engines[name] = m
+
     for mode in args.modes.split(","):
         try:
             # the model takes the tensors it uses out of the dict: each mode gets its own dict
@@ -281,9 +369,7 @@ def run_engines(args: argparse.Namespace, sizes: Sizes,
         with contextlib.suppress(ValueError):  # a family without an account (hybrid) goes without
             account.engines[f"prefixd {mode}"] = runner_account(m.runner)
         m._prefill_lanes({0: prompt_tokens(min(2 * args.grid, sizes.longest), vocab)})  # warm-up: allocator, kernels
-        measure_engine(m, f"prefixd {mode}", sizes, vocab, args.busy_core, results, busy_results)
-        if args.profile:
-            notes.extend(profile(m, sizes, vocab, mode))
+        measure_one(f"prefixd {mode}", m)
         del m
         gc.collect()
     if args.no_llama_cpp:
@@ -296,17 +382,31 @@ def run_engines(args: argparse.Namespace, sizes: Sizes,
         else:
             versions["llama-cpp-python"] = llama.llama.version
             llama.prefill(prompt_tokens(min(2 * args.grid, sizes.longest), vocab))  # warm-up
-            measure_engine(llama, "llama.cpp", sizes, vocab, args.busy_core, results, busy_results)
+            measure_one("llama.cpp", llama)
             account.engines["llama.cpp"] = gguf_account(str(checkpoint.path))
     else:
         notes.append("llama.cpp skipped: it is compared on the CPU with a GGUF model only")
+    if engines:
+        reference = "llama.cpp" if "llama.cpp" in engines else None
+        quiet, ratios = measure_turns(engines, sizes, vocab, reference, stream=StreamRead(num_threads),
+                                      readings=account.turns)
+        results.update(quiet)
+        if args.busy_core:
+            with busy_core():
+                busy_results.update(measure_turns(engines, sizes, vocab, None, " (busy core)")[0])
+        if args.profile:
+            for name, m in engines.items():
+                if isinstance(m, RunnerMeasure):
+                    notes.extend(profile(m, sizes, vocab, name.removeprefix("prefixd ")))
+        engines.clear()
+        gc.collect()
     if policy is not None:
         torch.set_num_threads(policy.max_threads)
     account.bandwidth.append(read_bandwidth(num_threads))
     if policy is not None:
         notes.append(f"prefixd thread policy: up to {policy.max_threads} threads, the free cores each second "
                      f"(last count {policy.threads})")
-    return results, busy_results, notes, versions
+    return results, busy_results, ratios, notes, versions
 
 
 def profile(m: RunnerMeasure, sizes: Sizes, vocab: int, mode: str) -> list[str]:
@@ -336,7 +436,10 @@ def profile(m: RunnerMeasure, sizes: Sizes, vocab: int, mode: str) -> list[str]:
     return lines
 
 
-def render(results: dict[str, dict[str, float]], sizes: Sizes) -> str:
+def render(results: dict[str, dict[str, float]], sizes: Sizes, ratios: Results | None = None) -> str:
+    """The rates table; a ratio column is `ratios`' (the repeats' median, measured in turns)
+    where it has the row, else the ratio of the two medians."""
+    ratios = ratios or {}
     engines = list(results)
     ours = [e for e in engines if e.startswith("prefixd")]
     theirs = results.get("llama.cpp")
@@ -346,7 +449,8 @@ def render(results: dict[str, dict[str, float]], sizes: Sizes) -> str:
     for label in labels:
         row: list[object] = [label, *(fmt_rate(results[e].get(label)) for e in engines)]
         if theirs:
-            row += [fmt_ratio(results[e].get(label), theirs.get(label)) for e in ours]
+            row += [f"{ratios[e][label]:.2f}x" if label in ratios.get(e, {})
+                    else fmt_ratio(results[e].get(label), theirs.get(label)) for e in ours]
         rows.append(row)
     lines = [markdown_table(headers, rows), ""]
     for e in engines:
@@ -382,6 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grid", type=int, default=256, help="prefill chunk rows per round")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--sequential", action="store_true",
+                        help="measure one engine after the other, not in turns (every engine's rows, then the next's)")
     parser.add_argument("--profile", action="store_true", help="print the top operators of each runner mode")
     parser.add_argument("--accuracy", action="store_true",
                         help="also bench/accuracy.py's table for the same modes and model")
@@ -390,15 +496,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats:
         sizes = Sizes(sizes.prefill, sizes.decode_context, sizes.lanes, sizes.lane_context, sizes.decode_steps, args.repeats)
     account = Account()
-    results, busy_results, notes, versions = run_engines(args, sizes, account)
+    results, busy_results, ratios, notes, versions = run_engines(args, sizes, account)
     print_machine(versions)
-    print(render(results, sizes))
+    print(render(results, sizes, ratios))
     if busy_results:
         print()
         print(render_busy(results, busy_results))
     for note in notes:
         print(f"- {note}")
-    print(f"- medians of {sizes.repeats} repeats; decode: {sizes.decode_steps} rounds per repeat, greedy")
+    print(f"- medians of {sizes.repeats} repeats; decode: {sizes.decode_steps} rounds per repeat, greedy"
+          + ("" if args.sequential or not ratios else "; a ratio is the median of the repeats' ratios (engines "
+             "in turns, a repeat each)"))
     if account.engines:
         print()
         print(render_bytes(account, results, sizes))
@@ -415,10 +523,14 @@ def render_bytes(account: Account, results: Results, sizes: Sizes) -> str:
     mean_ctx = lambda c: c + (sizes.decode_steps + 1) / 2  # noqa: E731 (a timed step at context+s reads context+s rows)
     contexts = {f"decode 1 lane @ {c} ctx": round(mean_ctx(c)) for c in (sizes.decode_context, sizes.lane_context)}
     bound = max(account.bandwidth)
-    lines = [render_account(account.engines, results, contexts, bound),
+    turns = {label: median(account.turns[label]) for label in contexts if account.turns.get(label)}
+    lines = [render_account(account.engines, results, contexts, {label: turns.get(label, bound) for label in contexts}),
              f"- read bandwidth: {', then '.join(f'{b / 1e9:.2f}' for b in account.bandwidth)} GB/s (a streaming "
              f"sum over a 1 GiB fp32 buffer on {torch.get_num_threads()} threads, median of 5, before and after the "
-             f"engines); the bound is the higher, {bound / 1e9:.2f} GB/s",
+             f"engines)" + (f"; the bound is the higher, {bound / 1e9:.2f} GB/s" if len(turns) < len(contexts) else ""),
+             *(f"- {label}: the bound from the streaming reads taken in turns with the engines' repeats "
+               f"(a 256 MiB buffer): {', '.join(f'{b / 1e9:.2f}' for b in account.turns[label])} GB/s, median "
+               f"{turns[label] / 1e9:.2f}" for label in turns),
              "- K/V at the mean context the timed tokens read (context + steps / 2); bound = bandwidth / total"]
     return "\n".join(lines)
 

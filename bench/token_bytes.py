@@ -8,8 +8,9 @@ account is taken from the tensors a loaded model actually holds (their dtypes an
 `Int4Weight` codes and scales, bf16 or fp32 tensors) and from the KV pool's bytes per row, or,
 for llama.cpp, from the GGUF file's tensors (their quantization types) and its f16 K/V cache.
 `read_bandwidth` is a streaming read (a sum) over a buffer far larger than the caches, on the
-given thread count. bytes / bandwidth is the least time a token can take: its inverse is the
-bound a decode rate is measured against.
+given thread count; `StreamRead` is one such read at a time, to take turns with the engines
+(a machine's bandwidth may move by half within a minute). bytes / bandwidth is the least time
+a token can take: its inverse is the bound a decode rate is measured against.
 """
 
 from __future__ import annotations
@@ -121,22 +122,31 @@ def _type_name(tensor) -> str:
     return getattr(tensor.qtype, "name", str(tensor.qtype))
 
 
-def read_bandwidth(threads: int, buffer_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes a second a streaming read reaches: the median of `repeats` sums of an fp32 buffer of
-    `buffer_bytes` (far larger than the caches) on `threads` torch threads (restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        buf = torch.ones(buffer_bytes // 4, dtype=torch.float32)
-        buf.sum()  # pages touched, threads started
-        times = []
-        for _ in range(repeats):
+class StreamRead:
+    """Streaming reads of one fp32 buffer of `buffer_bytes` (far larger than the caches) on
+    `threads` torch threads: `read()` times one sum and gives bytes a second."""
+
+    def __init__(self, threads: int, buffer_bytes: int = 1 << 28) -> None:
+        self.threads = threads
+        self.buffer_bytes = buffer_bytes
+        self._buf = torch.ones(buffer_bytes // 4, dtype=torch.float32)
+        self.read()  # pages touched, threads started
+
+    def read(self) -> float:
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
             start = time.perf_counter()
-            buf.sum()
-            times.append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(before)
-    return buffer_bytes / statistics.median(times)
+            self._buf.sum()
+            return self.buffer_bytes / (time.perf_counter() - start)
+        finally:
+            torch.set_num_threads(before)
+
+
+def read_bandwidth(threads: int, buffer_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes a second a streaming read reaches: the median of `repeats` `StreamRead` reads."""
+    stream = StreamRead(threads, buffer_bytes)
+    return statistics.median(stream.read() for _ in range(repeats))
 
 
 def _mb(nbytes: float) -> str:
@@ -144,9 +154,10 @@ def _mb(nbytes: float) -> str:
 
 
 def render_account(accounts: dict[str, TokenBytes], rates: dict[str, dict[str, float]],
-                   contexts: dict[str, int], bandwidth: float) -> str:
+                   contexts: dict[str, int], bandwidth: float | dict[str, float]) -> str:
     """A markdown table: each engine's bytes a one-lane decode token reads (MB) by kind and at each
-    context, its measured decode rate, the GB/s that rate moves and the fraction of `bandwidth`.
+    context, its measured decode rate, the GB/s that rate moves and the fraction of `bandwidth`
+    (one for every row, or one a row label).
 
     contexts: decode row label (a key of rates[engine]) -> the mean context its tokens read."""
     from bench.common import markdown_table
@@ -156,15 +167,16 @@ def render_account(accounts: dict[str, TokenBytes], rates: dict[str, dict[str, f
                                 for kind in KINDS]
     rows.append(["weights, all (MB)", *(_mb(sum(accounts[e].weights.values())) for e in engines)])
     for label, ctx in contexts.items():
+        bw = bandwidth[label] if isinstance(bandwidth, dict) else bandwidth
         where = label.removeprefix("decode 1 lane ")
         rows.append([f"K/V {where} (MB)", *(_mb(accounts[e].kv_bytes(ctx)) for e in engines)])
         rows.append([f"total {where} (MB)", *(_mb(accounts[e].total(ctx)) for e in engines)])
-        rows.append([f"bound {where} (tok/s)", *(f"{bandwidth / accounts[e].total(ctx):,.1f}" for e in engines)])
+        rows.append([f"bound {where} (tok/s)", *(f"{bw / accounts[e].total(ctx):,.1f}" for e in engines)])
         measured = [rates.get(e, {}).get(label) for e in engines]
         rows.append([f"measured {where} (tok/s)", *("n/a" if r is None else f"{r:,.1f}" for r in measured)])
         rows.append([f"moved {where} (GB/s)", *("n/a" if r is None else f"{r * accounts[e].total(ctx) / 1e9:.2f}"
                                                 for e, r in zip(engines, measured))])
-        rows.append([f"fraction of bound {where}", *("n/a" if r is None else f"{r * accounts[e].total(ctx) / bandwidth:.2f}"
+        rows.append([f"fraction of bound {where}", *("n/a" if r is None else f"{r * accounts[e].total(ctx) / bw:.2f}"
                                                     for e, r in zip(engines, measured))])
     lines = [markdown_table(["bytes a 1-lane decode token reads", *engines], rows), ""]
     lines += [f"- {e}: {accounts[e].what}" for e in engines]
