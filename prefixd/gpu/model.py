@@ -333,23 +333,42 @@ class _Round:
         device = inputs.tokens.device
         self.num_rows, self.slots, self.tiles = inputs.num_rows, inputs.slots, inputs.tiles
         self.positions = inputs.positions
+        self._top, self._qk_norm = inputs.max_position, c.qk_norm
         # the CUDA path's kernels (fused.py; never mode int4, the CPU's, whose pool holds 8-bit
         # pages); the rope tables below cover the positions
         self.fused = model.attention_tiles and kernels.triton_path(device)
         self.cpu_index = cpu_kernels.attention_index(inputs.spans) if not model.attention_tiles else None
         self.scaled = None
+        self._rope, self._tables = model.rope, None
         if self.fused and not c.qk_norm:  # fused.rope_write reads the tables by position
             top = inputs.max_position
             model.rope.cover(int(inputs.positions.max()) if top is None else top)
-            self.cos = self.sin = None
-        else:
-            self.cos, self.sin = rotation_tables(*model.rope.lookup(inputs.positions, top=inputs.max_position))
-        if self.cos is not None and not c.qk_norm and math.frexp(model.scale)[0] == 0.5:
-            self.scaled = tuple(scale_q_tables(t, c.num_heads, c.num_kv_heads, model.scale) for t in (self.cos, self.sin))
+        elif not c.qk_norm and math.frexp(model.scale)[0] == 0.5:
+            self.scaled = model.rope.q_scaled(inputs.positions, c.num_heads, c.num_kv_heads, model.scale,
+                                              top=inputs.max_position)
         heads = c.num_heads + c.num_kv_heads
         self.qk = torch.zeros(rows + 1, heads, c.head_dim, dtype=pool_dtype, device=device)
         self.attn = torch.zeros(rows + 1, c.num_heads * c.head_dim, dtype=torch.float32, device=device)
         self.act = torch.empty(rows, c.intermediate_size, dtype=model.dtype, device=device)
+
+    @property
+    def cos(self) -> torch.Tensor | None:
+        """`rotation_tables`' cos for the round's rows (None on the fused path, which reads the
+        table by position); built on first use: mode int4's one call reads `scaled` only."""
+        tables = self._rotation_tables()
+        return None if tables is None else tables[0]
+
+    @property
+    def sin(self) -> torch.Tensor | None:
+        tables = self._rotation_tables()
+        return None if tables is None else tables[1]
+
+    def _rotation_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.fused and not self._qk_norm:
+            return None
+        if self._tables is None:
+            self._tables = rotation_tables(*self._rope.lookup(self.positions, top=self._top))
+        return self._tables
 
 
 def scale_q_tables(table: torch.Tensor, heads: int, kv_heads: int, scale: float) -> torch.Tensor:

@@ -181,6 +181,28 @@ def test_rope_table_growth_keeps_earlier_positions_bits(tiny_llama_dir):
     assert torch.equal(before[0], after[0][:2]) and torch.equal(before[1], after[1][:2])
 
 
+def test_q_scaled_tables_have_the_bits_of_the_per_round_build_across_growth(tiny_llama_dir):
+    """RopeTable.q_scaled (tables kept for every position) against the build it replaced:
+    lookup, rotation_tables, scale_q_tables; before and after the table grows."""
+    import json
+
+    from prefixd.gpu.config import config_from_hf
+    from prefixd.gpu.model import scale_q_tables
+    from prefixd.gpu.rope import RopeTable, rotation_tables
+
+    config = config_from_hf(json.loads((tiny_llama_dir / "config.json").read_text()))
+    table = RopeTable(config, device=torch.device("cpu"), size=16)
+    heads, kv_heads, scale = 6, 2, 0.125
+    for positions in ([0, 3, 15, 7], [3, 40, 15], [100, 2, 63]):  # 40, then 100: the table grows
+        at = torch.tensor(positions)
+        got = table.q_scaled(at, heads, kv_heads, scale)
+        want = tuple(scale_q_tables(t, heads, kv_heads, scale) for t in rotation_tables(*table.lookup(at)))
+        for g, w in zip(got, want):
+            assert g.is_contiguous() and g.shape == (len(positions), heads + kv_heads, config.head_dim)
+            assert torch.equal(g.view(torch.int32), w.contiguous().view(torch.int32))
+    assert table.size == 128
+
+
 @pytest.mark.parametrize("rope_scaling", [
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 8192},
