@@ -353,7 +353,7 @@ class _Round:
 
     @property
     def cos(self) -> torch.Tensor | None:
-        """`rotation_tables`' cos for the round's rows (None on the fused path, which reads the
+        """`rotation_tables`' cos for the round's rows (None where fused.rope_write reads the
         table by position); built on first use: mode int4's one call reads `scaled` only."""
         tables = self._rotation_tables()
         return None if tables is None else tables[0]

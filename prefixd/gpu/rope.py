@@ -55,7 +55,7 @@ class RopeTable:
         self.cos = freqs.cos().to(self.device)
         self.sin = freqs.sin().to(self.device)
         self.size = size
-        self._scaled: dict[tuple[int, int, float], tuple[torch.Tensor, torch.Tensor]] = {}  # grown with the table
+        self._scaled: dict[tuple[int, int, float], tuple[torch.Tensor, torch.Tensor]] = {}  # q_scaled's, built again after growth
 
     def q_scaled(self, positions: torch.Tensor, heads: int, kv_heads: int, scale: float,
                  top: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
