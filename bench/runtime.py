@@ -20,10 +20,10 @@ after the other (the order of earlier runs in docs/benchmarks.md).
 
 Below the table, the bytes a one-lane decode token reads (weights by kind, the head, K/V at the
 context: bench/token_bytes.py, from the loaded tensors and the GGUF's), the read bandwidth a
-streaming sum reaches on the same thread count in the same run (a read in turns with each
-repeat of a one-lane decode row, the median of a row's the bound for that row; with
---sequential, before and after the engines, the higher), and the fraction of that bound each
-measured decode reaches.
+streaming sum reaches on the same thread count in the same run (a read takes a turn beside
+each repeat of a one-lane decode row, and the median of a row's reads is its bound; with
+--sequential, the higher of two reads before and after the engines), and the fraction of that
+bound each measured decode reaches.
 
 With --busy-core the engines are measured quiet, then again while one other process spins
 on a core, and a second table gives the busy rates and the slowdown (quiet / busy) of each
