@@ -104,6 +104,11 @@ def own_cpu_s() -> float:
     return times.user + times.system
 
 
+def cpu_by_process(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of the processes in `pids` (by role) and of this one, the client."""
+    return {who: process_cpu_s(pid) for who, pid in pids.items()} | {"client": own_cpu_s()}
+
+
 def prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(32, vocab) for _ in range(length)] for _ in range(num)]
@@ -187,14 +192,14 @@ async def socket_decode(socket: str, metrics_url: str, lane_prompts: list[list[i
                     ids[lane].extend(event.ids)
 
     before = await anyio.to_thread.run_sync(scrape, metrics_url)
-    cpu_before = {who: process_cpu_s(pid) for who, pid in pids.items()} | {"client": own_cpu_s()}
+    cpu_before = cpu_by_process(pids)
     start = time.perf_counter()
     with anyio.fail_after(REQUEST_TIMEOUT_S):
         async with anyio.create_task_group() as tg:
             for lane in range(len(lane_prompts)):
                 tg.start_soon(one, lane)
     span = max(a[-1] for a in arrivals) - start
-    cpu_after = {who: process_cpu_s(pid) for who, pid in pids.items()} | {"client": own_cpu_s()}
+    cpu_after = cpu_by_process(pids)
     await anyio.sleep(0.2)  # the last round's observer calls reach the front's metrics
     after = await anyio.to_thread.run_sync(scrape, metrics_url)
     rounds = int(after.get(f"{ROUND_METRIC}_count", 0) - before.get(f"{ROUND_METRIC}_count", 0))

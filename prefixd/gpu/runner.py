@@ -422,9 +422,9 @@ def _finite_rows(logits: torch.Tensor) -> list[bool]:
     if logits.device.type == "cpu" and logits.dtype == torch.float32:  # numpy: three torch ops fewer a round
         with np.errstate(over="ignore", invalid="ignore"):  # an inf or NaN sum is the answer, not a warning
             finite = bool(np.isfinite(logits.numpy().sum(axis=1)).all())
-        if finite:
-            return [True] * logits.shape[0]
-    elif bool(torch.isfinite(logits.sum(dim=1)).all()):
+    else:
+        finite = bool(torch.isfinite(logits.sum(dim=1)).all())
+    if finite:
         return [True] * logits.shape[0]
     return torch.isfinite(logits).all(dim=1).tolist()
 
