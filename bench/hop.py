@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import ServedDaemon, fmt_ratio, markdown_table, median, print_machine  # noqa: E402
 from bench.daemon import scrape  # noqa: E402
-from prefixd.gpu.threads import process_cpu_s  # noqa: E402
+from prefixd.gpu.threads import own_cpu_s, process_cpu_s  # noqa: E402
 from prefixd.ipc.client import AsyncClient  # noqa: E402
 from prefixd.ipc.events import TokenEvent  # noqa: E402
 
@@ -97,11 +97,6 @@ class Decode:
 
     def cpu_ms_per_round(self, who: str) -> float:
         return 1e3 * self.cpu_s[who] / self.rounds if self.rounds else float("nan")
-
-
-def own_cpu_s() -> float:
-    times = os.times()
-    return times.user + times.system
 
 
 def cpu_by_process(pids: dict[str, int]) -> dict[str, float]:

@@ -10,9 +10,13 @@ of one has no barrier to wait at. (OMP_WAIT_POLICY=PASSIVE instead halves prefil
 idle machine: every op then wakes sleeping workers; docs/runtime.md.)
 
 A measurement covers the time since the last one, and the engine measures only when it runs
-rounds: after it waited idle, the window holds mostly others' past (a build that has ended,
-or the run before this one), so the next measurement comes after `FRESH_S` instead of a full
-interval, and the count follows the present within a tenth of a second.
+rounds. After an idle wait (a tick finds that this process used under half a core since the
+round before) that window holds others' past, not the present: the tool an agent ran between
+two turns, or the other side of a benchmark. So the first round after a wait takes its count
+from the threads runnable on the machine at that instant (/proc/stat's `procs_running`, this
+one included), never fewer than the window's; a new window starts there, and the next
+measurement comes after `FRESH_S`. A build still running keeps its threads runnable and the
+count low; a tool that has finished no longer costs the next turn's prefill a core.
 
 A thread count never changes a row's bits (tests/gpu/test_threads.py), so switching between
 rounds keeps every exactness rule. torch keeps the count per thread: `tick` must run on the
@@ -28,7 +32,8 @@ from pathlib import Path
 from typing import Callable
 
 DEFAULT_INTERVAL_S = 1.0
-FRESH_S = 0.1  # the next measurement after a window over 1.5 intervals (the engine waited idle)
+FRESH_S = 0.1  # after an idle wait: the next measurement, and the shortest wait that counts as one
+RECHECK_S = 0.001  # after an idle wait, others runnable at once are counted again this much later
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,7 @@ class CpuSample:
     busy_s: float
     own_s: float
     wall_s: float
+    running: int | None = None  # threads runnable on the machine at the instant, the reader included
 
 
 def read_sample(stat_path: Path = Path("/proc/stat"), cores: frozenset[int] | None = None,
@@ -51,26 +57,46 @@ def read_sample(stat_path: Path = Path("/proc/stat"), cores: frozenset[int] | No
     except OSError:
         return None
     busy_ticks = 0
+    running = None
     for line in lines:
         fields = line.split()
+        if len(fields) == 2 and fields[0] == "procs_running":
+            running = int(fields[1])
         if not fields or not fields[0].startswith("cpu") or fields[0] == "cpu":
             continue
         if int(fields[0][3:]) in cores:
             # user nice system idle iowait irq softirq steal: busy is all but idle and iowait
             values = [int(v) for v in fields[1:9]]
             busy_ticks += sum(values) - values[3] - values[4]
+    own_s = own_cpu_s()
+    for pid in also_own:
+        cpu_s, runs = process_state(pid)
+        own_s += cpu_s
+        if running is not None and runs:
+            running -= 1  # the front's main thread, runnable at the instant, is the daemon's own
+    return CpuSample(busy_s=busy_ticks / os.sysconf("SC_CLK_TCK"), own_s=own_s, wall_s=time.monotonic(),
+                     running=running)
+
+
+def own_cpu_s() -> float:
+    """This process's CPU seconds (user + system, all threads): one cheap call, for every tick."""
     times = os.times()
-    own_s = times.user + times.system + sum(process_cpu_s(pid) for pid in also_own)
-    return CpuSample(busy_s=busy_ticks / os.sysconf("SC_CLK_TCK"), own_s=own_s, wall_s=time.monotonic())
+    return times.user + times.system
 
 
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system, all threads) process `pid` has used; 0 once it is gone."""
+    return process_state(pid)[0]
+
+
+def process_state(pid: int) -> tuple[float, bool]:
+    """Process `pid`'s CPU seconds (user + system, all threads) and whether its main thread is
+    runnable now; (0, False) once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return 0.0, False
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), fields[0] == "R"
 
 
 def usable_cores() -> frozenset[int]:
@@ -90,6 +116,14 @@ def free_cores(before: CpuSample, after: CpuSample, num_cores: int) -> float:
     return min(float(num_cores), max(0.0, num_cores - others / wall))
 
 
+def free_now(sample: CpuSample, num_cores: int) -> float | None:
+    """Cores left by the threads runnable at the sample's instant, the reader aside (0..num_cores);
+    None where the sample has no such count."""
+    if sample.running is None:
+        return None
+    return min(float(num_cores), max(0.0, num_cores - (sample.running - 1)))
+
+
 def threads_for(free: float, max_threads: int) -> int:
     """Threads to run beside other processes: the free cores, rounded, at least one.
 
@@ -103,16 +137,19 @@ class CpuThreads:
     processes named in `read_sample`'s `also_own`, such as the daemon's front, count as its own).
 
     `tick()` may change the calling thread's torch thread count; it returns the count in use.
-    It measures every `interval_s`, and `FRESH_S` after a window that spanned an idle wait.
-    Between measurements a tick reads only `clock`: a sample reads /proc/stat and the front's
-    /proc/PID/stat (40-70 µs on an idle machine, more on a busy one), too much for every round.
-    `sample`, `clock` and `set_threads` are injectable for tests.
+    It measures every `interval_s`; after an idle wait it counts the runnable threads at once
+    and measures again `FRESH_S` later. Between measurements a tick reads only `clock` and
+    `own_cpu` (about a microsecond): a sample reads /proc/stat and the front's /proc/PID/stat
+    (40-70 µs on an idle machine, more on a busy one), too much for every round.
+    `sample`, `clock`, `own_cpu`, `sleep` and `set_threads` are injectable for tests.
     """
 
     def __init__(self, max_threads: int, *, interval_s: float = DEFAULT_INTERVAL_S,
                  num_cores: int | None = None,
                  sample: Callable[[], CpuSample | None] = read_sample,
                  clock: Callable[[], float] = time.monotonic,
+                 own_cpu: Callable[[], float] = own_cpu_s,
+                 sleep: Callable[[float], None] = time.sleep,
                  set_threads: Callable[[int], None] | None = None) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads {max_threads}: needs at least 1")
@@ -121,9 +158,13 @@ class CpuThreads:
         self.num_cores = num_cores or len(usable_cores())
         self._sample = sample
         self._clock = clock
+        self._own_cpu = own_cpu
+        self._sleep = sleep
         self._set_threads = set_threads or _torch_set_threads
         self._last = sample()
-        self._due = clock() + interval_s  # the next measurement
+        self._tick_at = clock()  # the last tick's clock and own CPU: a wait between two shows there
+        self._tick_cpu = own_cpu()
+        self._due = self._tick_at + interval_s  # the next measurement
         self.threads = max_threads
         self._applied: int | None = None
 
@@ -135,17 +176,39 @@ class CpuThreads:
 
         return cls(max_threads=torch.get_num_threads(), sample=lambda: read_sample(also_own=also_own))
 
+    def _count_now(self, now: CpuSample) -> int:
+        """The count the threads runnable at `now` leave room for. A thread runnable at one
+        instant may be a client that has just sent this very request: where others are
+        runnable, they are counted again `RECHECK_S` later, and only those runnable both times
+        (a build's) take a core."""
+        free = free_now(now, self.num_cores)
+        if free is None:
+            return 1
+        if free < self.num_cores:
+            self._sleep(RECHECK_S)
+            again = self._sample()
+            if again is not None and again.running is not None:
+                free = max(free, free_now(again, self.num_cores) or 0.0)
+        return threads_for(free, self.max_threads)
+
     def tick(self) -> int:
-        """Re-measure when `interval_s` has passed; apply the count if it changed."""
-        if self._clock() >= self._due:
+        """Re-measure when `interval_s` has passed, or at once after an idle wait; apply the
+        count if it changed."""
+        clock, cpu = self._clock(), self._own_cpu()
+        gap, used = clock - self._tick_at, cpu - self._tick_cpu
+        self._tick_at, self._tick_cpu = clock, cpu
+        resumed = gap > FRESH_S and used < 0.5 * gap  # this process waited since the round before
+        if resumed or clock >= self._due:
             now = self._sample()
             wait = self.interval_s
             if now is not None and self._last is not None:
                 self.threads = threads_for(free_cores(self._last, now, self.num_cores), self.max_threads)
-                if now.wall_s - self._last.wall_s > 1.5 * self.interval_s:
-                    wait = min(FRESH_S, self.interval_s)  # a stale window: look again soon
+                if resumed:  # others' past gave the window's count; the present may give more
+                    self.threads = max(self.threads, self._count_now(now))
+            if resumed:
+                wait = min(FRESH_S, self.interval_s)  # the window from here holds the present
             self._last = now
-            self._due = self._clock() + wait
+            self._due = clock + wait
         threads = self.threads
         if threads != self._applied:
             self._set_threads(threads)

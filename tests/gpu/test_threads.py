@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from prefixd.gpu import cpu_kernels
-from prefixd.gpu.threads import FRESH_S, CpuSample, CpuThreads, free_cores, read_sample, threads_for
+from prefixd.gpu.threads import (FRESH_S, RECHECK_S, CpuSample, CpuThreads, free_cores, free_now, read_sample,
+                                 threads_for)
 from tests.gpu.runner_helpers import DEVICE, lane_pages, make_runner, prompt, run_chunks
 
 
@@ -24,43 +25,84 @@ def test_threads_for_rounds_free_cores_within_one_and_max(free, threads):
     assert threads_for(free, 4 if free > 2 else 2) == threads
 
 
+class Machine:
+    """A two-core machine the policy reads: a clock, this process's CPU seconds, the busy
+    seconds over the cores, and the threads runnable at each sample (this one included)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.own = 0.0
+        self.busy = 0.0
+        self.running = [1]  # consumed one per sample; the last one repeats
+        self.samples = 0
+        self.slept: list[float] = []
+
+    def run(self, seconds: float, *, own_cores: float, other_cores: float) -> None:
+        self.now += seconds
+        self.own += seconds * own_cores
+        self.busy += seconds * (own_cores + other_cores)
+
+    def sample(self) -> CpuSample:
+        self.samples += 1
+        running = self.running.pop(0) if len(self.running) > 1 else self.running[0]
+        return CpuSample(busy_s=self.busy, own_s=self.own, wall_s=self.now, running=running)
+
+    def policy(self, applied: list[int]) -> CpuThreads:
+        return CpuThreads(2, interval_s=1.0, num_cores=2, sample=self.sample, clock=lambda: self.now,
+                          own_cpu=lambda: self.own, sleep=self.slept.append, set_threads=applied.append)
+
+
 def test_tick_applies_a_count_once_and_remeasures_after_the_interval():
-    samples = iter([CpuSample(0.0, 0.0, 0.0),  # at construction
-                    CpuSample(2.0, 0.0, 1.0),  # others busy 2 s of 1 s wall on 2 cores: none free
-                    CpuSample(2.0, 0.0, 2.0)])  # an idle second: both free
-    taken: list[CpuSample] = []
-
-    def sample() -> CpuSample:
-        taken.append(next(samples))
-        return taken[-1]
-
-    # the clock at construction, then at each tick (and again after a measurement, for the next)
-    clock = iter([0.0, 0.5, 1.0, 1.0, 1.5, 2.0, 2.0])
-    applied: list[int] = []
-    policy = CpuThreads(2, interval_s=1.0, num_cores=2, sample=sample, clock=lambda: next(clock),
-                        set_threads=applied.append)
-    assert [policy.tick() for _ in range(4)] == [2, 1, 1, 2]
+    m, applied = Machine(), []
+    policy = m.policy(applied)
+    counts = []
+    for own, other in [(2.0, 0.0), (2.0, 0.0), (1.0, 2.0), (1.0, 2.0), (2.0, 0.0), (2.0, 0.0)]:
+        m.run(0.5, own_cores=own, other_cores=other)  # rounds back to back, half a second apart
+        counts.append(policy.tick())
+    # the second measurement (at 2 s) sees others' two busy cores; the third (at 3 s) an idle machine
+    assert counts == [2, 2, 2, 1, 1, 2]
     assert applied == [2, 1, 2]
-    assert len(taken) == 3  # a tick before the interval reads the clock, not /proc
+    assert m.samples == 1 + 3  # construction, then one a second: a tick between reads no /proc
 
 
-def test_after_an_idle_wait_the_policy_looks_again_within_fresh_s():
-    """A window that spans an idle wait holds others' past: its count holds only until a
-    measurement FRESH_S later, not a whole interval later."""
-    samples = iter([CpuSample(0.0, 0.0, 0.0),  # at construction
-                    CpuSample(20.0, 0.0, 10.0),  # 10 s idle while others kept both cores busy
-                    CpuSample(20.2, 0.2, 10.1)])  # then only this process: both free
-    clock = iter([0.0,  # construction
-                  10.0, 10.0,  # a tick that measures (and the clock for the next)
-                  10.05,  # before FRESH_S: no measurement
-                  10.1, 10.1,  # at FRESH_S: measures again
-                  10.5])  # a normal interval from here: none yet
-    applied: list[int] = []
-    policy = CpuThreads(2, interval_s=1.0, num_cores=2, sample=lambda: next(samples), clock=lambda: next(clock),
-                        set_threads=applied.append)
-    assert FRESH_S == 0.1
-    assert [policy.tick() for _ in range(4)] == [1, 1, 2, 2]
-    assert applied == [1, 2]
+@pytest.mark.parametrize(("wait_s", "running", "threads"), [
+    (1.2, [1], 2),  # a wait under 1.5 intervals counts too; nothing else runnable now: both cores
+    (10.0, [1], 2),
+    (10.0, [3, 1], 2),  # the client that sent the request was runnable, then blocked
+    (10.0, [3, 3], 1),  # a build still runs: the window's count holds
+])
+def test_after_an_idle_wait_the_count_follows_the_present(wait_s, running, threads):
+    """Others kept both cores busy while the engine waited idle. The first round after the
+    wait takes its count from what is runnable now (counted twice, RECHECK_S apart, where
+    others are), and the next measurement comes FRESH_S later, over the present alone."""
+    m, applied = Machine(), []
+    policy = m.policy(applied)
+    m.run(0.5, own_cores=2.0, other_cores=0.0)
+    assert policy.tick() == 2
+    m.run(wait_s, own_cores=0.0, other_cores=2.0)  # the wait (the round before it was short)
+    m.running = list(running)
+    assert policy.tick() == threads
+    assert m.slept == ([] if running[0] == 1 else [RECHECK_S])
+    m.run(FRESH_S / 2, own_cores=1.0, other_cores=0.0)
+    m.running = [1]
+    samples = m.samples
+    assert policy.tick() == threads and m.samples == samples  # not yet
+    m.run(FRESH_S / 2, own_cores=1.0, other_cores=0.0)
+    assert policy.tick() == 2  # measured over the present: others idle
+    assert applied == ([2] if threads == 2 else [2, 1, 2])
+
+
+def test_a_long_round_is_not_an_idle_wait():
+    """A prefill round of several seconds leaves a long gap between ticks with this process
+    busy throughout: the window is the present, measured on the interval, no recount."""
+    m, applied = Machine(), []
+    policy = m.policy(applied)
+    m.run(3.0, own_cores=1.0, other_cores=1.0)  # one long round beside one busy core
+    m.running = [1]  # whatever runs at this instant, the window decides
+    assert policy.tick() == 1
+    assert m.slept == []
+    m.run(0.5, own_cores=1.0, other_cores=0.0)
+    assert policy.tick() == 1  # the next measurement is a whole interval away
 
 
 def test_read_sample_reads_this_machine():
@@ -68,6 +110,15 @@ def test_read_sample_reads_this_machine():
     if sample is None:
         pytest.skip("no /proc/stat here")
     assert sample.busy_s > 0 and sample.own_s > 0
+    assert sample.running is not None and sample.running >= 1  # this thread, reading
+
+
+def test_free_now_leaves_the_reader_out():
+    sample = CpuSample(busy_s=0.0, own_s=0.0, wall_s=0.0, running=1)
+    assert free_now(sample, 2) == 2.0
+    assert free_now(CpuSample(0.0, 0.0, 0.0, running=2), 2) == 1.0
+    assert free_now(CpuSample(0.0, 0.0, 0.0, running=9), 2) == 0.0
+    assert free_now(CpuSample(0.0, 0.0, 0.0), 2) is None
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="torch CPU thread counts")
