@@ -98,6 +98,7 @@ class FramedStream:
         self.off_loop_bytes = off_loop_bytes
         self.reserved_bytes = 0  # taken from `budget` for the frame in progress
         self.peak_buffered_bytes = 0
+        self._sock: socket.socket | None = stream.extra(SocketAttribute.raw_socket, None)
         self._frame_started_s = math.inf
         self._decoder = FrameDecoder(self.limits)
         self._frames: deque[Frame] = deque()
@@ -148,18 +149,41 @@ class FramedStream:
     async def _write(self, data: bytes, fds: list[int] | None = None) -> None:
         if not data:
             return
-        async with self._send_lock:
-            if self._broken:
-                raise anyio.BrokenResourceError("an earlier send failed part-way")
-            try:
-                with anyio.fail_after(self.send_timeout_s):
-                    if fds:
-                        await self.stream.send_fds(data, fds)
-                    else:
-                        await self.stream.send(data)
-            except BaseException:
-                self._broken = True  # part of the frame may be on the wire
-                raise
+        view, partial = memoryview(data), False
+        if not fds and not self._broken and not self._send_lock.locked():
+            # No send in flight: one send() now, as a read tries recvmsg before it waits. A
+            # token frame fits the socket's buffer, so it costs no trip through the event loop.
+            sent = self._send_now(view)
+            if sent == len(view):
+                return
+            view, partial = view[sent:], sent > 0
+        try:
+            async with self._send_lock:
+                if self._broken:
+                    raise anyio.BrokenResourceError("an earlier send failed part-way")
+                try:
+                    with anyio.fail_after(self.send_timeout_s):
+                        if fds:
+                            await self.stream.send_fds(view, fds)
+                        else:
+                            await self.stream.send(view)
+                except BaseException:
+                    self._broken = True  # part of the frame may be on the wire
+                    raise
+        except BaseException:
+            if partial:  # the frame's first bytes went out at once
+                self._broken = True
+            raise
+
+    def _send_now(self, view: memoryview) -> int:
+        """Bytes of `view` the socket takes at once (0 where it takes none, or fails: the
+        awaited send that follows then raises as anyio does)."""
+        if self._sock is None:
+            return 0
+        try:
+            return self._sock.send(view)
+        except OSError:
+            return 0
 
     async def receive(self) -> dict[str, Any]:
         """The next map, its memfd fields resolved (int32 as list[int], else bytes). Raises anyio.EndOfStream at a clean end, ProtocolError for bad input:

@@ -29,6 +29,9 @@ class RecordingStream:
     async def send_fds(self, data: bytes, fds: list[int]) -> None:
         self.writes.append((bytes(data), len(fds)))
 
+    def extra(self, attribute: object, default: object = None) -> object:
+        return default  # no raw socket: every write goes through send()
+
 
 async def test_maps_without_descriptors_go_out_in_one_write_in_order():
     stream = RecordingStream()
@@ -55,6 +58,106 @@ async def test_a_map_that_does_not_fit_is_not_sent_but_the_ones_before_it_are():
         await framed.send_many([{"type": "ok", "id": 1}, {"type": "text", "id": 2, "text": "x" * 8192},
                                 {"type": "ok", "id": 3}])
     assert stream.writes == [(encode_frame({"type": "ok", "id": 1}, framed.limits), 0)]
+
+
+class CountingSocketStream:
+    """A socketpair end as FramedStream sees it, counting the writes that go through the
+    stream's awaited send (the event loop) rather than straight to the socket."""
+
+    def __init__(self, stream: UNIXSocketStream) -> None:
+        self.stream = stream
+        self.awaited = 0
+
+    async def send(self, data: bytes) -> None:
+        self.awaited += 1
+        await self.stream.send(data)
+
+    async def send_fds(self, data: bytes, fds: list[int]) -> None:
+        self.awaited += 1
+        await self.stream.send_fds(data, fds)
+
+    def extra(self, attribute: object, default: object = None) -> object:
+        return self.stream.extra(attribute, default)
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    chunks = []
+    while chunk := sock.recv(1 << 16):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def test_a_write_the_socket_takes_at_once_skips_the_event_loop():
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    counting = CountingSocketStream(await UNIXSocketStream.from_socket(ours))
+    framed = FramedStream(counting)  # type: ignore[arg-type]
+    msgs = [{"type": "token", "id": i, "ids": [i]} for i in range(20)]
+    for msg in msgs:
+        await framed.send(msg)
+    assert counting.awaited == 0
+    await counting.stream.aclose()
+    received = [f.msg for f in FrameDecoder(framed.limits).feed_fds(_read_all(theirs), [])]
+    theirs.close()
+    assert received == msgs
+
+
+async def _drain(theirs: socket.socket, into: list[bytes]) -> None:
+    into.append(await anyio.to_thread.run_sync(_read_all, theirs))
+
+
+def _small_buffer_pair() -> tuple[socket.socket, socket.socket]:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    return ours, theirs
+
+
+BIG = {"type": "text", "id": 1, "text": "x" * 100_000}  # many times a small socket buffer
+
+
+async def test_a_write_the_socket_takes_in_part_ends_through_the_loop_in_order():
+    """A frame larger than the socket's buffer: its first bytes go out at once, the rest
+    through the awaited send while the peer reads; the peer gets every frame whole, in order."""
+    ours, theirs = _small_buffer_pair()
+    counting = CountingSocketStream(await UNIXSocketStream.from_socket(ours))
+    framed = FramedStream(counting, memfd_payloads=False)  # type: ignore[arg-type]
+    got: list[bytes] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_drain, theirs, got)
+        try:
+            await framed.send(BIG)
+            await framed.send({"type": "ok", "id": 2})
+        finally:
+            await counting.stream.aclose()  # the reader's end of stream
+    theirs.close()
+    assert counting.awaited == 1  # the big frame's rest; the small one went at once
+    assert [f.msg for f in FrameDecoder(framed.limits).feed_fds(got[0], [])] == [BIG, {"type": "ok", "id": 2}]
+
+
+async def test_a_send_cancelled_waiting_for_its_turn_leaves_the_stream_whole():
+    """Nothing of a send cancelled while another is in flight is on the wire: the stream stays
+    usable (only a send cut part-way breaks it)."""
+    ours, theirs = _small_buffer_pair()
+    framed = FramedStream(await UNIXSocketStream.from_socket(ours), memfd_payloads=False)
+    sent_big = anyio.Event()
+    got: list[bytes] = []
+
+    async def send_big() -> None:
+        await framed.send(BIG)
+        sent_big.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(send_big)
+        await anyio.wait_all_tasks_blocked()  # the big frame fills the buffer and waits
+        with anyio.move_on_after(0.05):
+            await framed.send({"type": "ok", "id": 2})  # waits for the big one's turn: cancelled
+        tg.start_soon(_drain, theirs, got)
+        try:
+            await sent_big.wait()
+            await framed.send({"type": "ok", "id": 3})
+        finally:
+            await framed.stream.aclose()  # the reader's end of stream
+    theirs.close()
+    assert [f.msg for f in FrameDecoder(framed.limits).feed_fds(got[0], [])] == [BIG, {"type": "ok", "id": 3}]
 
 
 class ThreadHops:
