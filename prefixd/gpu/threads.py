@@ -203,7 +203,7 @@ class CpuThreads:
             wait = self.interval_s
             if now is not None and self._last is not None:
                 self.threads = threads_for(free_cores(self._last, now, self.num_cores), self.max_threads)
-                if resumed:  # others' past gave the window's count; the present may give more
+                if resumed and self.threads < self.max_threads:  # others' past gave it; the present may give more
                     self.threads = max(self.threads, self._count_now(now))
             if resumed:
                 wait = min(FRESH_S, self.interval_s)  # the window from here holds the present

@@ -92,6 +92,20 @@ def test_after_an_idle_wait_the_count_follows_the_present(wait_s, running, threa
     assert applied == ([2] if threads == 2 else [2, 1, 2])
 
 
+def test_after_a_quiet_wait_nothing_is_counted_again():
+    """Where the window already leaves every core free, the runnable threads cannot raise
+    the count: the first round after the wait neither reads them twice nor sleeps."""
+    m, applied = Machine(), []
+    policy = m.policy(applied)
+    m.run(0.5, own_cores=2.0, other_cores=0.0)
+    assert policy.tick() == 2
+    m.run(5.0, own_cores=0.0, other_cores=0.0)
+    m.running = [3]  # momentarily runnable others (a client sending, say)
+    samples = m.samples
+    assert policy.tick() == 2
+    assert m.slept == [] and m.samples == samples + 1
+
+
 def test_a_long_round_is_not_an_idle_wait():
     """A prefill round of several seconds leaves a long gap between ticks with this process
     busy throughout: the window is the present, measured on the interval, no recount."""
