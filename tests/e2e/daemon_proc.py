@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -22,6 +23,21 @@ from tests.helpers.device import TEST_DEVICE
 ROOT = Path(__file__).resolve().parents[2]
 PREFIXD = [sys.executable, "-m", "prefixd.daemon.cli"]
 LIVENESS_S = 300  # bounds on waiting for a process, never asserted
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct TCP ports on 127.0.0.1 that were free just now: every socket is bound
+    before any is closed, so two calls' worth of ports cannot coincide within one test (a port
+    just released may be handed out again, and a daemon's HTTP front once met its own KV-event
+    publisher on one). Another program may still take one before the daemon binds it."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def process_env() -> dict[str, str]:

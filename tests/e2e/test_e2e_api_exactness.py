@@ -5,7 +5,6 @@ beside seven other streams, or runs with drafting off (the daemon drafts with n-
 
 from __future__ import annotations
 
-import socket
 import threading
 from typing import Any, Callable
 
@@ -13,7 +12,7 @@ import httpx
 import pytest
 
 from prefixd.ipc.sync_client import SyncClient
-from tests.e2e.daemon_proc import serving
+from tests.e2e.daemon_proc import free_ports, serving
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +25,9 @@ DRAFT_TRIES = 8  # reference generates until one drafts (see the first test)
 EXTENSION = {"logits": True}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def daemon(default_model, tmp_path_factory):
-    port = free_port()
+    [port] = free_ports(1)
     for d in serving(default_model, tmp_path_factory.mktemp("d_apis"), "--lanes", "8", "--max-context", "1024",
                      "--cache-budget", "256M", "--disk-cache", "", "--draft", "ngram", "--http", f"127.0.0.1:{port}"):
         yield d, f"http://127.0.0.1:{port}"

@@ -5,28 +5,21 @@ gives the same call and logprobs through HTTP as through the socket."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 
 from prefixd.ipc.sync_client import SyncClient
-from tests.e2e.daemon_proc import serving
+from tests.e2e.daemon_proc import free_ports, serving
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def http_daemon(default_model, tmp_path_factory):
-    port = free_port()
+    [port] = free_ports(1)
     for daemon in serving(default_model, tmp_path_factory.mktemp("d_http"), "--lanes", "2", "--max-context", "1024",
                           "--cache-budget", "256M", "--http", f"127.0.0.1:{port}"):
         yield daemon, f"http://127.0.0.1:{port}/v1"

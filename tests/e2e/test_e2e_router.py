@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -20,18 +19,12 @@ from typing import Any, Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.daemon_proc import LIVENESS_S, serving
+from tests.e2e.daemon_proc import LIVENESS_S, free_ports, serving
 
 SMG = shutil.which("smg")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(SMG is None, reason="smg is not installed (pip install smg)")]
 TURNS = 4
 FOLLOW_UPS = ["Go on.", "And then?", "Say more.", "Why?"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str) -> Any:
@@ -57,9 +50,9 @@ def num_requests(base: str) -> float:
 def smg_router(workdir: Path, worker_urls: list[str], policy: str) -> Iterator[str]:
     """`smg launch` on loopback over `worker_urls`; yields its base URL once every worker is ready.
     The warm-up slice is off: it sends cache hits to an empty worker on purpose."""
-    port = free_port()
+    port, metrics_port = free_ports(2)
     args = [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
-            "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
             "--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0", "--log-level", "info"]
     with (workdir / "smg.log").open("wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
@@ -87,7 +80,7 @@ def _all_ready(base: str, count: int) -> bool:
 @pytest.fixture(scope="module")
 def http_daemons(tiny_llama_dir, tmp_path_factory):
     """Three daemons on the tiny llama: two behind the router, one alone (the reference)."""
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     gens = [serving(tiny_llama_dir, tmp_path_factory.mktemp(f"d_router{i}"), "--lanes", "2", "--max-context", "1024",
                     "--cache-budget", "64M", "--dtype", "fp32", "--http", f"127.0.0.1:{port}")
             for i, port in enumerate(ports)]
@@ -170,10 +163,10 @@ VLLM_ROUTER = shutil.which("vllm-router")
 def test_vllm_router_power_of_two_reads_each_daemons_load(http_daemons, tmp_path):
     _, urls = http_daemons
     routed = urls[:2]
-    port = free_port()
+    port, metrics_port = free_ports(2)
     args = [VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *routed,
             "--policy", "power_of_two", "--worker-startup-check-interval", "1",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
     with (tmp_path / "vllm-router.log").open("wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

@@ -20,8 +20,8 @@ from typing import Any, Iterator
 import pytest
 
 from prefixd.ipc.sync_client import SyncClient
-from tests.e2e.daemon_proc import LIVENESS_S, DaemonProcess, serving
-from tests.e2e.test_e2e_router import FOLLOW_UPS, conversation_starts, free_port, get_json, num_requests, post_json
+from tests.e2e.daemon_proc import LIVENESS_S, DaemonProcess, free_ports, serving
+from tests.e2e.test_e2e_router import FOLLOW_UPS, conversation_starts, get_json, num_requests, post_json
 
 pytest.importorskip("zmq")
 VLLM_ROUTER = shutil.which("vllm-router")
@@ -34,8 +34,8 @@ PAGE = 16  # --page-size's default: the events' block size
 @pytest.fixture(scope="module")
 def kv_daemons(tiny_llama_dir, tmp_path_factory):
     """Two daemons publishing KV events (map layout, with replay) and one alone without them."""
-    http = [free_port() for _ in range(3)]
-    pub, replay = [free_port() for _ in range(2)], [free_port() for _ in range(2)]
+    ports = free_ports(7)  # distinct: three HTTP fronts, two publishers, two replay sockets
+    http, pub, replay = ports[:3], ports[3:5], ports[5:]
     events = [["--kv-events", f"tcp://127.0.0.1:{pub[i]}?layout=map", "--kv-events-replay",
                f"tcp://127.0.0.1:{replay[i]}"] for i in range(2)] + [[]]
     gens = [serving(tiny_llama_dir, tmp_path_factory.mktemp(f"d_kv{i}"), "--lanes", "2", "--max-context", "1024",
@@ -60,14 +60,14 @@ def kv_router(workdir: Path, daemons: list[DaemonProcess], urls: list[str], pub:
     as 0.1.17 subscribes only to those; yields its base URL once it lists both workers and has
     applied a batch from each daemon (its subscriptions are live: a PUB drops what it sends
     before a subscription arrives)."""
-    port = free_port()
+    port, metrics_port = free_ports(2)
     sources = [a for i, url in enumerate(urls) for a in (
         "--kv-event-source", f"{url}=tcp://127.0.0.1:{pub[i]}",
         "--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{replay[i]}")]
     args = [VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", "kv_aware",
             *sources, "--kv-event-block-size", str(PAGE), "--kv-event-model", "llama",
             "--worker-startup-check-interval", "1", "--prometheus-host", "127.0.0.1",
-            "--prometheus-port", str(free_port()), "--log-level", "debug"]
+            "--prometheus-port", str(metrics_port), "--log-level", "debug"]
     log_path = workdir / "vllm-router.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
