@@ -50,7 +50,8 @@ def read_sample(stat_path: Path = Path("/proc/stat"), cores: frozenset[int] | No
                 also_own: tuple[int, ...] = ()) -> CpuSample | None:
     """Now's cumulative busy seconds over `cores` (default: this process's affinity) and its
     own CPU seconds, with those of the processes `also_own` (the daemon's front process: its
-    work is the daemon's own, not another program's); None where /proc/stat cannot be read."""
+    work is the daemon's own, not another program's), and the threads runnable at this instant
+    less the front's main thread where it is one of them; None where /proc/stat cannot be read."""
     cores = usable_cores() if cores is None else cores
     try:
         lines = stat_path.read_text().splitlines()
@@ -187,8 +188,9 @@ class CpuThreads:
         if free < self.num_cores:
             self._sleep(RECHECK_S)
             again = self._sample()
-            if again is not None and again.running is not None:
-                free = max(free, free_now(again, self.num_cores) or 0.0)
+            later = free_now(again, self.num_cores) if again is not None else None
+            if later is not None:
+                free = max(free, later)
         return threads_for(free, self.max_threads)
 
     def tick(self) -> int:
