@@ -668,7 +668,7 @@ PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk,
         const int64_t ahead = tb + (PREFETCH_BLOCKS + b) * LANES;
         if (ahead >= keys) break;
         const char* kp = reinterpret_cast<const char*>(key_pair(a, table, ahead, kv0, 0));
-        for (int64_t l = 0; l < kvn * half; ++l) _mm_prefetch(kp + 64 * l, _MM_HINT_T0);
+        for (int64_t l = 0; l < kvn * half; ++l) prefixd_cpu::prefetch_l2(kp + 64 * l);
       }
     } else {
       for (int64_t k = 0; k < LANES; ++k)
@@ -713,7 +713,7 @@ PREFIXD_AVX512 void chunk_avx512(const Attn& a, const Task& task, int64_t chunk,
       const int64_t n = std::min<int64_t>(LANES, keys - ahead);
       for (int64_t k = 0; k < n; ++k) {
         const char* vp = reinterpret_cast<const char*>(value_row(a, table, ahead + k, kv0));
-        for (int64_t l = 0; l < kvn * d * 2; l += 64) _mm_prefetch(vp + l, _MM_HINT_T0);
+        for (int64_t l = 0; l < kvn * d * 2; l += 64) prefixd_cpu::prefetch_l2(vp + l);
       }
     }
     for (int64_t k = 0; k < live; ++k) {
@@ -1066,12 +1066,12 @@ PREFIXD_AVX512_VNNI_BF16 void chunk_q8_vnni(const Attn& a, const Task& task, int
         const int64_t ahead = tb + (PREFETCH_BLOCKS + b) * LANES;
         if (ahead >= keys) break;
         const char* kp = reinterpret_cast<const char*>(key_quad(a, table, ahead, kv0, 0));
-        for (int64_t l = 0; l < kvn * QUADS; ++l) _mm_prefetch(kp + l * stride, _MM_HINT_T0);
+        for (int64_t l = 0; l < kvn * QUADS; ++l) prefixd_cpu::prefetch_l2(kp + l * stride);
         const char* ks = reinterpret_cast<const char*>(scale8(a.k8, a, table, ahead, kv0, 0));
         const char* vs = reinterpret_cast<const char*>(scale8(a.v8, a, table, ahead, kv0, 0));
         for (int64_t l = 0; l < kvn * NQ; ++l) {
-          _mm_prefetch(ks + l * sstride * 4, _MM_HINT_T0);
-          _mm_prefetch(vs + l * sstride * 4, _MM_HINT_T0);
+          prefixd_cpu::prefetch_l2(ks + l * sstride * 4);
+          prefixd_cpu::prefetch_l2(vs + l * sstride * 4);
         }
       }
     } else {
@@ -1161,7 +1161,7 @@ PREFIXD_AVX512_VNNI_BF16 void chunk_q8_vnni(const Attn& a, const Task& task, int
       const int64_t n = std::min<int64_t>(LANES, keys - ahead);
       for (int64_t k = 0; k < n; ++k) {
         const char* vp = reinterpret_cast<const char*>(value_row8(a, table, ahead + k, kv0));
-        for (int64_t l = 0; l < kvn * D; l += 64) _mm_prefetch(vp + l, _MM_HINT_T0);
+        for (int64_t l = 0; l < kvn * D; l += 64) prefixd_cpu::prefetch_l2(vp + l);
       }
     }
     const int8_t* vrows[LANES];  // each key's codes of the task's kv heads

@@ -37,6 +37,17 @@ inline float fp16_to_float(uint16_t h) {  // exact, subnormals included (every f
 }
 
 #ifdef PREFIXD_X86
+// Every software prefetch of the kernels (weights ahead in int4_mm.cpp, K/V lines ahead in
+// attention.cpp): a hint into the second-level cache, not the first. A first-level prefetch
+// holds one of the core's few first-level miss slots until its line arrives; streaming from
+// memory, the kernels issued them faster than lines came back and stalled on the prefetch
+// itself (perf: a fifth of a 4K decode row's attention chunk on the instruction after it).
+// The second level tracks more misses at once, and a line there is a few cycles from the
+// load that takes it. Measured on the EPYC, alternating in one session: a decode row's
+// attention streamed at 4K keys 138-156 -> 108-117 µs, decode 1 lane @ 4K 101-103 -> 117-133
+// tok/s (docs/runtime.md, *Prefetch into the second-level cache*). A hint: no arithmetic changes.
+inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+
 // 16 bf16 widened to fp32, exactly (each value's bits shifted into the high half of its lane).
 __attribute__((target("avx512f"))) inline __m512 load_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));

@@ -237,9 +237,9 @@ PREFIXD_VNNI inline void tile_vnni_rows(const Call& c, int64_t m0, int64_t nb, f
       const char* next_q = reinterpret_cast<const char*>(q + groups * GB);
       const char* next_s = reinterpret_cast<const char*>(sz + groups * 2 * BLOCK_N);
 #pragma GCC unroll 16
-      for (int l = 0; l < GB / 64; ++l) _mm_prefetch(next_q + 64 * l, _MM_HINT_T0);
-      _mm_prefetch(next_s, _MM_HINT_T0);
-      _mm_prefetch(next_s + 64, _MM_HINT_T0);
+      for (int l = 0; l < GB / 64; ++l) prefixd_cpu::prefetch_l2(next_q + 64 * l);
+      prefixd_cpu::prefetch_l2(next_s);
+      prefixd_cpu::prefetch_l2(next_s + 64);
     }
     __m512i dot[R][2];
 #pragma GCC unroll 8
