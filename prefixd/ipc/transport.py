@@ -245,16 +245,23 @@ class FramedStream:
             self.reserved_bytes = keep_bytes
 
     async def _receive_chunk(self) -> tuple[bytes, list[int]]:
-        with anyio.move_on_after(self._remaining_s()):
-            try:
-                return await _recv_with_fds(self.stream, self.limits)
-            except anyio.EndOfStream:
-                if self._decoder.buffered_bytes:
-                    raise ProtocolError(ErrorCode.BAD_FRAME, "connection closed mid-frame") from None
-                raise
+        remaining = self._remaining_s()
+        if remaining == math.inf:  # no frame in progress has a deadline: no cancel scope a read
+            return await self._recv()
+        with anyio.move_on_after(remaining):
+            return await self._recv()
         raise ProtocolError(
             ErrorCode.FRAME_TIMEOUT, f"a frame was not completed within {self.frame_deadline_s:g} s of its first byte"
         )
+
+    async def _recv(self) -> tuple[bytes, list[int]]:
+        sock = self._sock if self._sock is not None else self.stream.extra(SocketAttribute.raw_socket)
+        try:
+            return await _recv_with_fds(sock, self.limits)
+        except anyio.EndOfStream:
+            if self._decoder.buffered_bytes:
+                raise ProtocolError(ErrorCode.BAD_FRAME, "connection closed mid-frame") from None
+            raise
 
     async def aclose(self) -> None:
         """Close the socket and every received descriptor not handed out."""
@@ -274,10 +281,9 @@ class FramedStream:
         await self.aclose()
 
 
-async def _recv_with_fds(stream: UNIXSocketStream, limits: Limits) -> tuple[bytes, list[int]]:
+async def _recv_with_fds(sock: socket.socket, limits: Limits) -> tuple[bytes, list[int]]:
     """One recvmsg with room for every descriptor a sender can attach, so that a frame
     with too many is seen (and all of them closed) rather than silently cut by the kernel."""
-    sock: socket.socket = stream.extra(SocketAttribute.raw_socket)
     while True:
         try:
             data, ancdata, flags, _ = sock.recvmsg(RECV_BYTES, _ANCILLARY_BYTES)
