@@ -26,7 +26,8 @@ It prints one table: requests served, errors by code, honest p50/p99 TTFT with a
 hostile clients and their ratio, whether honest outputs are bit-equal to the reference,
 honest failures, RSS before/peak/after, fds and pages before and after, and the CPU the
 daemon used per second of each phase (the front process's event-loop thread, the engine
-process with all its threads, and the front's worker threads). RSS is the front's and its
+process with all its threads, the front's worker threads, and the heavy render worker
+processes, which run at the lowest priority in the moments the engine leaves). RSS is the front's and its
 child processes' together (the engine, and the heavy worker a warm-up render starts before
 the baseline), and so are fds. Every loop is bounded by the deadline and a count; every
 wait by a timeout. It stops by itself.
@@ -150,7 +151,9 @@ async def run_phase(daemon: Daemon, requests: list[dict[str, Any]], seconds: flo
         for c in range(num_honest):
             tg.start_soon(honest_client, daemon.socket, requests, c * 3, deadline, run, reference)
     used = _cpu_used(cpu_before, daemon.thread_cpu_s(), daemon.proc.pid)
-    used["engine"] = daemon.children_cpu_s() - children_before  # the engine process, all its threads
+    children = daemon.children_cpu_s()
+    for role in ("engine", "heavy"):  # the engine process (all its threads); the heavy render workers
+        used[role] = children.get(role, 0.0) - children_before.get(role, 0.0)
     for key, value in used.items():
         run.cpu_s[key] = run.cpu_s.get(key, 0.0) + value
     if hostile is not None:
@@ -271,7 +274,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def _cpu_text(cpu_s: dict[str, float], seconds: float) -> str:
-    return " / ".join(f"{cpu_s.get(k, 0.0) / seconds:.2f}" for k in ("loop", "engine", "other"))
+    return " / ".join(f"{cpu_s.get(k, 0.0) / seconds:.2f}" for k in ("loop", "engine", "other", "heavy"))
 
 
 def report(base: HonestRun, soak: HonestRun, tally: Tally, before: dict, after: dict, peak_rss: int,
@@ -303,8 +306,8 @@ def report(base: HonestRun, soak: HonestRun, tally: Tally, before: dict, after: 
         ("fds before / after", f"{before['fds']} / {after['fds']}"),
         ("pages used before / after", f"{before['pages_used']} / {after['pages_used']}"),
         ("lanes busy / waiting after", f"{after['lanes_busy']} / {after['waiting']}"),
-        ("CPU s per s, front loop / engine process / front workers (baseline)", _cpu_text(base.cpu_s, base_seconds)),
-        ("CPU s per s, front loop / engine process / front workers (soak)", _cpu_text(soak.cpu_s, seconds)),
+        ("CPU s per s, front loop / engine process / front threads / heavy workers (baseline)", _cpu_text(base.cpu_s, base_seconds)),
+        ("CPU s per s, front loop / engine process / front threads / heavy workers (soak)", _cpu_text(soak.cpu_s, seconds)),
         ("hostile clients' own CPU s per s (their process)", f"{tally.cpu_s / seconds:.2f}"),
     ]
     return markdown_table(["measure", "value"], rows)

@@ -93,14 +93,23 @@ class Daemon:
             try:
                 with open(f"/proc/{pid}/status") as f:
                     rss = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmdline = f.read()
             except OSError:
                 continue
-            name = ("front" if pid == self.proc.pid else "engine" if b"prefixd.engine" in cmdline
-                    else "heavy" if b"spawn_main" in cmdline else "other")
+            name = self._role(pid)
             out[name] = out.get(name, 0) + rss
         return out
+
+    def _role(self, pid: int) -> str:
+        """"front", "engine", "heavy" (a heavy render worker) or "other" (the pool's resource
+        tracker, or a process that ended)."""
+        if pid == self.proc.pid:
+            return "front"
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            return "other"
+        return "engine" if b"prefixd.engine" in cmdline else "heavy" if b"spawn_main" in cmdline else "other"
 
     def num_fds(self) -> int:
         total = 0
@@ -121,14 +130,17 @@ class Daemon:
                 out[int(tid)] = stat[1]
         return out
 
-    def children_cpu_s(self) -> float:
-        """CPU seconds (user + system) the daemon's live child processes (the engine process) used."""
-        total = 0.0
+    def children_cpu_s(self) -> dict[str, float]:
+        """CPU seconds (user + system) the daemon's live child processes used, by role (`_role`):
+        the engine process apart from the heavy render workers, which run at the lowest priority
+        and are not the engine's work."""
+        out: dict[str, float] = {}
         for pid in os.listdir("/proc"):
             stat = _read_stat(f"/proc/{pid}/stat") if pid.isdigit() else None
             if stat is not None and stat[0] == self.proc.pid:
-                total += stat[1]
-        return total
+                role = self._role(int(pid))
+                out[role] = out.get(role, 0.0) + stat[1]
+        return out
 
     async def sample_rss(self, deadline: float) -> None:
         """Track the peak RSS until `deadline`."""
