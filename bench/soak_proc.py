@@ -100,8 +100,8 @@ class Daemon:
         return out
 
     def _role(self, pid: int) -> str:
-        """"front", "engine", "heavy" (a heavy render worker) or "other" (the pool's resource
-        tracker, or a process that ended)."""
+        """The process's part in the daemon: "front", "engine", "heavy" (a heavy render worker)
+        or "other" (the pool's resource tracker, or a process that ended)."""
         if pid == self.proc.pid:
             return "front"
         try:
