@@ -29,8 +29,8 @@ daemon used per second of each phase (the front process's event-loop thread, the
 process with all its threads, the front's worker threads, and the heavy render worker
 processes, which run at the lowest priority in the moments the engine leaves). RSS is the
 front's and its child processes' together (the engine, and the heavy worker a warm-up render
-starts before the baseline), and so are fds. Every loop is bounded by the deadline and a count; every
-wait by a timeout. It stops by itself.
+starts before the baseline), and so are fds. Every loop is bounded by the deadline and a
+count; every wait by a timeout. It stops by itself.
 
 With `--trace FILE` it also writes every honest request (phase, start, TTFT) and every
 hostile action (name, start, end) as JSON lines, in time.monotonic() seconds: a run's p99
