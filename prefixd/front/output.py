@@ -64,15 +64,30 @@ class OutputProcessor:
         """The TokenEvent for one round's tokens (None once a stop string matched)."""
         if self._stops.stopped:
             return None
-        # A stop id ends the stream; its text (an end-of-turn marker) is not the reply's.
-        shown = [i for i in event.ids if i not in self._stop_ids]
-        text, _ = self._stops.push(self._decoder.push(shown))
-        self._ids.extend(event.ids)
+        ids, digests, logprobs = event.ids, event.logits_sha256, event.logprobs
+        if self._stops.watching and len(ids) > 1:
+            # One token at a time, up to the one that completes a stop string: the reply's ids
+            # and usage then end there however the engine grouped its tokens (drafted rounds,
+            # the stream interval), as they do when every event holds one token.
+            text = ""
+            for k, token in enumerate(ids):
+                text += self._push((token,))
+                if self._stops.stopped:
+                    ids, digests = ids[: k + 1], None if digests is None else digests[: k + 1]
+                    logprobs = None if logprobs is None else logprobs[: k + 1]
+                    break
+        else:
+            text = self._push(ids)
+        self._ids.extend(ids)
         self._kept_bytes += len(text.encode("utf-8"))
-        self.num_sent_ids += len(event.ids)
+        self.num_sent_ids += len(ids)
         reasoning, content = self._split(text)
-        return self._event(tuple(event.ids), reasoning, self._shown(content), event.logits_sha256,
-                           _wire_logprobs(event.ids, event.logprobs))
+        return self._event(tuple(ids), reasoning, self._shown(content), digests, _wire_logprobs(ids, logprobs))
+
+    def _push(self, ids: tuple[int, ...]) -> str:
+        """The reply text `ids` release past the stop matcher. A stop id ends the stream; its text
+        (an end-of-turn marker) is not the reply's."""
+        return self._stops.push(self._decoder.push([i for i in ids if i not in self._stop_ids]))[0]
 
     @property
     def keep_generated(self) -> int | None:

@@ -71,6 +71,11 @@ class StopMatcher:
         self._held = ""
         self.stopped = False
 
+    @property
+    def watching(self) -> bool:
+        """Whether there is a stop string to match."""
+        return bool(self._stops)
+
     def push(self, text: str) -> tuple[str, bool]:
         """Returns (text to send now, True when a stop string matched)."""
         if self.stopped:

@@ -32,7 +32,31 @@ def test_stop_string_across_rounds_keeps_the_tokens_before_it():
     assert out.stop_hit and out.keep_generated == 2
     final = out.done(_Done("length", 9))
     assert final == [DoneEvent(7, "stop", final[-1].usage)]
-    assert (final[-1].usage.completion_tokens, final[-1].usage.cache) == (5, "miss")  # the ids sent, not 9
+    # the ids sent: "cd", "e", then "f", which completes the stop ("g" is past it); not 9
+    assert (final[-1].usage.completion_tokens, final[-1].usage.cache) == (4, "miss")
+
+
+def test_a_reply_cut_by_a_stop_string_is_the_same_however_its_tokens_were_grouped():
+    """Rounds may deliver several tokens in one event (drafted rounds, the stream interval):
+    the reply's ids, text, digests and usage end at the token that completes the stop."""
+    ids = tuple(TOK.encode("abcdefgh"))
+    digests = tuple(f"{i:064x}" for i in range(len(ids)))
+
+    def run(groups):
+        out, sent, at = processor(stop=("ef",)), [], 0
+        for n in groups:
+            event = out.tokens(StreamTokens(1, ids[at:at + n], digests[at:at + n]))
+            at += n
+            if event is not None:
+                sent.append(event)
+        done = out.done(_Done("length", len(ids)))[-1]
+        return ([i for e in sent for i in e.ids], "".join(e.text for e in sent),
+                [d for e in sent for d in e.logits_sha256], done.usage.completion_tokens, out.keep_generated)
+
+    one_by_one = run([1] * len(ids))
+    assert one_by_one == (list(TOK.encode("abcdef")), "abcd", list(digests[:6]), 6, 4)
+    assert run([len(ids)]) == one_by_one
+    assert run([3, 4, 1]) == one_by_one
 
 
 def test_stop_ids_are_sent_as_ids_but_not_as_text_and_usage_passes_through():
