@@ -16,8 +16,9 @@ It prints one table: decode tok/s in-process and through the daemon, their ratio
 >= 0.97x), whether the generated ids are equal, the rounds per second on each side (the
 daemon's from its round-duration histogram), and the bytes one round message carries over
 the engine link: each in-process round's events and observer calls encoded and framed as
-the engine process sends them (`contract.encode`, `link.pack`), with the link's bytes per
-second at the daemon's round rate. tok/s counts tokens while every lane decodes (prefill
+the engine process sends a round's with `--stream-interval 0` (`contract.encode`,
+`link.pack`; by default it joins a stream's later tokens over several rounds into one
+message), with the link's bytes per second at the daemon's round rate. tok/s counts tokens while every lane decodes (prefill
 left out); rounds/s counts every round from the first submit to the last token.
 
 A second table accounts for the CPU a round takes in each process: the in-process engine

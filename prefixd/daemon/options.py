@@ -228,6 +228,10 @@ OPTIONS: tuple[Option, ...] = (
            "run each round's device call on a thread of its own while the engine takes new requests and seats "
            "them for the next round; auto: on for CUDA, off on the CPU, where the host work is small beside "
            "the round", choices=("auto", "on", "off")),
+    Option("--stream-interval", "stream_interval_s", "PREFIXD_STREAM_INTERVAL", 0.02,
+           "seconds a stream's later tokens may wait in the engine to travel with the next rounds' (the front "
+           "and the client wake once for several rounds); a stream's first token and its end go at once; 0: "
+           "every round's tokens at once", parse=float, metavar="SECONDS", check=at_least(0)),
     Option("--grace", "grace_s", "PREFIXD_GRACE_S", 10.0, "on SIGTERM, seconds in-flight streams get to finish",
            parse=float, metavar="SECONDS", check=at_least(0)),
     # above any honest round (at most a round's row budget) and the first after a load: docs/operations.md,

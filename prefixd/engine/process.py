@@ -1,7 +1,8 @@
 """The engine process: one blocking loop over the engine link, no event loop.
 
     link ──▶ commands (submit, cancel, status, stop) ──▶ applied between rounds
-         ◀── one `round` message a round: its token and done events, its observer calls
+         ◀── `round` messages: token and done events, observer calls (`RoundOutbox`: a
+             stream's later tokens join over up to `--stream-interval`)
 
 `EngineLoop.run` sleeps on the link while the engine is idle and, while it is busy, takes
 whatever commands have arrived before each round, waiting for more only where the engine
@@ -29,6 +30,7 @@ made the socketpair and sends the start spec as the first frame.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -81,13 +83,83 @@ def _plain(value: Any) -> Any:
     return value
 
 
+class RoundOutbox:
+    """What the engine owes the front: each round's events and observer calls, sent together
+    when one is due (`due`), as one `round` message (`take`).
+
+    A stream's first token, every end and every other event goes at once: the first token is
+    the request's time to first token, an end is its reply's. Later tokens may wait up to
+    `interval_s` to travel with the next rounds', each stream's ids joined into one event: the
+    front and the client then wake once for several rounds, not once a round, and a wake after
+    a round costs them far more than the bytes (the round has just flushed their caches).
+    Whether one more round still fits in the interval is judged by the round just run. 0: every
+    round's events go at once."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._events: list[Any] = []
+        self._observed: list[Any] = []
+        self._since = 0.0  # when the oldest entry waiting was added
+        self._urgent = False
+        self._started: set[int] = set()  # streams whose first token has gone
+
+    def add(self, events: list[Any], observed: list[Any], now: float) -> None:
+        from prefixd.scheduler.streams import TokenEvent
+
+        if not self:
+            self._since = now
+        for event in events:
+            if not isinstance(event, TokenEvent):
+                self._started.discard(event.stream_id)
+                self._urgent = True
+                self._events.append(event)
+                continue
+            if event.stream_id not in self._started:
+                self._started.add(event.stream_id)
+                self._urgent = True
+            self._join(event)
+        self._observed.extend(observed)
+
+    def _join(self, event: Any) -> None:
+        """`event` after the stream's waiting tokens: one event holding both's ids."""
+        for i in range(len(self._events) - 1, -1, -1):
+            held = self._events[i]
+            if held.stream_id != event.stream_id:
+                continue
+            if type(held) is type(event) and (held.logits_sha256 is None) == (event.logits_sha256 is None) \
+                    and (held.logprobs is None) == (event.logprobs is None):
+                self._events[i] = dataclasses.replace(
+                    held, ids=held.ids + event.ids,
+                    logits_sha256=None if held.logits_sha256 is None else held.logits_sha256 + event.logits_sha256,
+                    logprobs=None if held.logprobs is None else held.logprobs + event.logprobs)
+                return
+            break
+        self._events.append(event)
+
+    def due(self, now: float, round_s: float) -> bool:
+        """Whether what waits must go now: something urgent, or one more round of `round_s`
+        would take the oldest event past the interval."""
+        if not self._events and not self._observed:
+            return False
+        return self._urgent or (now - self._since) + round_s >= self.interval_s
+
+    def take(self) -> tuple[list[Any], list[Any]]:
+        events, observed = self._events, self._observed
+        self._events, self._observed, self._urgent = [], [], False
+        return events, observed
+
+    def __bool__(self) -> bool:
+        return bool(self._events or self._observed)
+
+
 class EngineLoop:
     """Serves one engine over one link until told to stop or the link closes."""
 
     def __init__(self, link: BlockingLink, runtime: Any, observer: RecordingObserver, *,
                  idle_trim_s: float | None = IDLE_TRIM_S, trim: Callable[[], object] = return_idle_memory,
-                 kv_events: Any = None, pause_s: float = PAUSE_BEFORE_LONG_S) -> None:
+                 kv_events: Any = None, pause_s: float = PAUSE_BEFORE_LONG_S, stream_interval_s: float = 0.0) -> None:
         self.link = link
+        self.outbox = RoundOutbox(stream_interval_s)
         self.pause_s = pause_s
         self.kv_events = kv_events  # engine/kv_events.KvEvents, or None
         self.runtime = runtime
@@ -114,15 +186,20 @@ class EngineLoop:
                         self._trim_idle()
                         continue
                 else:
-                    msgs = self.link.receive(self.pause_s if engine.pause_before_long() else 0) or []
+                    pause = engine.pause_before_long()
+                    if pause:
+                        self._flush()  # nothing waits through a pause
+                    msgs = self.link.receive(self.pause_s if pause else 0) or []
                 if self._idle_trim_s is not None and (not engine.idle or any(m.get("t") != "status" for m in msgs)):
                     self._trim_at = time.monotonic() + self._idle_trim_s
                 deferred = self._apply(msgs, host_only=False)
                 assert not deferred
                 if self._stopping:
+                    self._flush()
                     break
+                started = time.monotonic()
                 events = self._step() if not engine.idle else []
-                self._report(events)
+                self._report(events, time.monotonic() - started)
                 if self.kv_events is not None:
                     self.kv_events.after_round()
                 if self._deferred:  # commands that came while an overlapped round ran
@@ -185,9 +262,9 @@ class EngineLoop:
             self.engine.submit(request)
         except RequestError as e:
             code = e.code if e.code in REFUSAL_CODES else "bad_request"
-            self.link.send(message("refused", id=request.stream_id, code=code, message=e.message))
+            self._send(message("refused", id=request.stream_id, code=code, message=e.message))
         else:
-            self.link.send(message("accepted", id=request.stream_id))
+            self._send(message("accepted", id=request.stream_id))
 
     def _status(self, msg: dict[str, Any]) -> None:
         engine = self.engine
@@ -200,7 +277,7 @@ class EngineLoop:
         device = self.runtime.device_status() if self.runtime.device_status is not None else {}
         if self.kv_events is not None:
             device = {**device, "kv_events": self.kv_events.status()}
-        self.link.send(message("status", q=msg["q"], status=encode({**engine.status(), **device}), idle=engine.idle,
+        self._send(message("status", q=msg["q"], status=encode({**engine.status(), **device}), idle=engine.idle,
                                integrity=problem, trims=self.num_trims, failed_rounds=self.num_failed_rounds))
 
     # -- rounds -----------------------------------------------------------------------------
@@ -253,16 +330,28 @@ class EngineLoop:
             self.runtime.before_round()  # torch keeps CPU thread counts per thread: set them where rounds run
         return self.engine.run(launched)
 
-    def _report(self, events: list[Any]) -> None:
-        observed = self.observer.take()
-        if not events and not observed:
-            return
+    def _report(self, events: list[Any], round_s: float) -> None:
+        """The round's events and observer calls into the outbox; sent when due, or when the
+        engine has nothing left to run (no round follows to carry them)."""
         for event in events:
             if hasattr(event, "usage"):
                 log_done(event)
+        self.outbox.add(events, self.observer.take(), time.monotonic())
+        if self.engine.idle or self.outbox.due(time.monotonic(), round_s):
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.outbox:
+            return
+        events, observed = self.outbox.take()
         allocator = self.engine.allocator
         self.link.send(message("round", events=[encode(e) for e in events], observed=observed,
                                pages=[allocator.num_free, allocator.num_used]))
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        """A reply after every round message owed: the front sees the engine's messages in order."""
+        self._flush()
+        self.link.send(msg)
 
     def _trim_idle(self) -> None:
         self._trim_at = None
@@ -349,7 +438,8 @@ def serve_link(link: BlockingLink, factory: Callable[[Any, Any], Any], config: A
         return 2
     freeze_loaded_heap()
     link.send(ready_message(runtime, local))
-    loop = EngineLoop(link, runtime, observer, kv_events=kv_events)
+    loop = EngineLoop(link, runtime, observer, kv_events=kv_events,
+                      stream_interval_s=getattr(config, "stream_interval_s", 0.0))
     try:
         loop.run()
     finally:

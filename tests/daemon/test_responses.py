@@ -78,10 +78,12 @@ async def test_streaming_gives_the_event_sequence_and_the_same_text(tmp_path):
         client = sdk(server)
         stream = await client.responses.create(model="letters", input="hi", max_output_tokens=5, stream=True)
         events = [event async for event in stream]
-        assert [e.type for e in events] == [
+        types = [e.type for e in events]
+        deltas = types.count("response.output_text.delta")  # the first token's, then the rest as they came
+        assert types == [
             "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-            *["response.output_text.delta"] * 5, "response.output_text.done", "response.content_part.done",
-            "response.output_item.done", "response.incomplete"]
+            *["response.output_text.delta"] * deltas, "response.output_text.done", "response.content_part.done",
+            "response.output_item.done", "response.incomplete"] and 2 <= deltas <= 5
         assert [e.sequence_number for e in events] == list(range(len(events)))
         text = reply_of(HI, 5)
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
