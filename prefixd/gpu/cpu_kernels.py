@@ -225,15 +225,21 @@ def rope_kv(qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], qk: to
 def layers_int4(h: torch.Tensor, weights: list[torch.Tensor], outs: list[int], eps: float, qk: torch.Tensor,
                 attn: torch.Tensor, act: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor],
                 k_pools: list[torch.Tensor], v_pools: list[torch.Tensor], slots: torch.Tensor,
-                index: tuple[torch.Tensor, torch.Tensor], heads: int) -> None:
+                index: tuple[torch.Tensor, torch.Tensor], heads: int, head: tuple | None = None) -> None:
     """Every decoder layer of a round into `h` (fp32 (R, hidden), updated in place), with the bits
     of model.LlamaModel's loop over `matmul`, `rope_kv` and `attend` (csrc/layers.cpp has the
     order). weights: ten a layer (input norm, then codes and scales of qkv and o, post norm,
     codes and scales of gate_up and down); outs: the four products' widths a layer; qk, attn,
     act: the round's buffers (model._Round); tables: q-scaled rope tables; index:
-    `attention_index`'s (spans, tables)."""
+    `attention_index`'s (spans, tables). head = (final norm, codes, scales, n, passes, normed,
+    logits): then every row's final norm into `normed` and its logits into `logits` too, in the
+    same call, with the bits of `rms_norm` and `matmul` on them."""
+    if head is None:
+        torch.ops.prefixd.layers_int4(h, weights, outs, eps, qk, attn, act, tables[0], tables[1], k_pools, v_pools,
+                                      slots, index[0], index[1], heads)
+        return
     torch.ops.prefixd.layers_int4(h, weights, outs, eps, qk, attn, act, tables[0], tables[1], k_pools, v_pools,
-                                  slots, index[0], index[1], heads)
+                                  slots, index[0], index[1], heads, *head)
 
 
 def attention_index(spans) -> tuple[torch.Tensor, torch.Tensor]:

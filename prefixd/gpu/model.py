@@ -26,7 +26,7 @@ from prefixd.gpu import cpu_kernels, fused, kernels
 from prefixd.gpu.attention import AttentionSpan, AttentionTile, attend_into
 from prefixd.gpu.config import ModelConfig
 from prefixd.gpu.kv_pool import KVPool
-from prefixd.gpu.linear import Int4Weight, Weight, fuse, invariant_rows, linear, matmul, quantize_int4, quantize_int8
+from prefixd.gpu.linear import Int4Weight, Int8Weight, Weight, fuse, invariant_rows, linear, matmul, quantize_int4, quantize_int8
 from prefixd.gpu.rope import RopeTable, rotate, rotation_tables
 
 
@@ -209,22 +209,38 @@ class LlamaModel:
 
     def forward(self, inputs: RoundInputs, kv: KVPool) -> torch.Tensor:
         """Run every layer; writes K/V of the real rows; returns final-normed fp32 hidden."""
+        return self._forward(inputs, kv, head=False)[0]
+
+    def forward_logits(self, inputs: RoundInputs, kv: KVPool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, and every row's logits where mode int4's one call takes the head too (the
+        runner asks when it wants every row's, as in a decode round), else None; the bits of
+        `logits(forward(...))`."""
+        return self._forward(inputs, kv, head=True)
+
+    def _forward(self, inputs: RoundInputs, kv: KVPool, head: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         c = self.config
         h = self.embed_rows(inputs)  # (rows, hidden) fp32, a fresh tensor: updated in place
         rnd = _Round(self, inputs, self.dtype if kv.codes8 else kv.dtype, h.shape[0])  # q and k: bf16 beside 8-bit pages
         if rnd.fused:
-            return self._forward_fused(h, rnd, kv)
+            return self._forward_fused(h, rnd, kv), None
         if self.one_call and rnd.cpu_index is not None and rnd.scaled is not None:
             # int4: the loop below as one call of the CPU kernels (the same ops, the same bits)
-            cpu_kernels.layers_int4(h, *self._one_call_weights, c.rms_norm_eps, rnd.qk, rnd.attn, rnd.act, rnd.scaled,
-                                    kv.k, kv.v, rnd.slots, rnd.cpu_index, c.num_heads)
-            return rms_norm(h, self.final_norm, c.rms_norm_eps)
+            args = (h, *self._one_call_weights, c.rms_norm_eps, rnd.qk, rnd.attn, rnd.act, rnd.scaled, kv.k, kv.v,
+                    rnd.slots, rnd.cpu_index, c.num_heads)
+            w = self.lm_head
+            if head and isinstance(w, Int8Weight) and h.shape[0] == inputs.num_rows:
+                normed, logits = torch.empty_like(h), h.new_empty((h.shape[0], w.shape[0]))
+                cpu_kernels.layers_int4(*args, (self.final_norm, w.codes, w.scales, w.shape[0], w.passes, normed,
+                                                logits))
+                return normed, logits
+            cpu_kernels.layers_int4(*args)
+            return rms_norm(h, self.final_norm, c.rms_norm_eps), None
         for i, layer in enumerate(self.layers):
             h += self._attention(i, layer, self._normed_product(h, layer.input_norm, layer.qkv), rnd, kv)
             gate, up = self._normed_product(h, layer.post_norm, layer.gate_up).float().chunk(2, dim=-1)
             torch.nn.functional.silu(gate, inplace=True)
             h += matmul(torch.mul(gate, up, out=rnd.act), layer.down)  # fp32 += compute dtype: exact
-        return rms_norm(h, self.final_norm, c.rms_norm_eps)
+        return rms_norm(h, self.final_norm, c.rms_norm_eps), None
 
     def _forward_fused(self, h: torch.Tensor, rnd: "_Round", kv: KVPool) -> torch.Tensor:
         """`forward` through fused.py's kernels (the CUDA path): each residual add rides the

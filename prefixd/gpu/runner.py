@@ -261,9 +261,15 @@ class ModelRunner:
             inputs = self._inputs(runnable)
             t0 = time.perf_counter()
             carries = self.drafts.carries(runnable.lanes) if self.drafts is not None else {}
-            hidden = self.model.forward(inputs, self.kv)
             wanted, where = self._wanted_rows(runnable, [span.row for span in inputs.spans])
-            logits = self.model.logits(hidden.index_select(0, wanted)) if where else None
+            logits = None
+            if len(where) == inputs.num_rows and hasattr(self.model, "forward_logits"):
+                # every row's logits, in row order (a decode round): the model may take the head in its call
+                hidden, logits = self.model.forward_logits(inputs, self.kv)
+            else:
+                hidden = self.model.forward(inputs, self.kv)
+            if logits is None and where:
+                logits = self.model.logits(hidden.index_select(0, wanted))
             self._sample(runnable, logits, where, results)
             if self.drafts is not None:
                 self._propose(runnable.lanes, inputs, hidden, carries, results)

@@ -459,7 +459,8 @@ except ValueError as exc:
 def test_a_rounds_layers_in_one_call_have_the_python_loops_bits(model, request, monkeypatch):
     """Mode int4 runs a round's decoder layers as one call of the CPU kernels (csrc/layers.cpp):
     its logits and K/V are the Python loop's (`one_call = False`), bit for bit, over prefill
-    chunks of three lanes, then decode rounds of all three together; the tiny model's pages are
+    chunks of three lanes, then decode rounds of all three together; every round wants every
+    row's logits, so its call takes the final norm and the head too. The tiny model's pages are
     bf16 (head_dim 16), the default model's 8-bit."""
     from prefixd.scheduler.records import RoundPlan
     from tests.gpu.runner_helpers import kv_equal, lane_pages, make_runner, prompt, run_chunks, work
@@ -467,7 +468,7 @@ def test_a_rounds_layers_in_one_call_have_the_python_loops_bits(model, request, 
     spec = request.getfixturevalue("tiny_llama_dir" if model == "tiny_llama" else "default_gguf")
     calls = []
     real = cpu_kernels.layers_int4
-    monkeypatch.setattr(cpu_kernels, "layers_int4", lambda *a: (calls.append(1), real(*a))[1])
+    monkeypatch.setattr(cpu_kernels, "layers_int4", lambda *a: (calls.append(len(a) == 14), real(*a))[1])
     runners = [make_runner(spec, torch.bfloat16, mode="int4", num_lanes=3, num_pages=60) for _ in range(2)]
     runners[1].model.one_call = False
     assert runners[0].model.one_call
@@ -481,6 +482,7 @@ def test_a_rounds_layers_in_one_call_have_the_python_loops_bits(model, request, 
             logits += [r.logits for r in runner.run_round(plan).lanes]
         outs.append(logits)
     assert len(calls) == 6 + 3, "the one-call runner took the loop"
+    assert all(calls), "every round here wants every row's logits: its call takes the head"
     for a, b in zip(*outs):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     for lane in range(3):
@@ -502,7 +504,7 @@ def test_one_call_layers_keep_the_loops_bits_where_a_lone_rows_keys_are_cut_betw
     try:
         calls = []
         real = cpu_kernels.layers_int4
-        monkeypatch.setattr(cpu_kernels, "layers_int4", lambda *a: (calls.append(1), real(*a))[1])
+        monkeypatch.setattr(cpu_kernels, "layers_int4", lambda *a: (calls.append(len(a) == 14), real(*a))[1])
         runners = [make_runner(spec, torch.bfloat16, mode="int4", num_lanes=1, num_pages=110) for _ in range(2)]
         runners[1].model.one_call = False
         table, tokens = pages(0, 110), prompt(1700, seed=7)
@@ -513,8 +515,40 @@ def test_one_call_layers_keep_the_loops_bits_where_a_lone_rows_keys_are_cut_betw
             outs.append([runner.run_round(RoundPlan((work(0, 1700 + step, (200 + step,), table, prefill=False),))).lanes[0].logits
                          for step in range(3)])
         assert len(calls) == 6, "the one-call runner took the loop"
+        assert calls == [False] * 3 + [True] * 3, "a prefill wanting its last row's logits keeps the head apart"
         for a, b in zip(*outs):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32))
         assert kv_equal(runners[0], table, runners[1], table, 1703)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "default"])
+def test_a_decode_rows_non_finite_logits_fail_its_lane_alone_where_the_call_takes_the_head(model, request, monkeypatch):
+    """A decode round whose call takes the head: a row whose input embedding is NaN fails its
+    lane with the runner's error, as on the Python loop's path, and the other lanes' logits are
+    the loop's, bit for bit."""
+    from prefixd.scheduler.records import RoundPlan
+    from tests.gpu.runner_helpers import lane_pages, make_runner, prompt, run_chunks, work
+
+    spec = request.getfixturevalue("tiny_llama_dir" if model == "tiny_llama" else "default_gguf")
+    calls = []
+    real = cpu_kernels.layers_int4
+    monkeypatch.setattr(cpu_kernels, "layers_int4", lambda *a: (calls.append(len(a) == 14), real(*a))[1])
+    runners = [make_runner(spec, torch.bfloat16, mode="int4", num_lanes=3, num_pages=60) for _ in range(2)]
+    runners[1].model.one_call = False
+    bad = 777  # the token lane 1 decodes: its embedding row is NaN
+    outs = []
+    for runner in runners:
+        runner.model.embed[bad] = float("nan")
+        for lane in range(3):
+            run_chunks(runner, lane, prompt(20, seed=lane), lane_pages(lane), (20,))
+        plan = RoundPlan(tuple(work(lane, 20, (bad if lane == 1 else 100 + lane,), lane_pages(lane), prefill=False)
+                               for lane in range(3)))
+        outs.append(runner.run_round(plan).lanes)
+    assert calls[-1] and len(calls) == 4, "the decode round's call took the head"
+    fused, loop = outs
+    assert fused[1].error == loop[1].error == "the logits row at position 20 is not finite (NaN or inf)"
+    for lane in (0, 2):
+        assert fused[lane].error is None
+        assert torch.equal(fused[lane].logits.view(torch.int32), loop[lane].logits.view(torch.int32))

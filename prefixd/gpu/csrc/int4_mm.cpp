@@ -524,12 +524,18 @@ void int4_quantize(const at::BFloat16* x, int64_t begin, int64_t end, int64_t kx
   quantize_range(x, begin, end, kx, norm, eps, 1, have_vnni(), row, xq, d, s);
 }
 
+void int4_quantize_passes(const float* x, int64_t begin, int64_t end, int64_t kx, int passes, float* row, int8_t* xq,
+                          float* d, float* s) {
+  quantize_range(x, begin, end, kx, nullptr, 0.f, passes, have_vnni(), row, xq, d, s);
+}
+
 int64_t int4_tasks(const Int4Weight& w, int64_t rows) { return (rows + ROW_CHUNK - 1) / ROW_CHUNK * w.nblocks; }
 
 void int4_tiles(const Int4Weight& w, const int8_t* xq, const float* d, const float* s, int64_t rows, int64_t kx,
-                float* out, bool accumulate, int64_t begin, int64_t end) {
+                float* out, bool accumulate, int64_t begin, int64_t end, bool paired) {
   Call c{{xq, d, s}, w.codes, w.scales, out, rows, w.n, w.k, kx, w.bits, w.half};
   c.accumulate = accumulate;
+  c.paired = paired;
   tiles(c, have_vnni(), begin, end);
 }
 

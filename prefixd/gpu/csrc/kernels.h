@@ -45,11 +45,17 @@ void int4_quantize(const float* x, int64_t begin, int64_t end, int64_t kx, const
 void int4_quantize(const at::BFloat16* x, int64_t begin, int64_t end, int64_t kx, const float* norm, float eps,
                    float* row, int8_t* xq, float* d, float* s);
 
+// The same with `passes` codes a row (int4_mm's `passes`: 2 for the head): row r's first at
+// xq + passes * r * kx, its groups' d and s at passes * r * kx / 32.
+void int4_quantize_passes(const float* x, int64_t begin, int64_t end, int64_t kx, int passes, float* row, int8_t* xq,
+                          float* d, float* s);
+
 // The product of `rows` quantized rows is int4_tasks(w, rows) tasks, each writing its own
 // outputs: int4_tiles runs tasks [begin, end) into out (rows, w.n), or adds them to what it holds.
+// With `paired`, rows 2m and 2m + 1 are row m's two passes and out is (rows / 2, w.n).
 int64_t int4_tasks(const Int4Weight& w, int64_t rows);
 void int4_tiles(const Int4Weight& w, const int8_t* xq, const float* d, const float* s, int64_t rows, int64_t kx,
-                float* out, bool accumulate, int64_t begin, int64_t end);
+                float* out, bool accumulate, int64_t begin, int64_t end, bool paired = false);
 
 // ---- attention (attention.cpp) --------------------------------------------------------------------
 

@@ -7,6 +7,10 @@
 //   x = int4_mm(h, qkv; rms norm w[0]); rope_kv(x -> qk, K/V rows into the layer's pools);
 //   attend(qk -> attn); h += int4_mm(attn[:-1], o);
 //   g|u = int4_mm(h, gate_up; rms norm w[5]); silu_(g); act = g * u; h += int4_mm(act, down).
+// With a head (a decode round, where every row's logits are wanted), the same region goes on
+// with model.LlamaModel.logits' ops on every row: normed = rms_norm(h) (torch's op itself, on
+// one thread), logits = int4_mm(normed, head; passes), so the team does not part and meet again
+// across the Python between the two calls (and its second thread, asleep by then, is not late).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -14,6 +18,7 @@
 #include <omp.h>
 
 #include <array>
+#include <optional>
 #include <vector>
 
 #include "kernels.h"
@@ -62,7 +67,9 @@ const float* norm_of(const at::Tensor& w, int64_t width) {
 void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, double eps, at::Tensor& qk,
                  at::Tensor& attn, at::Tensor& act, const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_pools,
                  at::TensorList v_pools, const at::Tensor& slots, const at::Tensor& spans, const at::Tensor& tables,
-                 int64_t heads) {
+                 int64_t heads, const std::optional<at::Tensor>& final_norm, const std::optional<at::Tensor>& head_codes,
+                 const std::optional<at::Tensor>& head_scales, int64_t head_n, int64_t head_passes,
+                 const std::optional<at::Tensor>& normed, const std::optional<at::Tensor>& logits) {
   const int64_t layers = static_cast<int64_t>(k_pools.size());
   TORCH_CHECK(static_cast<int64_t>(v_pools.size()) == layers && static_cast<int64_t>(weights.size()) == PER_LAYER * layers &&
                   static_cast<int64_t>(outs.size()) == OUTS * layers,
@@ -77,6 +84,22 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
                   (act.scalar_type() == at::kBFloat16 || act.scalar_type() == at::kFloat),
               "layers_int4: act must be contiguous bf16 or fp32 (R, intermediate)");
   const int64_t inter = act.size(1);
+  const bool head = final_norm.has_value();
+  std::optional<Int4Weight> head_w;
+  if (head) {
+    TORCH_CHECK(head_codes.has_value() && head_scales.has_value() && normed.has_value() && logits.has_value() &&
+                    (head_passes == 1 || head_passes == 2),
+                "layers_int4: a head needs its codes, scales, passes (1 or 2) and the normed and logits outputs");
+    head_w = prefixd_cpu::int4_weight(*head_codes, *head_scales, head_n);
+    TORCH_CHECK(head_w->k == hidden, "layers_int4: the head reads ", head_w->k, " inputs, the hidden size is ", hidden);
+    TORCH_CHECK(final_norm->scalar_type() == at::kFloat && final_norm->dim() == 1 && final_norm->size(0) == hidden,
+                "layers_int4: the final norm must be fp32 (", hidden, ",)");
+    TORCH_CHECK(normed->scalar_type() == at::kFloat && normed->is_contiguous() && normed->sizes() == h.sizes(),
+                "layers_int4: normed must be contiguous fp32 shaped as h");
+    TORCH_CHECK(logits->scalar_type() == at::kFloat && logits->is_contiguous() && logits->dim() == 2 &&
+                    logits->size(0) == rows && logits->size(1) == head_n,
+                "layers_int4: logits must be contiguous fp32 (R, head_n)");
+  }
   std::vector<Int4Weight> ws;
   std::vector<const float*> norms;
   for (int64_t i = 0; i < layers; ++i) {
@@ -136,6 +159,18 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
   float* gate_up_p = gate_up.mutable_data_ptr<float>();
   const bool act_bf16 = act.scalar_type() == at::kBFloat16;
   const void* act_p = act.const_data_ptr();
+  // the head's: its rows' codes (head_passes a row), and the ops that run it after the layers
+  const int head_q = head ? static_cast<int>(head_passes) : 0;
+  const int64_t head_code_floats = (head_q * rows * hidden + 3) / 4, head_groups = head_q * rows * hidden / 32;
+  std::vector<float> head_codes_buf(static_cast<size_t>(head_code_floats + 2 * head_groups));
+  enum { HEAD_NORM, HEAD_QUANT, HEAD_TILES, HEAD_OPS };
+  std::array<prefixd_cpu::Op, HEAD_OPS> head_ops;
+  if (head) {
+    head_ops[HEAD_NORM].reset(1, 1);
+    head_ops[HEAD_QUANT].reset(static_cast<int>(rows), static_cast<int>((rows + threads - 1) / threads));
+    const int64_t n = prefixd_cpu::int4_tasks(*head_w, head_q * rows);
+    head_ops[HEAD_TILES].reset(static_cast<int>(n), static_cast<int>((n + threads - 1) / threads));
+  }
   std::vector<void*> k_at, v_at;  // each layer's pools, read here: the region touches no tensor but SiLU's pieces
   for (int64_t i = 0; i < layers; ++i) {
     k_at.push_back(k_pools[i].mutable_data_ptr());
@@ -222,6 +257,22 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
       else
         product(o[QUANT_ACT], o[DOWN], static_cast<const float*>(act_p), inter, nullptr, w[3], hp, true);
     }
+    if (head) {
+      int8_t* hq = reinterpret_cast<int8_t*>(head_codes_buf.data());
+      float* hd = head_codes_buf.data() + head_code_floats;
+      float* hs = hd + head_groups;
+      at::Tensor out = *normed;
+      each(head_ops[HEAD_NORM], nothing, [&](int, int) {
+        out.copy_(at::rms_norm(h, {hidden}, *final_norm, eps));  // torch's op: the Python path's bits
+      });
+      const float* np = out.const_data_ptr<float>();
+      each(head_ops[HEAD_QUANT], nothing,
+           [&](int b, int e) { prefixd_cpu::int4_quantize_passes(np, b, e, hidden, head_q, row.data(), hq, hd, hs); });
+      float* lp = logits->mutable_data_ptr<float>();
+      each(head_ops[HEAD_TILES], nothing, [&](int b, int e) {
+        prefixd_cpu::int4_tiles(*head_w, hq, hd, hs, head_q * rows, hidden, lp, false, b, e, head_q == 2);
+      });
+    }
   };
   if (threads == 1) {
     run(0);
@@ -240,7 +291,9 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
 TORCH_LIBRARY_FRAGMENT(prefixd, m) {
   m.def("layers_int4(Tensor(a!) h, Tensor[] weights, int[] outs, float eps, Tensor(b!) qk, Tensor(c!) attn, "
         "Tensor(d!) act, Tensor cos, Tensor sin, Tensor(e!)[] k_pools, Tensor(f!)[] v_pools, Tensor slots, "
-        "Tensor spans, Tensor tables, int heads) -> ()");
+        "Tensor spans, Tensor tables, int heads, Tensor? final_norm=None, Tensor? head_codes=None, "
+        "Tensor? head_scales=None, int head_n=0, int head_passes=1, Tensor(g!)? normed=None, "
+        "Tensor(h!)? logits=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(prefixd, CPU, m) { m.impl("layers_int4", &layers_int4); }
