@@ -139,7 +139,7 @@ class RoundOutbox:
     def due(self, now: float, round_s: float) -> bool:
         """Whether what waits must go now: something urgent, or one more round of `round_s`
         would take the oldest event past the interval."""
-        if not self._events and not self._observed:
+        if not self:
             return False
         return self._urgent or (now - self._since) + round_s >= self.interval_s
 
@@ -336,8 +336,9 @@ class EngineLoop:
         for event in events:
             if hasattr(event, "usage"):
                 log_done(event)
-        self.outbox.add(events, self.observer.take(), time.monotonic())
-        if self.engine.idle or self.outbox.due(time.monotonic(), round_s):
+        now = time.monotonic()
+        self.outbox.add(events, self.observer.take(), now)
+        if self.engine.idle or self.outbox.due(now, round_s):
             self._flush()
 
     def _flush(self) -> None:

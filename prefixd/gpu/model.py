@@ -230,8 +230,8 @@ class LlamaModel:
             w = self.lm_head
             if head and isinstance(w, Int8Weight) and h.shape[0] == inputs.num_rows:
                 normed, logits = torch.empty_like(h), h.new_empty((h.shape[0], w.shape[0]))
-                cpu_kernels.layers_int4(*args, (self.final_norm, w.codes, w.scales, w.shape[0], w.passes, normed,
-                                                logits))
+                cpu_kernels.layers_int4(*args, head=(self.final_norm, w.codes, w.scales, w.shape[0], w.passes,
+                                                     normed, logits))
                 return normed, logits
             cpu_kernels.layers_int4(*args)
             return rms_norm(h, self.final_norm, c.rms_norm_eps), None

@@ -455,6 +455,23 @@ except ValueError as exc:
     assert not list(tmp_path.glob("*.so"))
 
 
+def one_call_and_loop(model, request, monkeypatch, **runner_args):
+    """Two int4 runners of `model` ("tiny_llama" or "default"), the first running a round's
+    layers in one call, the second the Python loop (`one_call = False`), and the list each call
+    of `cpu_kernels.layers_int4` appends to: whether it took the head too."""
+    from tests.gpu.runner_helpers import make_runner
+
+    spec = request.getfixturevalue("tiny_llama_dir" if model == "tiny_llama" else "default_gguf")
+    calls = []
+    real = cpu_kernels.layers_int4
+    monkeypatch.setattr(cpu_kernels, "layers_int4", lambda *a, head=None: (calls.append(head is not None),
+                                                                            real(*a, head=head))[1])
+    runners = [make_runner(spec, torch.bfloat16, mode="int4", **runner_args) for _ in range(2)]
+    runners[1].model.one_call = False
+    assert runners[0].model.one_call
+    return runners, calls
+
+
 @pytest.mark.parametrize("model", ["tiny_llama", "default"])
 def test_a_rounds_layers_in_one_call_have_the_python_loops_bits(model, request, monkeypatch):
     """Mode int4 runs a round's decoder layers as one call of the CPU kernels (csrc/layers.cpp):
@@ -463,15 +480,9 @@ def test_a_rounds_layers_in_one_call_have_the_python_loops_bits(model, request, 
     row's logits, so its call takes the final norm and the head too. The tiny model's pages are
     bf16 (head_dim 16), the default model's 8-bit."""
     from prefixd.scheduler.records import RoundPlan
-    from tests.gpu.runner_helpers import kv_equal, lane_pages, make_runner, prompt, run_chunks, work
+    from tests.gpu.runner_helpers import kv_equal, lane_pages, prompt, run_chunks, work
 
-    spec = request.getfixturevalue("tiny_llama_dir" if model == "tiny_llama" else "default_gguf")
-    calls = []
-    real = cpu_kernels.layers_int4
-    monkeypatch.setattr(cpu_kernels, "layers_int4", lambda *a: (calls.append(len(a) == 14), real(*a))[1])
-    runners = [make_runner(spec, torch.bfloat16, mode="int4", num_lanes=3, num_pages=60) for _ in range(2)]
-    runners[1].model.one_call = False
-    assert runners[0].model.one_call
+    runners, calls = one_call_and_loop(model, request, monkeypatch, num_lanes=3, num_pages=60)
     outs = []
     for runner in runners:
         logits = [run_chunks(runner, lane, prompt(19 + 7 * lane, seed=lane), lane_pages(lane), (8, 11 + 7 * lane))
@@ -496,17 +507,12 @@ def test_one_call_layers_keep_the_loops_bits_where_a_lone_rows_keys_are_cut_betw
     and prefill chunks of 16 rows or more quantize a share of rows a thread. Decode logits and
     K/V are still the Python loop's, bit for bit."""
     from prefixd.scheduler.records import RoundPlan
-    from tests.gpu.runner_helpers import kv_equal, make_runner, pages, prompt, work
+    from tests.gpu.runner_helpers import kv_equal, pages, prompt, work
 
-    spec = request.getfixturevalue("tiny_llama_dir" if model == "tiny_llama" else "default_gguf")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        calls = []
-        real = cpu_kernels.layers_int4
-        monkeypatch.setattr(cpu_kernels, "layers_int4", lambda *a: (calls.append(len(a) == 14), real(*a))[1])
-        runners = [make_runner(spec, torch.bfloat16, mode="int4", num_lanes=1, num_pages=110) for _ in range(2)]
-        runners[1].model.one_call = False
+        runners, calls = one_call_and_loop(model, request, monkeypatch, num_lanes=1, num_pages=110)
         table, tokens = pages(0, 110), prompt(1700, seed=7)
         outs = []
         for runner in runners:
@@ -529,14 +535,9 @@ def test_a_decode_rows_non_finite_logits_fail_its_lane_alone_where_the_call_take
     lane with the runner's error, as on the Python loop's path, and the other lanes' logits are
     the loop's, bit for bit."""
     from prefixd.scheduler.records import RoundPlan
-    from tests.gpu.runner_helpers import lane_pages, make_runner, prompt, run_chunks, work
+    from tests.gpu.runner_helpers import lane_pages, prompt, run_chunks, work
 
-    spec = request.getfixturevalue("tiny_llama_dir" if model == "tiny_llama" else "default_gguf")
-    calls = []
-    real = cpu_kernels.layers_int4
-    monkeypatch.setattr(cpu_kernels, "layers_int4", lambda *a: (calls.append(len(a) == 14), real(*a))[1])
-    runners = [make_runner(spec, torch.bfloat16, mode="int4", num_lanes=3, num_pages=60) for _ in range(2)]
-    runners[1].model.one_call = False
+    runners, calls = one_call_and_loop(model, request, monkeypatch, num_lanes=3, num_pages=60)
     bad = 777  # the token lane 1 decodes: its embedding row is NaN
     outs = []
     for runner in runners:
