@@ -87,8 +87,10 @@ class BlockingLink:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def send(self, msg: dict[str, Any]) -> None:
-        data, fds = pack(msg)
+    def send(self, msg: dict[str, Any], *, inline: bool = False) -> None:
+        """Send one map. `inline`: the sender knows every field is small (a round's events), so
+        the map is framed as it is, without the walk that looks for fields to move to memfds."""
+        data, fds = (encode_frame(msg, LINK_LIMITS), []) if inline else pack(msg)
         try:
             view = memoryview(data)
             sent = send_frame(self.sock, data, fds)

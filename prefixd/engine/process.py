@@ -69,6 +69,7 @@ class RecordingObserver:
         def record(*args: Any) -> None:
             self.calls.append([name, [_plain(a) for a in args]])
 
+        setattr(self, name, record)  # later calls find it without this lookup
         return record
 
     def take(self) -> list[list[Any]]:
@@ -347,7 +348,7 @@ class EngineLoop:
         events, observed = self.outbox.take()
         allocator = self.engine.allocator
         self.link.send(message("round", events=[encode(e) for e in events], observed=observed,
-                               pages=[allocator.num_free, allocator.num_used]))
+                               pages=[allocator.num_free, allocator.num_used]), inline=True)
 
     def _send(self, msg: dict[str, Any]) -> None:
         """A reply after every round message owed: the front sees the engine's messages in order."""

@@ -15,6 +15,7 @@ import pytest
 from prefixd.engine.contract import decode, encode, message
 from prefixd.engine.link import BlockingLink, LinkReader, pack
 from prefixd.engine.process import EngineLoop, RecordingObserver, RoundOutbox
+from prefixd.ipc.framing import close_fds
 from prefixd.scheduler.records import TokenLogprob
 from prefixd.ipc.events import Usage
 from prefixd.scheduler.streams import DoneEvent, StreamRequest, TokenEvent
@@ -181,3 +182,41 @@ def test_a_reply_goes_after_the_tokens_that_waited_for_it():
         front.until(ended(1))
     finally:
         stop(front, thread)
+
+
+# -- the round message's parts -----------------------------------------------------------------
+
+
+def test_the_recording_observer_keeps_recording_after_each_take():
+    observer = RecordingObserver()
+    observer.on_token_gap(0.5)
+    observer.on_round(0.01, 2, 2, 0)
+    assert observer.take() == [["on_token_gap", [0.5]], ["on_round", [0.01, 2, 2, 0]]]
+    observer.on_token_gap(0.25)  # the recorder it kept after the first call appends to the new list
+    assert observer.take() == [["on_token_gap", [0.25]]]
+    assert observer.take() == []
+    with pytest.raises(AttributeError):
+        observer.on_something_else  # noqa: B018 - only the contract's observer calls cross
+
+
+def test_a_round_message_sent_inline_arrives_whole_even_where_pack_would_move_a_field_to_a_memfd():
+    ours, theirs = socket.socketpair()
+    ours.settimeout(60)
+    reader = LinkReader()
+    try:
+        ids = tuple(range(40_000))  # an int list over the memfd threshold: pack would move it
+        moved = pack(message("round", events=[encode(TokenEvent(1, ids))]))[1]
+        close_fds(moved)
+        assert moved
+        BlockingLink(theirs).send(message("round", events=[encode(TokenEvent(1, ids)), encode(done(1))],
+                                          observed=[["on_token_gap", [0.5]]], pages=[3, 4]), inline=True)
+        got: list[dict[str, Any]] = []
+        while not got:
+            got = reader.feed(ours.recv(1 << 20), [])
+        (msg,) = got
+        assert [decode(e) for e in msg["events"]] == [TokenEvent(1, ids), done(1)]
+        assert msg["observed"] == [["on_token_gap", [0.5]]] and msg["pages"] == [3, 4]
+    finally:
+        reader.close()
+        ours.close()
+        theirs.close()
