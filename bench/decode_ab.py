@@ -43,11 +43,14 @@ def extract_base(rev: str, into: Path) -> None:
     (into / "prefixd").rename(into / "prefixd_base")
     for path in (into / "prefixd_base").rglob("*.py"):
         text = path.read_text()
-        # torch.ops.prefixd (mode int4's CPU kernels) keeps its name: the base and the tree share
-        # the one library when its sources are the same; when they differ, the two cannot be
-        # loaded in one process (the op names clash) and the base is refused at load
-        text = re.sub(r"(?<!ops\.)\bprefixd\.", "prefixd_base.", text)
+        text = re.sub(r"\bprefixd\.", "prefixd_base.", text)  # torch.ops.prefixd too: the base's kernels below
         path.write_text(re.sub(r"^(from|import) prefixd\b", r"\1 prefixd_base", text, flags=re.M))
+    # mode int4's CPU kernels register their ops as torch.ops.prefixd; the base's register them
+    # as torch.ops.prefixd_base, so both libraries load in one process even where their sources
+    # differ (the rewritten sources are built into a library of their own)
+    for path in (into / "prefixd_base" / "gpu" / "csrc").glob("*.cpp"):
+        text = path.read_text()
+        path.write_text(re.sub(r"\b(TORCH_LIBRARY(?:_FRAGMENT|_IMPL)?)\(prefixd\b", r"\1(prefixd_base", text))
 
 
 class Lanes:
