@@ -17,6 +17,7 @@ import anyio
 
 from bench.daemon import stop_process
 from prefixd.engine.memory import IDLE_TRIM_S
+from prefixd.gpu.threads import stat_cpu_s, stat_fields
 from prefixd.ipc.client import AsyncClient
 from prefixd.ipc.messages import HelloReply
 
@@ -74,12 +75,16 @@ class Daemon:
     def pids(self) -> list[int]:
         """The front process and its children (the engine process, the heavy worker and the
         resource tracker of its pool)."""
-        children = []
+        return [self.proc.pid, *self._children()]
+
+    def _children(self) -> dict[int, float]:
+        """The front's live child processes, with the CPU seconds (user + system) each used."""
+        out = {}
         for pid in os.listdir("/proc"):
-            stat = _read_stat(f"/proc/{pid}/stat") if pid.isdigit() else None
-            if stat is not None and stat[0] == self.proc.pid:
-                children.append(int(pid))
-        return [self.proc.pid, *children]
+            fields = stat_fields(f"/proc/{pid}/stat") if pid.isdigit() else None
+            if fields is not None and int(fields[1]) == self.proc.pid:
+                out[int(pid)] = stat_cpu_s(fields)
+        return out
 
     def rss_bytes(self) -> int:
         """The RSS of the front and its children together."""
@@ -125,9 +130,9 @@ class Daemon:
         the thread whose id is the process id runs the event loop."""
         out = {}
         for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
-            stat = _read_stat(f"/proc/{self.proc.pid}/task/{tid}/stat")
-            if stat is not None:  # else a worker thread that ended
-                out[int(tid)] = stat[1]
+            fields = stat_fields(f"/proc/{self.proc.pid}/task/{tid}/stat")
+            if fields is not None:  # else a worker thread that ended
+                out[int(tid)] = stat_cpu_s(fields)
         return out
 
     def children_cpu_s(self) -> dict[str, float]:
@@ -135,11 +140,9 @@ class Daemon:
         the engine process apart from the heavy render workers, which run at the lowest priority
         and are not the engine's work."""
         out: dict[str, float] = {}
-        for pid in os.listdir("/proc"):
-            stat = _read_stat(f"/proc/{pid}/stat") if pid.isdigit() else None
-            if stat is not None and stat[0] == self.proc.pid:
-                role = self._role(int(pid))
-                out[role] = out.get(role, 0.0) + stat[1]
+        for pid, cpu_s in self._children().items():
+            role = self._role(pid)
+            out[role] = out.get(role, 0.0) + cpu_s
         return out
 
     async def sample_rss(self, deadline: float) -> None:
@@ -175,13 +178,3 @@ class Daemon:
                 "processes": len(self.pids()),
                 "pages_used": status["pages_used"],
                 "lanes_busy": status["lanes_busy"], "waiting": status["waiting"]}
-
-
-def _read_stat(path: str) -> tuple[int, float] | None:
-    """(parent pid, CPU seconds user + system) from a /proc stat file; None once it is gone."""
-    try:
-        with open(path) as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -93,11 +93,24 @@ def process_cpu_s(pid: int) -> float:
 def process_state(pid: int) -> tuple[float, bool]:
     """Process `pid`'s CPU seconds (user + system, all threads) and whether its main thread is
     runnable now; (0, False) once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
+    fields = stat_fields(f"/proc/{pid}/stat")
+    if fields is None:
         return 0.0, False
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), fields[0] == "R"
+    return stat_cpu_s(fields), fields[0] == "R"
+
+
+def stat_fields(path: str) -> list[str] | None:
+    """The fields of a /proc stat file (a process's or a thread's) after its command name, from
+    the state on (proc(5) numbers them from 3); None once it is gone."""
+    try:
+        return Path(path).read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def stat_cpu_s(fields: list[str]) -> float:
+    """CPU seconds (user + system) in `stat_fields`' fields."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def usable_cores() -> frozenset[int]:
