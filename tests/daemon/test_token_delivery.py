@@ -204,7 +204,9 @@ def test_a_round_message_sent_inline_arrives_whole_even_where_pack_would_move_a_
     ours.settimeout(60)
     reader = LinkReader()
     try:
-        ids = tuple(range(40_000))  # an int list over the memfd threshold: pack would move it
+        # an int list over the memfd threshold (pack would move it), in a frame of ~20 KB: the
+        # socket's buffer takes it whole, so this one thread can send before it reads
+        ids = tuple(i % 100 for i in range(20_000))
         moved = pack(message("round", events=[encode(TokenEvent(1, ids))]))[1]
         close_fds(moved)
         assert moved
