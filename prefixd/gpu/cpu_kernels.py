@@ -234,12 +234,8 @@ def layers_int4(h: torch.Tensor, weights: list[torch.Tensor], outs: list[int], e
     `attention_index`'s (spans, tables). head = (final norm, codes, scales, n, passes, normed,
     logits): then every row's final norm into `normed` and its logits into `logits` too, in the
     same call, with the bits of `rms_norm` and `matmul` on them."""
-    if head is None:
-        torch.ops.prefixd.layers_int4(h, weights, outs, eps, qk, attn, act, tables[0], tables[1], k_pools, v_pools,
-                                      slots, index[0], index[1], heads)
-        return
     torch.ops.prefixd.layers_int4(h, weights, outs, eps, qk, attn, act, tables[0], tables[1], k_pools, v_pools,
-                                  slots, index[0], index[1], heads, *head)
+                                  slots, index[0], index[1], heads, *(head or ()))
 
 
 def attention_index(spans) -> tuple[torch.Tensor, torch.Tensor]:

@@ -165,12 +165,6 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
   std::vector<float> head_codes_buf(static_cast<size_t>(head_code_floats + 2 * head_groups));
   enum { HEAD_NORM, HEAD_QUANT, HEAD_TILES, HEAD_OPS };
   std::array<prefixd_cpu::Op, HEAD_OPS> head_ops;
-  if (head) {
-    head_ops[HEAD_NORM].reset(1, 1);
-    head_ops[HEAD_QUANT].reset(static_cast<int>(rows), static_cast<int>((rows + threads - 1) / threads));
-    const int64_t n = prefixd_cpu::int4_tasks(*head_w, head_q * rows);
-    head_ops[HEAD_TILES].reset(static_cast<int>(n), static_cast<int>((n + threads - 1) / threads));
-  }
   std::vector<void*> k_at, v_at;  // each layer's pools, read here: the region touches no tensor but SiLU's pieces
   for (int64_t i = 0; i < layers; ++i) {
     k_at.push_back(k_pools[i].mutable_data_ptr());
@@ -197,6 +191,12 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
     const int64_t joins = prefixd_cpu::attend_joins(*plan);
     o[JOIN].reset(static_cast<int>(joins), grain(joins));
     o[SILU].reset(pieces, 1);
+  }
+  if (head) {
+    head_ops[HEAD_NORM].reset(1, 1);
+    head_ops[HEAD_QUANT].reset(static_cast<int>(rows), grain(rows));
+    const int64_t n = prefixd_cpu::int4_tasks(*head_w, head_q * rows);
+    head_ops[HEAD_TILES].reset(static_cast<int>(n), grain(n));
   }
 
   // a thread of the team (of at most `threads`)
