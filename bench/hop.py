@@ -26,7 +26,11 @@ A second table accounts for the CPU a round takes in each process: the in-proces
 (this process again, reading its 8 connections). On a machine whose cores the engine's
 threads fill, the front's and the client's CPU is taken from the engine's team: their share
 of the cores bounds the ratio (a team member preempted for a millisecond holds its partner
-at the next barrier for as long).
+at the next barrier for as long). It also splits a round's wall time on each side into the
+round's own (`Engine.step`, the duration the engine reports to its observer; the daemon's from
+the same histogram) and the rest of the span a round (the loop around the step, the link):
+where the daemon's rounds are slower, its own rounds show whether the loss is in the rounds
+(team members waiting for a core) or between them.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class Decode:
     span_s: float  # first submit to last token
     rounds: int
     round_bytes: list[int] = field(default_factory=list)  # in-process: each round message's frame
+    step_s: float = 0.0  # the rounds' own wall time (the engine's on_round durations), summed
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds in the run, by process
 
     def tok_s(self) -> float:
@@ -95,6 +100,15 @@ class Decode:
 
     def tokens_per_round(self) -> float:
         return sum(len(i) for i in self.ids) / self.rounds if self.rounds else float("nan")
+
+    def step_ms(self) -> float:
+        """A round's own wall time, mean (`Engine.step`: plan, device, land)."""
+        return 1e3 * self.step_s / self.rounds if self.rounds else float("nan")
+
+    def between_ms(self) -> float:
+        """Wall time a round that is not its own, mean: the span's rest (the loop around the
+        step, the link, a team member's wait for a core)."""
+        return 1e3 * self.span_s / self.rounds - self.step_ms() if self.rounds else float("nan")
 
     def cpu_ms_per_round(self, who: str) -> float:
         return 1e3 * self.cpu_s[who] / self.rounds if self.rounds else float("nan")
@@ -161,7 +175,9 @@ class InProcess:
                     arrivals[order[event.stream_id]].extend([now] * len(event.ids))
                     ids[order[event.stream_id]].extend(event.ids)
             allocator = engine.allocator
-            data, fds = pack(message("round", events=[encode(e) for e in events], observed=self.observer.take(),
+            observed = self.observer.take()
+            run.step_s += sum(args[0] for name, args in observed if name == "on_round")
+            data, fds = pack(message("round", events=[encode(e) for e in events], observed=observed,
                                      pages=[allocator.num_free, allocator.num_used]))
             close_fds(fds)
             run.round_bytes.append(len(data))
@@ -199,7 +215,8 @@ async def socket_decode(socket: str, metrics_url: str, lane_prompts: list[list[i
     await anyio.sleep(0.2)  # the last round's observer calls reach the front's metrics
     after = await anyio.to_thread.run_sync(scrape, metrics_url)
     rounds = int(after.get(f"{ROUND_METRIC}_count", 0) - before.get(f"{ROUND_METRIC}_count", 0))
-    return Decode(arrivals, [tuple(i) for i in ids], span, rounds,
+    step_s = after.get(f"{ROUND_METRIC}_sum", 0.0) - before.get(f"{ROUND_METRIC}_sum", 0.0)
+    return Decode(arrivals, [tuple(i) for i in ids], span, rounds, step_s=step_s,
                   cpu_s={who: cpu_after[who] - cpu_before[who] for who in cpu_before})
 
 
@@ -268,9 +285,12 @@ def cpu_report(pairs: list[Pair], sizes: Sizes) -> str:
         beside = median((p.sock.cpu_s["front"] + p.sock.cpu_s["client"]) / p.sock.span_s / cores for p in mine)
         rows.append([lanes, f"{median(p.local.cpu_ms_per_round('engine') for p in mine):.2f}",
                      *(f"{median(p.sock.cpu_ms_per_round(who) for p in mine):.2f}" for who in ("engine", "front", "client")),
-                     f"{100 * beside:.1f} %"])
+                     f"{100 * beside:.1f} %",
+                     f"{median(p.local.step_ms() for p in mine):.2f} / {median(p.sock.step_ms() for p in mine):.2f}",
+                     f"{median(p.local.between_ms() for p in mine):.2f} / {median(p.sock.between_ms() for p in mine):.2f}"])
     return markdown_table(["lanes", "in-process engine CPU ms / round", "daemon: engine", "front", "client",
-                           f"front + client, share of {cores} cores"], rows)
+                           f"front + client, share of {cores} cores", "round wall ms, own (in-process / daemon)",
+                           "between rounds ms (in-process / daemon)"], rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
