@@ -10,7 +10,10 @@ same `serve` flags) and drives its `Engine` directly, round by round; and starts
 `prefixd serve` with those flags (metrics on). The same greedy workload, at 1 lane and at 8
 lanes (8 concurrent streams, one connection each): 128-token prompts, 128 generated tokens
 each, fresh prompts for every pair. In-process and socket are measured back to back, in
-pairs (on a shared machine only side-by-side figures compare).
+pairs (on a shared machine only side-by-side figures compare), the first side alternating
+from pair to pair: the side that ran second read slower by a few % on this machine,
+whichever it was (in one run of ten pairs at eight lanes, the daemon's median ratio was 0.948x
+where it ran second and 0.966x where it ran first).
 
 It prints one table: decode tok/s in-process and through the daemon, their ratio (goal
 >= 0.97x), whether the generated ids are equal, the rounds per second on each side (the
@@ -245,11 +248,16 @@ def measure(args: argparse.Namespace, sizes: Sizes) -> tuple[list[Pair], str]:
         for p in range(sizes.pairs):
             for lanes in sizes.lanes:
                 work = prompts(lanes, sizes.prompt, local.vocab, seed=p * 100 + lanes)
-                mine = local.decode(work, sizes.tokens)
-                theirs = anyio.run(socket_decode, daemon.socket, daemon.metrics_url, work, sizes.tokens, pids)
+                if p % 2 == 0:
+                    mine = local.decode(work, sizes.tokens)
+                    theirs = anyio.run(socket_decode, daemon.socket, daemon.metrics_url, work, sizes.tokens, pids)
+                else:
+                    theirs = anyio.run(socket_decode, daemon.socket, daemon.metrics_url, work, sizes.tokens, pids)
+                    mine = local.decode(work, sizes.tokens)
                 pairs.append(Pair(lanes, mine, theirs))
-                print(f"pair {p + 1}, {lanes} lanes: in-process {mine.tok_s():.1f} tok/s, socket "
-                      f"{theirs.tok_s():.1f} tok/s, load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
+                print(f"pair {p + 1}, {lanes} lanes ({'in-process' if p % 2 == 0 else 'socket'} first): in-process "
+                      f"{mine.tok_s():.1f} tok/s, socket {theirs.tok_s():.1f} tok/s, ratio "
+                      f"{theirs.tok_s() / mine.tok_s():.3f}, load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
     return pairs, str(local.runtime.model_info.get("mode"))
 
 
@@ -316,8 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(cpu_report(pairs, sizes))
     print(f"\n- workload: {sizes.prompt}-token prompts, {sizes.tokens} greedy tokens each, no stop ids; 8 lanes: "
-          "8 streams at once (8 connections on the socket side); in-process and socket back to back, fresh prompts "
-          "each pair; tok/s counted while every stream decodes, ratio the median of the pairs'")
+          "8 streams at once (8 connections on the socket side); in-process and socket back to back, in turns "
+          "(the first side alternating), fresh prompts each pair; tok/s counted while every stream decodes, ratio the median of the pairs'")
     print("- link bytes / round: every in-process round's `round` message (events, observer calls, pages) "
           "through contract.encode and link.pack, as the engine process frames it; rounds/s from first submit "
           "to last token (the daemon's from prefixd_round_duration_seconds_count); tokens / round: all generated tokens over "
