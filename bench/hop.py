@@ -248,14 +248,14 @@ def measure(args: argparse.Namespace, sizes: Sizes) -> tuple[list[Pair], str]:
         for p in range(sizes.pairs):
             for lanes in sizes.lanes:
                 work = prompts(lanes, sizes.prompt, local.vocab, seed=p * 100 + lanes)
-                if p % 2 == 0:
-                    mine = local.decode(work, sizes.tokens)
-                    theirs = anyio.run(socket_decode, daemon.socket, daemon.metrics_url, work, sizes.tokens, pids)
-                else:
-                    theirs = anyio.run(socket_decode, daemon.socket, daemon.metrics_url, work, sizes.tokens, pids)
-                    mine = local.decode(work, sizes.tokens)
+                sides = {"in-process": lambda: local.decode(work, sizes.tokens),
+                         "socket": lambda: anyio.run(socket_decode, daemon.socket, daemon.metrics_url, work,
+                                                     sizes.tokens, pids)}
+                order = list(sides) if p % 2 == 0 else list(sides)[::-1]  # the first side alternates
+                runs = {side: sides[side]() for side in order}
+                mine, theirs = runs["in-process"], runs["socket"]
                 pairs.append(Pair(lanes, mine, theirs))
-                print(f"pair {p + 1}, {lanes} lanes ({'in-process' if p % 2 == 0 else 'socket'} first): in-process "
+                print(f"pair {p + 1}, {lanes} lanes ({order[0]} first): in-process "
                       f"{mine.tok_s():.1f} tok/s, socket {theirs.tok_s():.1f} tok/s, ratio "
                       f"{theirs.tok_s() / mine.tok_s():.3f}, load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
     return pairs, str(local.runtime.model_info.get("mode"))
