@@ -33,7 +33,10 @@ from typing import Callable
 
 DEFAULT_INTERVAL_S = 1.0
 FRESH_S = 0.1  # after an idle wait: the next measurement, and the shortest wait that counts as one
-RECHECK_S = 0.001  # after an idle wait, others runnable at once are counted again this much later
+# after an idle wait, where others are runnable at once: the waits before each count again (1, 2, 4
+# and 8 ms after the first). A client that has just sent requests is runnable for a few ms (eight
+# streams on eight connections: up to ~8 ms, docs/benchmarks.md); a build stays runnable.
+RECHECK_WAITS_S = (0.001, 0.001, 0.002, 0.004)
 
 
 @dataclass(frozen=True)
@@ -193,17 +196,20 @@ class CpuThreads:
     def _count_now(self, now: CpuSample) -> int:
         """The count the threads runnable at `now` leave room for. A thread runnable at one
         instant may be a client that has just sent this very request: where others are
-        runnable, they are counted again `RECHECK_S` later, and only those runnable both times
-        (a build's) take a core."""
+        runnable, they are counted again after each of `RECHECK_WAITS_S` until they leave room
+        for `max_threads`, and only those runnable every time (a build's) take a core."""
         free = free_now(now, self.num_cores)
         if free is None:
             return 1
-        if free < self.num_cores:
-            self._sleep(RECHECK_S)
+        for wait in RECHECK_WAITS_S:
+            if threads_for(free, self.max_threads) >= self.max_threads:
+                break
+            self._sleep(wait)
             again = self._sample()
             later = free_now(again, self.num_cores) if again is not None else None
-            if later is not None:
-                free = max(free, later)
+            if later is None:
+                break
+            free = max(free, later)
         return threads_for(free, self.max_threads)
 
     def tick(self) -> int:

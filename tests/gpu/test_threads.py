@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from prefixd.gpu import cpu_kernels
-from prefixd.gpu.threads import (FRESH_S, RECHECK_S, CpuSample, CpuThreads, free_cores, free_now, read_sample,
+from prefixd.gpu.threads import (FRESH_S, RECHECK_WAITS_S, CpuSample, CpuThreads, free_cores, free_now, read_sample,
                                  threads_for)
 from tests.gpu.runner_helpers import DEVICE, lane_pages, make_runner, prompt, run_chunks
 
@@ -65,16 +65,20 @@ def test_tick_applies_a_count_once_and_remeasures_after_the_interval():
     assert m.samples == 1 + 3  # construction, then one a second: a tick between reads no /proc
 
 
-@pytest.mark.parametrize(("wait_s", "running", "threads"), [
-    (1.2, [1], 2),  # a wait under 1.5 intervals counts too; nothing else runnable now: both cores
-    (10.0, [1], 2),
-    (10.0, [3, 1], 2),  # the client that sent the request was runnable, then blocked
-    (10.0, [3, 3], 1),  # a build still runs: the window's count holds
+@pytest.mark.parametrize(("wait_s", "running", "threads", "rechecks"), [
+    (1.2, [1], 2, 0),  # a wait under 1.5 intervals counts too; nothing else runnable now: both cores
+    (10.0, [1], 2, 0),
+    (10.0, [3, 1], 2, 1),  # the client that sent the request was runnable, then blocked
+    (10.0, [3, 2, 1], 2, 2),
+    (10.0, [3, 3, 2, 2, 1], 2, 4),  # a client sending eight streams: runnable for 4-8 ms
+    (10.0, [3, 3], 1, 4),  # a build still runs: the window's count holds
+    (10.0, [3, 2], 1, 4),  # so does a build on one core
 ])
-def test_after_an_idle_wait_the_count_follows_the_present(wait_s, running, threads):
+def test_after_an_idle_wait_the_count_follows_the_present(wait_s, running, threads, rechecks):
     """Others kept both cores busy while the engine waited idle. The first round after the
-    wait takes its count from what is runnable now (counted twice, RECHECK_S apart, where
-    others are), and the next measurement comes FRESH_S later, over the present alone."""
+    wait takes its count from what is runnable now (where others are, counted again after
+    each of RECHECK_WAITS_S until they leave both cores or the waits run out), and the next
+    measurement comes FRESH_S later, over the present alone."""
     m, applied = Machine(), []
     policy = m.policy(applied)
     m.run(0.5, own_cores=2.0, other_cores=0.0)
@@ -82,7 +86,7 @@ def test_after_an_idle_wait_the_count_follows_the_present(wait_s, running, threa
     m.run(wait_s, own_cores=0.0, other_cores=2.0)  # the wait (the round before it was short)
     m.running = list(running)
     assert policy.tick() == threads
-    assert m.slept == ([] if running[0] == 1 else [RECHECK_S])
+    assert m.slept == list(RECHECK_WAITS_S[:rechecks])
     m.run(FRESH_S / 2, own_cores=1.0, other_cores=0.0)
     m.running = [1]
     samples = m.samples
