@@ -16,6 +16,11 @@ import tempfile
 import time
 from typing import AsyncIterator, Callable, Iterable, Sequence
 
+# Between two engines' turns: the last one's spinning threads go to sleep. libgomp's default
+# spin holds a core for ~8 ms after a region; an engine that starts inside that spell counts the
+# core as taken (its thread policy, prefixd/gpu/threads.py) and runs its first round narrower.
+SWITCH_PAUSE_S = 0.05
+
 
 def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))

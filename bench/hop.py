@@ -53,7 +53,7 @@ import anyio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import ServedDaemon, fmt_ratio, markdown_table, median, print_machine  # noqa: E402
+from bench.common import SWITCH_PAUSE_S, ServedDaemon, fmt_ratio, markdown_table, median, print_machine  # noqa: E402
 from bench.daemon import scrape  # noqa: E402
 from prefixd.gpu.threads import own_cpu_s, process_cpu_s  # noqa: E402
 from prefixd.ipc.client import AsyncClient  # noqa: E402
@@ -252,7 +252,10 @@ def measure(args: argparse.Namespace, sizes: Sizes) -> tuple[list[Pair], str]:
                          "socket": lambda: anyio.run(socket_decode, daemon.socket, daemon.metrics_url, work,
                                                      sizes.tokens, pids)}
                 order = list(sides) if p % 2 == 0 else list(sides)[::-1]  # the first side alternates
-                runs = {side: sides[side]() for side in order}
+                runs = {}
+                for side in order:
+                    time.sleep(SWITCH_PAUSE_S)  # the other side's spinning threads are not this side's neighbours
+                    runs[side] = sides[side]()
                 mine, theirs = runs["in-process"], runs["socket"]
                 pairs.append(Pair(lanes, mine, theirs))
                 print(f"pair {p + 1}, {lanes} lanes ({order[0]} first): in-process "

@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    SWITCH_PAUSE_S,
     LlamaCppBaseline,
     fmt_rate,
     fmt_ratio,
@@ -217,9 +218,6 @@ def measure_all(m: Measure, sizes: Sizes, vocab: int, name: str = "") -> dict[st
         out[row.label] = rate(row.count, time_calls(lambda: row.call(m), sizes.repeats, warmup=0))
         _progress(name, row.label, out)
     return out
-
-
-SWITCH_PAUSE_S = 0.05  # between two engines' turns: the last one's spinning threads go to sleep
 
 
 @dataclass
