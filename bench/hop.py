@@ -11,7 +11,8 @@ same `serve` flags) and drives its `Engine` directly, round by round; and starts
 lanes (8 concurrent streams, one connection each): 128-token prompts, 128 generated tokens
 each, fresh prompts for every pair. In-process and socket are measured back to back, in
 pairs (on a shared machine only side-by-side figures compare), the first side alternating
-from pair to pair: the side that ran second read slower by a few % on this machine,
+from pair to pair, each side starting `SWITCH_PAUSE_S` after the other ended (its spinning
+threads asleep). Before both, the side that ran second read slower by a few % on this machine,
 whichever it was (in one run of ten pairs at eight lanes, the daemon's median ratio was 0.948x
 where it ran second and 0.966x where it ran first).
 
