@@ -88,7 +88,7 @@ def measure(*, tokens: int, window: int, margins: Sequence[float]) -> tuple[str,
     reference = RunnerLogits(ref_ckpt, mode="invariant", dtype=torch.float32, window=window)
     names = ["full (mode int4)", "coarse alone", *(f"T = {t:g}" for t in margins)]
     stats = {name: Stats() for name in names}
-    rows: dict[float, list[torch.Tensor]] = {t: [] for t in margins}
+    rows: list[list[torch.Tensor]] = [[] for _ in margins]  # per margin, each window's rows read in full
     for i, w in enumerate(windows):
         print(f"head_refine: window {i + 1} of {len(windows)}", file=sys.stderr, flush=True)
         captured.clear()
@@ -100,26 +100,22 @@ def measure(*, tokens: int, window: int, margins: Sequence[float]) -> tuple[str,
         stats[names[0]].add(ref, full, following)
         stats[names[1]].add(ref, coarse, following)
         top = coarse.max(dim=-1, keepdim=True).values
-        for t, name in zip(margins, names[2:]):
+        for t, name, read in zip(margins, names[2:], rows):
             near = coarse >= top - t
-            rows[t].append(near.sum(dim=-1))
+            read.append(near.sum(dim=-1))
             stats[name].add(ref, torch.where(near, full, coarse), following)
     headers = [f"head ({sum(map(len, windows))} tokens)", "mean KL", "p99 KL", "top-1 agreement",
                "rows read in full: mean / p50 / p99", "head MB a token (mean)"]
+    read_cells = [[f"{n:,} (all)", f"{full_mb:.1f}"], ["0", f"{coarse_mb:.1f}"]]
+    for read in rows:
+        r = torch.cat(read).float()
+        read_cells.append([f"{r.mean():,.0f} / {r.median():,.0f} / {r.quantile(0.99):,.0f}",
+                           f"{coarse_mb + float(r.mean()) * row_bytes / 1e6:.1f}"])
     table = []
-    for name in names:
+    for name, cells in zip(names, read_cells):
         kl = torch.cat(stats[name].kl)
-        line = [name, f"{float(kl.mean()):.5f}", f"{float(kl.quantile(0.99)):.4f}",
-                f"{100 * stats[name].top1 / stats[name].rows:.2f} %"]
-        if name == names[0]:
-            line += [f"{n:,} (all)", f"{full_mb:.1f}"]
-        elif name == names[1]:
-            line += ["0", f"{coarse_mb:.1f}"]
-        else:
-            r = torch.cat(rows[margins[names.index(name) - 2]]).float()
-            line += [f"{r.mean():,.0f} / {r.median():,.0f} / {r.quantile(0.99):,.0f}",
-                     f"{coarse_mb + float(r.mean()) * row_bytes / 1e6:.1f}"]
-        table.append(line)
+        table.append([name, f"{float(kl.mean()):.5f}", f"{float(kl.quantile(0.99)):.4f}",
+                      f"{100 * stats[name].top1 / stats[name].rows:.2f} %", *cells])
     versions = {"model": str(ref_ckpt.path), "text": f"docs/*.md, {len(windows)} windows of {window} tokens",
                 "threads": str(torch.get_num_threads())}
     return markdown_table(headers, table), versions
