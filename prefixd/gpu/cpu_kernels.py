@@ -175,15 +175,18 @@ def pack8(codes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> tuple
 
 
 def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, path: str = "auto",
-           norm: tuple[torch.Tensor, float] | None = None, passes: int = 1) -> torch.Tensor:
+           norm: tuple[torch.Tensor, float] | None = None, passes: int = 1,
+           watch: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """fp32 (M, n) = x (M, Kx) @ W.T, W packed by `pack` or `pack8` (K a multiple of Kx); x bf16 or fp32.
 
     norm = (weight fp32 (Kx,), eps): x's rows RMS-normalized first, in the call (csrc/int4_mm.cpp).
     passes = 2: x's 8-bit codes and then those of their rounding error, each its own product,
-    summed (about 15 bits of each activation; the weights are read once)."""
+    summed (about 15 bits of each activation; the weights are read once). watch = (finite uint8
+    (M,), best int64 (M,), limit): each row's watch as `layers_int4`'s head keeps it (`head_picks`)."""
+    extra = {} if watch is None else dict(finite=watch[0], best=watch[1], limit=watch[2])
     if norm is None:
-        return torch.ops.prefixd.int4_mm(x, codes, scales, n, path, passes=passes)
-    return torch.ops.prefixd.int4_mm(x, codes, scales, n, path, norm[0], norm[1], passes)
+        return torch.ops.prefixd.int4_mm(x, codes, scales, n, path, passes=passes, **extra)
+    return torch.ops.prefixd.int4_mm(x, codes, scales, n, path, norm[0], norm[1], passes, **extra)
 
 
 def attention_path(q8: bool = False) -> str:
@@ -232,10 +235,20 @@ def layers_int4(h: torch.Tensor, weights: list[torch.Tensor], outs: list[int], e
     codes and scales of gate_up and down); outs: the four products' widths a layer; qk, attn,
     act: the round's buffers (model._Round); tables: q-scaled rope tables; index:
     `attention_index`'s (spans, tables). head = (final norm, codes, scales, n, passes, normed,
-    logits): then every row's final norm into `normed` and its logits into `logits` too, in the
-    same call, with the bits of `rms_norm` and `matmul` on them."""
+    logits[, finite, best, limit]): then every row's final norm into `normed` and its logits into
+    `logits` too, in the same call, with the bits of `rms_norm` and `matmul` on them; with
+    `finite` (uint8 (R,)) and `best` (int64 (R,)), the row's flag (1: every logit finite) and its
+    greedy pick below `limit` as a key (`head_picks` reads both)."""
     torch.ops.prefixd.layers_int4(h, weights, outs, eps, qk, attn, act, tables[0], tables[1], k_pools, v_pools,
                                   slots, index[0], index[1], heads, *(head or ()))
+
+
+def head_picks(finite: torch.Tensor, best: torch.Tensor) -> tuple[list[bool], list[int]]:
+    """`layers_int4`'s watch of the head's rows as (finite a row, greedy pick a row): the pick is
+    the lowest id of the row's largest logit below the call's limit (numpy's argmax on it), read
+    only where the row is finite. A key holds the value's order in its high 32 bits and the
+    id's complement in its low 32."""
+    return finite.numpy().astype(bool).tolist(), [0xFFFFFFFF - (key & 0xFFFFFFFF) for key in best.tolist()]
 
 
 def attention_index(spans) -> tuple[torch.Tensor, torch.Tensor]:

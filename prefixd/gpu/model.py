@@ -211,36 +211,43 @@ class LlamaModel:
         """Run every layer; writes K/V of the real rows; returns final-normed fp32 hidden."""
         return self._forward(inputs, kv, head=False)[0]
 
-    def forward_logits(self, inputs: RoundInputs, kv: KVPool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_logits(self, inputs: RoundInputs, kv: KVPool, pick_below: int = 0) -> tuple[
+            torch.Tensor, torch.Tensor | None, tuple[list[bool], list[int]] | None]:
         """`forward`, and every row's logits where mode int4's one call takes the head too (the
         runner asks when it wants every row's, as in a decode round), else None; the bits of
-        `logits(forward(...))`."""
-        return self._forward(inputs, kv, head=True)
+        `logits(forward(...))`. Beside those logits, with `pick_below` > 0, what the call saw of
+        each row as it stored it (`cpu_kernels.head_picks`): whether every logit is finite, and
+        the greedy pick among ids below `pick_below`; else None."""
+        return self._forward(inputs, kv, head=True, pick_below=pick_below)
 
-    def _forward(self, inputs: RoundInputs, kv: KVPool, head: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, inputs: RoundInputs, kv: KVPool, head: bool, pick_below: int = 0) -> tuple[
+            torch.Tensor, torch.Tensor | None, tuple[list[bool], list[int]] | None]:
         c = self.config
         h = self.embed_rows(inputs)  # (rows, hidden) fp32, a fresh tensor: updated in place
         rnd = _Round(self, inputs, self.dtype if kv.codes8 else kv.dtype, h.shape[0])  # q and k: bf16 beside 8-bit pages
         if rnd.fused:
-            return self._forward_fused(h, rnd, kv), None
+            return self._forward_fused(h, rnd, kv), None, None
         if self.one_call and rnd.cpu_index is not None and rnd.scaled is not None:
             # int4: the loop below as one call of the CPU kernels (the same ops, the same bits)
             args = (h, *self._one_call_weights, c.rms_norm_eps, rnd.qk, rnd.attn, rnd.act, rnd.scaled, kv.k, kv.v,
                     rnd.slots, rnd.cpu_index, c.num_heads)
             w = self.lm_head
             if head and isinstance(w, Int8Weight) and h.shape[0] == inputs.num_rows:
-                normed, logits = torch.empty_like(h), h.new_empty((h.shape[0], w.shape[0]))
+                rows = h.shape[0]
+                normed, logits = torch.empty_like(h), h.new_empty((rows, w.shape[0]))
+                watch = (torch.empty(rows, dtype=torch.uint8), torch.empty(rows, dtype=torch.long),
+                         pick_below) if pick_below > 0 else ()
                 cpu_kernels.layers_int4(*args, head=(self.final_norm, w.codes, w.scales, w.shape[0], w.passes,
-                                                     normed, logits))
-                return normed, logits
+                                                     normed, logits, *watch))
+                return normed, logits, cpu_kernels.head_picks(*watch[:2]) if watch else None
             cpu_kernels.layers_int4(*args)
-            return rms_norm(h, self.final_norm, c.rms_norm_eps), None
+            return rms_norm(h, self.final_norm, c.rms_norm_eps), None, None
         for i, layer in enumerate(self.layers):
             h += self._attention(i, layer, self._normed_product(h, layer.input_norm, layer.qkv), rnd, kv)
             gate, up = self._normed_product(h, layer.post_norm, layer.gate_up).float().chunk(2, dim=-1)
             torch.nn.functional.silu(gate, inplace=True)
             h += matmul(torch.mul(gate, up, out=rnd.act), layer.down)  # fp32 += compute dtype: exact
-        return rms_norm(h, self.final_norm, c.rms_norm_eps), None
+        return rms_norm(h, self.final_norm, c.rms_norm_eps), None, None
 
     def _forward_fused(self, h: torch.Tensor, rnd: "_Round", kv: KVPool) -> torch.Tensor:
         """`forward` through fused.py's kernels (the CUDA path): each residual add rides the

@@ -91,6 +91,8 @@ class ModelRunner:
                                        capture=programs == "auto") if use_programs else None
         self.copies = CopyEngine(self.device)  # page and state copies, fenced
         self._samplers: dict[int, LaneSampler] = {}
+        vocab = self.tokenizer.vocab_size if self.tokenizer is not None else config.vocab_size
+        self._tokenizer_vocab = min(vocab, config.vocab_size)  # ids at or past it are never sampled
         self._ll_tokenizer: Any = None
 
     # Device protocol -------------------------------------------------------------------
@@ -158,9 +160,8 @@ class ModelRunner:
             self.copies.copy_pages(self.kv.pools(), [c.src for c in batch], [c.dst for c in batch]).wait()
 
     def _new_sampler(self, item: SamplerSetup) -> LaneSampler:
-        vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
         return LaneSampler(item.sampling, item.history, vocab_size=self.config.vocab_size,
-                           tokenizer_vocab=min(vocab, self.config.vocab_size), device=self.device,
+                           tokenizer_vocab=self._tokenizer_vocab, device=self.device,
                            constraint=self._constraint(item.sampling))
 
     def _constraint(self, sampling: SamplingParams) -> GrammarMask | None:
@@ -262,26 +263,29 @@ class ModelRunner:
             t0 = time.perf_counter()
             carries = self.drafts.carries(runnable.lanes) if self.drafts is not None else {}
             wanted, where = self._wanted_rows(runnable, [span.row for span in inputs.spans])
-            logits = None
+            logits = picks = None
             if len(where) == inputs.num_rows and hasattr(self.model, "forward_logits"):
-                # every row's logits, in row order (a decode round): the model may take the head in its call
-                hidden, logits = self.model.forward_logits(inputs, self.kv)
+                # every row's logits, in row order (a decode round): the model may take the head in
+                # its call, and pick greedy tokens and screen the rows as it stores them
+                hidden, logits, picks = self.model.forward_logits(inputs, self.kv, pick_below=self._tokenizer_vocab)
             else:
                 hidden = self.model.forward(inputs, self.kv)
             if logits is None and where:
                 logits = self.model.logits(hidden.index_select(0, wanted))
-            self._sample(runnable, logits, where, results)
+            self._sample(runnable, logits, where, results, picks)
             if self.drafts is not None:
                 self._propose(runnable.lanes, inputs, hidden, carries, results)
             forward_s = time.perf_counter() - t0
         return tuple(results[w.lane] for w in work), forward_s
 
     def _sample(self, plan: RoundPlan, logits: torch.Tensor | None, where: dict,
-                results: dict[int, LaneResult]) -> None:
-        """Each lane's result from the logits of its wanted rows (`_wanted_rows`)."""
-        finite = _finite_rows(logits) if logits is not None else []
+                results: dict[int, LaneResult], picks: tuple[list[bool], list[int]] | None = None) -> None:
+        """Each lane's result from the logits of its wanted rows (`_wanted_rows`); `picks`: each
+        row's finite flag and greedy pick where the model's call made them (`forward_logits`),
+        so that neither the screen nor a `greedy_alone` lane reads the row again."""
+        finite, greedy = picks if picks is not None else (_finite_rows(logits) if logits is not None else [], None)
         with held_masks():  # next masks are built once every lane has sampled (constrain.py)
-            results.update((w.lane, self._lane_result(w, logits, where, finite)) for w in plan.lanes)
+            results.update((w.lane, self._lane_result(w, logits, where, finite, greedy)) for w in plan.lanes)
 
     def _propose(self, works: tuple[LaneWork, ...], inputs: RoundInputs, hidden: torch.Tensor,
                  carries: dict, results: dict[int, LaneResult]) -> None:
@@ -386,18 +390,21 @@ class ModelRunner:
         return None
 
     def _lane_result(self, w: LaneWork, logits: torch.Tensor | None, where: dict,
-                     finite: list[bool]) -> LaneResult:
+                     finite: list[bool], greedy: list[int] | None = None) -> LaneResult:
         """The lane's sampled tokens and logits rows, or its error when a row it samples from or
-        returns is not finite, or its sampler fails."""
+        returns is not finite, or its sampler fails. `greedy`: each row's greedy pick, made
+        elsewhere, which a `greedy_alone` sampler takes in place of reading the row."""
         bad = [r for r in sorted({*w.sample_rows, *w.logits_rows, *w.digest_rows}) if not finite[where[(w.lane, r)]]]
         if bad:
             return LaneResult(w.lane, error=f"the logits row at position {w.start + bad[0]} is not "
                                             "finite (NaN or inf)")
         sampler = self._sampler(w.lane) if w.sample_rows else None
+        picked = greedy is not None and sampler is not None and sampler.greedy_alone
         sampled, logprobs = [], []
         try:
             for i, r in enumerate(w.sample_rows):
-                sampled.append(sampler.sample(logits[where[(w.lane, r)]], w.start + r + 1))
+                row = where[(w.lane, r)]
+                sampled.append(sampler.take_pick(greedy[row]) if picked else sampler.sample(logits[row], w.start + r + 1))
                 logprobs.append(sampler.last_logprob)
                 if w.drafts and (i == len(w.drafts) or sampled[-1] != w.drafts[i]):
                     break  # verify rows: only up to the first rejected draft (LaneSampler.verify)

@@ -256,6 +256,20 @@ class LaneSampler:
         self.observe(token)
         return token
 
+    @property
+    def greedy_alone(self) -> bool:
+        """Whether this lane's token is the greedy pick of its raw row below `tokenizer_vocab`
+        and nothing else of the row is needed (no penalty, grammar or logprobs): what
+        `take_pick` takes from a pick made elsewhere (the head's call, `cpu_kernels.head_picks`)."""
+        p = self.params
+        return p.greedy and p.repetition_penalty == 1.0 and self.constraint is None and p.logprobs is None
+
+    def take_pick(self, token: int) -> int:
+        """`sample`'s result for a `greedy_alone` lane whose row's pick, `token`, was made
+        elsewhere: recorded in the history as `sample` records it."""
+        self.observe(token)
+        return token
+
     def observe(self, token: int) -> None:
         """Add a token chosen elsewhere (e.g. an accepted draft) to the repetition history."""
         if not 0 <= token < self.vocab_size:

@@ -553,3 +553,121 @@ def test_a_decode_rows_non_finite_logits_fail_its_lane_alone_where_the_call_take
     for lane in (0, 2):
         assert fused[lane].error is None
         assert torch.equal(fused[lane].logits.view(torch.int32), loop[lane].logits.view(torch.int32))
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_the_heads_watch_is_each_rows_finite_flag_and_lowest_argmax_on_every_path(passes):
+    """The head's call watches each row's outputs as its tiles store them: a flag, set where
+    every output is finite, and the greedy pick, the lowest index of the largest output below a
+    limit (numpy's argmax of the row's first `limit` outputs). Checked on both paths, with a tie
+    at the maximum across blocks (outputs 10 and 500 share their weights; 500's block may be
+    another thread's), limits inside a block, at a block's first column, at the vocabulary's
+    end and at 0 (no pick), an all-zero row (every output ties), a row of NaN inputs (its flag
+    alone falls), and an inf scale (every row's flag falls)."""
+    g = torch.Generator().manual_seed(31 + passes)
+    n, k = 1000, 576
+    weights = torch.randn(n, k, generator=g) * 0.05
+    weights[500] = weights[10]
+    codes, scale, base = int8_codes(weights)
+    base[[10, 500]] = 1.0  # positive rows' sums make these two the largest, tied
+    packed, scales = cpu_kernels.pack8(codes, scale, base)
+    x = torch.rand(12, k, generator=g) * 2
+    x[3] = torch.randn(k, generator=g)  # a row of either sign: its maximum lies elsewhere
+    x[5] = 0
+    x[7, 100] = float("nan")
+    for path in kernel_paths():
+        for limit in (n, 977, 480, 32, 1, 0):
+            finite, best = torch.empty(12, dtype=torch.uint8), torch.empty(12, dtype=torch.long)
+            out = cpu_kernels.matmul(x, packed, scales, n, path, passes=passes, watch=(finite, best, limit))
+            flags, picks = cpu_kernels.head_picks(finite, best)
+            assert flags == torch.isfinite(out).all(dim=1).tolist() == [r != 7 for r in range(12)], (path, limit)
+            if limit == 0:
+                continue
+            want = out[:, :limit].numpy().argmax(axis=1).tolist()
+            assert [p for r, p in enumerate(picks) if r != 7] == [w for r, w in enumerate(want) if r != 7], (path, limit)
+            if limit > 500:
+                assert picks[0] == 10 and out[0, 10] == out[0, 500] == out[0].max(), (path, limit)
+            assert picks[5] == 0, "an all-zero row: every output ties, the lowest index wins"
+    spoiled = scales.clone()
+    spoiled[700 // 32, 0, 0, 700 % 32] = float("inf")
+    for path in kernel_paths():
+        finite, best = torch.empty(12, dtype=torch.uint8), torch.empty(12, dtype=torch.long)
+        cpu_kernels.matmul(x, packed, spoiled, n, path, passes=passes, watch=(finite, best, n))
+        assert cpu_kernels.head_picks(finite, best)[0] == [False] * 12, path
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "default"])
+def test_greedy_lanes_take_the_heads_picks_and_every_lane_samples_as_the_loop_does(model, request, monkeypatch):
+    """Where the one call takes the head it also picks each row's greedy token and screens the
+    row as it stores it: a greedy lane with nothing else to apply (no penalty, grammar or
+    logprobs) takes that pick without reading its logits, and the runner does not screen the
+    rows again. A greedy lane with a repetition penalty and a sampled lane still sample from
+    their rows. Every lane's tokens over four decode rounds are the Python loop's, whose
+    runner samples every lane from its row."""
+    from prefixd.gpu import runner as runner_module
+    from prefixd.gpu.sampling import LaneSampler
+    from prefixd.scheduler.records import LaneWork, RoundPlan, SamplerSetup, SamplingParams
+    from tests.gpu.runner_helpers import lane_pages, prompt, run_chunks
+
+    sampled_lanes, screened = [], []
+    real_sample, real_screen = LaneSampler.sample, runner_module._finite_rows
+    monkeypatch.setattr(LaneSampler, "sample", lambda self, row, pos: (sampled_lanes.append(self.params),
+                                                                       real_sample(self, row, pos))[1])
+    monkeypatch.setattr(runner_module, "_finite_rows", lambda logits: (screened.append(len(logits)),
+                                                                     real_screen(logits))[1])
+    runners, calls = one_call_and_loop(model, request, monkeypatch, num_lanes=3, num_pages=60)
+    params = (SamplingParams(), SamplingParams(repetition_penalty=1.3), SamplingParams(temperature=0.8, seed=5))
+    outs = []
+    for runner in runners:
+        histories = [prompt(20, seed=lane) for lane in range(3)]
+        for lane in range(3):
+            run_chunks(runner, lane, histories[lane], lane_pages(lane), (20,))
+        runner.run_round(RoundPlan(samplers=tuple(SamplerSetup(lane, params[lane], histories[lane])
+                                                  for lane in range(3))))
+        sampled_lanes.clear()
+        screened.clear()
+        tokens = [[100 + lane] for lane in range(3)]
+        for step in range(4):
+            plan = RoundPlan(tuple(LaneWork(lane, 20 + step, (tokens[lane][-1],), lane_pages(lane), False,
+                                            sample_rows=(0,)) for lane in range(3)))
+            for lane, result in enumerate(runner.run_round(plan).lanes):
+                assert result.error is None
+                tokens[lane] += result.sampled
+        outs.append((tokens, list(sampled_lanes), list(screened)))
+    (one, one_sampled, one_screened), (loop, loop_sampled, loop_screened) = outs
+    assert calls[-4:] == [True] * 4, "each decode round's call took the head"
+    assert one == loop
+    assert one_sampled == [params[1], params[2]] * 4, "the plain greedy lane read its row"
+    assert loop_sampled == list(params) * 4
+    assert one_screened == [] and loop_screened == [3] * 4
+
+
+@pytest.mark.parametrize("column", [0, 20_000, 49_151])
+def test_the_heads_watch_fails_every_lane_whose_row_holds_one_non_finite_logit(column, request, monkeypatch):
+    """One head scale made inf gives every row one inf or NaN logit, in one column only (a
+    block's first, one inside, the vocabulary's last): the call's flags fail every lane with the
+    screen's error, as on the Python loop's path, greedy lanes included (their pick is not
+    taken); a round whose logits are all finite fails none."""
+    from prefixd.scheduler.records import LaneWork, RoundPlan
+    from tests.gpu.runner_helpers import lane_pages, prompt, run_chunks, start_sampler
+
+    runners, calls = one_call_and_loop("default", request, monkeypatch, num_lanes=2, num_pages=40)
+    outs = []
+    for runner in runners:
+        for lane in range(2):
+            run_chunks(runner, lane, prompt(20, seed=lane), lane_pages(lane), (20,))
+            start_sampler(runner, lane, prompt(20, seed=lane))
+        rounds = []
+        for step, poisoned in enumerate((False, True)):
+            if poisoned:
+                scales = runner.model.lm_head.scales  # (NB, G, 2, 32): [nb, g, 0, c] the scale of output 32 nb + c
+                scales[column // 32, 0, 0, column % 32] = float("inf")
+            plan = RoundPlan(tuple(LaneWork(lane, 20 + step, (100 + lane,), lane_pages(lane), False, sample_rows=(0,))
+                                   for lane in range(2)))
+            rounds.append(runner.run_round(plan).lanes)
+        outs.append(rounds)
+    (clean, bad), (loop_clean, loop_bad) = outs
+    assert calls[-2:] == [True, True], "the one call took the head in both decode rounds"
+    for lane in range(2):
+        assert clean[lane].error is None and clean[lane].sampled == loop_clean[lane].sampled
+        assert bad[lane].error == loop_bad[lane].error == "the logits row at position 21 is not finite (NaN or inf)"

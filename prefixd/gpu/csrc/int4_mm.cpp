@@ -80,6 +80,7 @@ struct Call {
   bool half;  // scales are fp16 (else bf16)
   bool accumulate = false;  // out += the product (one fp32 add an output), else out = it
   bool paired = false;      // rows 2m, 2m + 1 are a row's two passes: out (M / 2, N) = acc(2m) + acc(2m + 1)
+  const prefixd_cpu::RowWatch* watch = nullptr;  // the out rows' finite flags and best picks (the head's call)
 };
 
 // Where row m's outputs go, and whether they are added (one fp32 add an output) to what is there:
@@ -91,15 +92,64 @@ inline float* out_row(const Call& c, int64_t m, bool* add) {
   return c.out + (c.paired ? m >> 1 : m) * c.N;
 }
 
-// A finished tile's rows into out, as they are or added to what out holds.
-inline void store_rows(const Call& c, const float* tile, int64_t m, int64_t n0, int64_t cols) {
+// A float's bits as an unsigned key in the floats' order, both zeros as +0's (they compare
+// equal, and the lowest index of the largest value is the pick): for a finite f and g, key(f) <
+// key(g) exactly when f < g.
+inline uint32_t order_key(uint32_t u) {
+  if ((u & 0x7fffffffu) == 0) u = 0;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// A watched row's outcome for one tile: a non-finite output clears the row's flag (its pick is
+// then never read); else the row's best key rises to `top` (the tile's largest output's order
+// key) at index `at` (its lowest column).
+inline void watch_result(const prefixd_cpu::RowWatch& w, int64_t row, bool bad, uint32_t top, int64_t at) {
+  if (bad) {
+    __atomic_store_n(w.finite + row, uint8_t{0}, __ATOMIC_RELAXED);
+    return;
+  }
+  if (at < 0) return;  // no column below the limit
+  const uint64_t key = (static_cast<uint64_t>(top) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(at));
+  uint64_t* best = w.best + row;
+  uint64_t seen = __atomic_load_n(best, __ATOMIC_RELAXED);
+  while (key > seen && !__atomic_compare_exchange_n(best, &seen, key, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+}
+
+// Out row m's final outputs o[0, cols) (columns n0 ...) into the call's watch, when it has one
+// and m's outputs are final (not a pair's first pass): whether any is an inf or a NaN (read as
+// integers: no compiler flag can fold the test away), and the largest below the limit at its
+// lowest column. The AVX-512 path has its own (`watch_tile_vnni`), with the same outcome.
+inline void watch_tile(const Call& c, const float* o, int64_t m, int64_t n0, int64_t cols) {
+  if (c.watch == nullptr || (c.paired && !(m & 1))) return;
+  const prefixd_cpu::RowWatch& w = *c.watch;
+  const int64_t valid = std::clamp<int64_t>(w.limit - n0, 0, cols);
+  uint32_t bad = 0, top = 0;
+  for (int64_t i = 0; i < cols; ++i) {
+    uint32_t u;
+    std::memcpy(&u, o + i, 4);
+    bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+    if (i < valid) top = std::max(top, order_key(u));
+  }
+  int64_t at = -1;
+  for (int64_t i = 0; i < valid && at < 0; ++i) {
+    uint32_t u;
+    std::memcpy(&u, o + i, 4);
+    if (order_key(u) == top) at = n0 + i;
+  }
+  watch_result(w, c.paired ? m >> 1 : m, bad != 0, top, at);
+}
+
+// A finished tile's rows into out, as they are or added to what out holds; returns where they went.
+inline float* store_rows(const Call& c, const float* tile, int64_t m, int64_t n0, int64_t cols) {
   bool add;
   float* o = out_row(c, m, &add) + n0;
   if (!add) {
     std::memcpy(o, tile, cols * sizeof(float));
-    return;
+  } else {
+    for (int64_t i = 0; i < cols; ++i) o[i] = o[i] + tile[i];
   }
-  for (int64_t i = 0; i < cols; ++i) o[i] = o[i] + tile[i];
+  return o;
 }
 
 inline int64_t group_bytes(int bits) { return bits * 128; }  // 32 outputs x 32 inputs x bits / 8
@@ -205,6 +255,8 @@ void tile_scalar(const Call& c, int64_t m0, int rows, int64_t nb) {
       float* o = out_row(c, m, &add) + n0 + col;
       *o = add ? *o + acc : acc;
     }
+    bool add;
+    watch_tile(c, out_row(c, m, &add) + n0, m, n0, cols);
   }
 }
 
@@ -368,6 +420,36 @@ PREFIXD_VNNI void quantize_rows_vnni(const T* x, int64_t rows, int64_t kx, const
   }
 }
 
+// `watch_tile` for a whole block (BLOCK_N = 32 outputs, two vectors), with its outcome: the
+// order keys' unsigned maximum, and the first lane holding it.
+PREFIXD_VNNI inline void watch_tile_vnni(const Call& c, const float* o, int64_t m, int64_t n0) {
+  static_assert(BLOCK_N == 32, "two vectors a block");
+  if (c.watch == nullptr || (c.paired && !(m & 1))) return;
+  const prefixd_cpu::RowWatch& w = *c.watch;
+  const int64_t valid = std::clamp<int64_t>(w.limit - n0, 0, BLOCK_N);
+  const __m512i exp = _mm512_set1_epi32(0x7f800000), mag = _mm512_set1_epi32(0x7fffffff);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u)), ones = _mm512_set1_epi32(-1);
+  __m512i key[2];
+  bool bad = false;
+  for (int h = 0; h < 2; ++h) {
+    __m512i u = _mm512_loadu_si512(o + 16 * h);
+    bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, exp), exp) != 0;
+    u = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(u, mag), u);  // -0 as +0
+    const __mmask16 neg = _mm512_test_epi32_mask(u, sign);
+    key[h] = _mm512_mask_xor_epi32(_mm512_or_si512(u, sign), neg, u, ones);  // ~u where negative
+    const int64_t lanes = std::clamp<int64_t>(valid - 16 * h, 0, 16);
+    key[h] = _mm512_maskz_mov_epi32(static_cast<__mmask16>((1u << lanes) - 1), key[h]);  // 0: below every key
+  }
+  const uint32_t top = static_cast<uint32_t>(_mm512_reduce_max_epu32(_mm512_max_epu32(key[0], key[1])));
+  int64_t at = -1;
+  if (valid > 0) {
+    const __m512i t = _mm512_set1_epi32(static_cast<int>(top));
+    const uint32_t hits = _mm512_cmpeq_epi32_mask(key[0], t) | (static_cast<uint32_t>(_mm512_cmpeq_epi32_mask(key[1], t)) << 16);
+    at = n0 + __builtin_ctz(hits);
+  }
+  watch_result(w, c.paired ? m >> 1 : m, bad, top, at);
+}
+
 template <int BITS>
 PREFIXD_VNNI void tile_vnni(const Call& c, int64_t m0, int rows, int64_t nb) {
   alignas(64) float tile[ROW_TILE * BLOCK_N];
@@ -384,7 +466,13 @@ PREFIXD_VNNI void tile_vnni(const Call& c, int64_t m0, int rows, int64_t nb) {
       case 2: tile_vnni_rows<2, BITS>(c, m0 + r, nb, tile, fetch); break;
       default: tile_vnni_rows<1, BITS>(c, m0 + r, nb, tile, fetch); break;
     }
-    for (int i = 0; i < n; ++i) store_rows(c, tile + i * BLOCK_N, m0 + r + i, n0, cols);
+    for (int i = 0; i < n; ++i) {
+      const float* o = store_rows(c, tile + i * BLOCK_N, m0 + r + i, n0, cols);
+      if (cols == BLOCK_N)
+        watch_tile_vnni(c, o, m0 + r + i, n0);
+      else
+        watch_tile(c, o, m0 + r + i, n0, cols);
+    }
   }
 }
 
@@ -454,7 +542,8 @@ void tiles(const Call& c, bool vnni, int64_t begin, int64_t end) {
 
 // "vnni", "portable" or "auto" (the best this CPU has); the tests run both paths
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n, c10::string_view path,
-                   const std::optional<at::Tensor>& norm_weight, double eps, int64_t passes) {
+                   const std::optional<at::Tensor>& norm_weight, double eps, int64_t passes,
+                   const std::optional<at::Tensor>& finite, const std::optional<at::Tensor>& best, int64_t limit) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.device().is_cpu(),
               "int4_mm: x must be a 2-D CPU bf16 or fp32 tensor");
   const prefixd_cpu::Int4Weight w = weight_of(codes, scales, n);
@@ -474,6 +563,20 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   const bool vnni = path == "vnni" || (path == "auto" && have_vnni());
   TORCH_CHECK(!vnni || have_vnni(), "int4_mm: this CPU has no AVX-512 VNNI");
 
+  // the out rows' watch (`prefixd_cpu::RowWatch`), as the head's call keeps it: for the tests of both paths
+  TORCH_CHECK(finite.has_value() == best.has_value(), "int4_mm: finite and best go together");
+  std::optional<prefixd_cpu::RowWatch> watch;
+  if (finite.has_value()) {
+    TORCH_CHECK(finite->scalar_type() == at::kByte && finite->dim() == 1 && finite->size(0) == m &&
+                    finite->is_contiguous() && best->scalar_type() == at::kLong && best->dim() == 1 &&
+                    best->size(0) == m && best->is_contiguous() && 0 <= limit && limit <= n,
+                "int4_mm: finite (uint8 (M,)) and best (int64 (M,)), with 0 <= limit <= n");
+    uint8_t* f = finite->mutable_data_ptr<uint8_t>();
+    uint64_t* b = reinterpret_cast<uint64_t*>(best->mutable_data_ptr<int64_t>());
+    std::fill(f, f + m, uint8_t{1});
+    std::fill(b, b + m, uint64_t{0});
+    watch = prefixd_cpu::RowWatch{f, b, limit};
+  }
   if (m == 0) return at::empty({m, n}, x.options().dtype(at::kFloat));
   const at::Tensor xc = x.contiguous();
   const int64_t gx = kx / GROUP, rows_q = passes * m;  // the product's rows: one per pass of each row of x
@@ -499,6 +602,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 
   Call c{{xq, d, s}, w.codes, w.scales, out.mutable_data_ptr<float>(), rows_q, n, k, kx, w.bits, w.half};
   c.paired = passes == 2;
+  c.watch = watch ? &*watch : nullptr;
   const int64_t chunks = (rows_q + ROW_CHUNK - 1) / ROW_CHUNK;
   at::parallel_for(0, chunks * w.nblocks, 1, [&](int64_t begin, int64_t end) { tiles(c, vnni, begin, end); });
   return out;
@@ -532,10 +636,11 @@ void int4_quantize_passes(const float* x, int64_t begin, int64_t end, int64_t kx
 int64_t int4_tasks(const Int4Weight& w, int64_t rows) { return (rows + ROW_CHUNK - 1) / ROW_CHUNK * w.nblocks; }
 
 void int4_tiles(const Int4Weight& w, const int8_t* xq, const float* d, const float* s, int64_t rows, int64_t kx,
-                float* out, bool accumulate, int64_t begin, int64_t end, bool paired) {
+                float* out, bool accumulate, int64_t begin, int64_t end, bool paired, const RowWatch* watch) {
   Call c{{xq, d, s}, w.codes, w.scales, out, rows, w.n, w.k, kx, w.bits, w.half};
   c.accumulate = accumulate;
   c.paired = paired;
+  c.watch = watch;
   tiles(c, have_vnni(), begin, end);
 }
 
@@ -543,7 +648,7 @@ void int4_tiles(const Int4Weight& w, const int8_t* xq, const float* d, const flo
 
 TORCH_LIBRARY(prefixd, m) {
   m.def("int4_mm(Tensor x, Tensor codes, Tensor scales, int n, str path='auto', Tensor? norm_weight=None, "
-        "float eps=0.0, int passes=1) -> Tensor");
+        "float eps=0.0, int passes=1, Tensor(a!)? finite=None, Tensor(b!)? best=None, int limit=0) -> Tensor");
   m.def("int4_isa() -> str", [] { return int4_isa(); });
 }
 

@@ -54,8 +54,21 @@ void int4_quantize_passes(const float* x, int64_t begin, int64_t end, int64_t kx
 // outputs: int4_tiles runs tasks [begin, end) into out (rows, w.n), or adds them to what it holds.
 // With `paired`, rows 2m and 2m + 1 are row m's two passes and out is (rows / 2, w.n).
 int64_t int4_tasks(const Int4Weight& w, int64_t rows);
+
+// What the tiles learn of each out row's final outputs as they store them (while they are in the
+// first-level cache), for the head's call: `finite` (set by the caller) is cleared where any
+// output is an inf or a NaN; `best` (0 from the caller) rises to the key (`pick_key`) of the
+// largest output below `limit` and its lowest index. Tiles of one row on several threads raise
+// it atomically: the largest key wins whatever their order, so the result is the row's own.
+struct RowWatch {
+  uint8_t* finite;
+  uint64_t* best;
+  int64_t limit;
+};
+
 void int4_tiles(const Int4Weight& w, const int8_t* xq, const float* d, const float* s, int64_t rows, int64_t kx,
-                float* out, bool accumulate, int64_t begin, int64_t end, bool paired = false);
+                float* out, bool accumulate, int64_t begin, int64_t end, bool paired = false,
+                const RowWatch* watch = nullptr);
 
 // ---- attention (attention.cpp) --------------------------------------------------------------------
 

@@ -11,12 +11,17 @@
 // with model.LlamaModel.logits' ops on every row: normed = rms_norm(h) (torch's op itself, on
 // one thread), logits = int4_mm(normed, head; passes), so the team does not part and meet again
 // across the Python between the two calls (and its second thread, asleep by then, is not late).
+// With `finite` and `best`, the head's tiles also watch each row's logits as they store them
+// (`prefixd_cpu::RowWatch`): whether all are finite, and the largest below `head_limit` at its
+// lowest index, the greedy pick, so that a greedy lane's round need not read its logits again
+// (cold by then: the screen and the pick were a fifth of a one-lane round's host work).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <array>
 #include <optional>
 #include <vector>
@@ -69,7 +74,8 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
                  at::TensorList v_pools, const at::Tensor& slots, const at::Tensor& spans, const at::Tensor& tables,
                  int64_t heads, const std::optional<at::Tensor>& final_norm, const std::optional<at::Tensor>& head_codes,
                  const std::optional<at::Tensor>& head_scales, int64_t head_n, int64_t head_passes,
-                 const std::optional<at::Tensor>& normed, const std::optional<at::Tensor>& logits) {
+                 const std::optional<at::Tensor>& normed, const std::optional<at::Tensor>& logits,
+                 const std::optional<at::Tensor>& finite, const std::optional<at::Tensor>& best, int64_t head_limit) {
   const int64_t layers = static_cast<int64_t>(k_pools.size());
   TORCH_CHECK(static_cast<int64_t>(v_pools.size()) == layers && static_cast<int64_t>(weights.size()) == PER_LAYER * layers &&
                   static_cast<int64_t>(outs.size()) == OUTS * layers,
@@ -99,6 +105,21 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
     TORCH_CHECK(logits->scalar_type() == at::kFloat && logits->is_contiguous() && logits->dim() == 2 &&
                     logits->size(0) == rows && logits->size(1) == head_n,
                 "layers_int4: logits must be contiguous fp32 (R, head_n)");
+  }
+  // the head's watch (`prefixd_cpu::RowWatch`): each row's finite flag and best pick, as its tiles store it
+  TORCH_CHECK(finite.has_value() == best.has_value(), "layers_int4: finite and best go together");
+  std::optional<prefixd_cpu::RowWatch> watch;
+  if (finite.has_value()) {
+    TORCH_CHECK(head && finite->scalar_type() == at::kByte && finite->dim() == 1 && finite->size(0) == rows &&
+                    finite->is_contiguous() && best->scalar_type() == at::kLong && best->dim() == 1 &&
+                    best->size(0) == rows && best->is_contiguous() && 0 <= head_limit && head_limit <= head_n &&
+                    head_limit < (int64_t{1} << 32),
+                "layers_int4: finite (uint8 (R,)) and best (int64 (R,)) go beside a head, with 0 <= head_limit <= head_n");
+    uint8_t* f = finite->mutable_data_ptr<uint8_t>();
+    uint64_t* b = reinterpret_cast<uint64_t*>(best->mutable_data_ptr<int64_t>());
+    std::fill(f, f + rows, uint8_t{1});
+    std::fill(b, b + rows, uint64_t{0});
+    watch = prefixd_cpu::RowWatch{f, b, head_limit};
   }
   std::vector<Int4Weight> ws;
   std::vector<const float*> norms;
@@ -270,7 +291,8 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
            [&](int b, int e) { prefixd_cpu::int4_quantize_passes(np, b, e, hidden, head_q, row.data(), hq, hd, hs); });
       float* lp = logits->mutable_data_ptr<float>();
       each(head_ops[HEAD_TILES], nothing, [&](int b, int e) {
-        prefixd_cpu::int4_tiles(*head_w, hq, hd, hs, head_q * rows, hidden, lp, false, b, e, head_q == 2);
+        prefixd_cpu::int4_tiles(*head_w, hq, hd, hs, head_q * rows, hidden, lp, false, b, e, head_q == 2,
+                                watch ? &*watch : nullptr);
       });
     }
   };
@@ -293,7 +315,7 @@ TORCH_LIBRARY_FRAGMENT(prefixd, m) {
         "Tensor(d!) act, Tensor cos, Tensor sin, Tensor(e!)[] k_pools, Tensor(f!)[] v_pools, Tensor slots, "
         "Tensor spans, Tensor tables, int heads, Tensor? final_norm=None, Tensor? head_codes=None, "
         "Tensor? head_scales=None, int head_n=0, int head_passes=1, Tensor(g!)? normed=None, "
-        "Tensor(h!)? logits=None) -> ()");
+        "Tensor(h!)? logits=None, Tensor(i!)? finite=None, Tensor(j!)? best=None, int head_limit=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(prefixd, CPU, m) { m.impl("layers_int4", &layers_int4); }
