@@ -243,12 +243,30 @@ def layers_int4(h: torch.Tensor, weights: list[torch.Tensor], outs: list[int], e
                                   slots, index[0], index[1], heads, *(head or ()))
 
 
-def head_picks(finite: torch.Tensor, best: torch.Tensor) -> tuple[list[bool], list[int]]:
-    """`layers_int4`'s watch of the head's rows as (finite a row, greedy pick a row): the pick is
-    the lowest id of the row's largest logit below the call's limit (numpy's argmax on it), read
-    only where the row is finite. A key holds the value's order in its high 32 bits and the
-    id's complement in its low 32."""
-    return finite.numpy().astype(bool).tolist(), [0xFFFFFFFF - (key & 0xFFFFFFFF) for key in best.tolist()]
+def head_picks(finite: torch.Tensor, best: torch.Tensor) -> list[int]:
+    """`layers_int4`'s watch of the head's rows as each row's greedy pick, the lowest id of its
+    largest logit below the call's limit (numpy's argmax on it), or -1 where any logit of the
+    row is not finite. A key holds the value's order in its high 32 bits and the id's
+    complement in its low 32."""
+    return [0xFFFFFFFF - (key & 0xFFFFFFFF) if ok else -1 for ok, key in zip(finite.tolist(), best.tolist())]
+
+
+def layers_int4_rows(embed: torch.Tensor, tokens: list[int], spans: list[int], pages: list[int], page_size: int,
+                     rope: torch.Tensor, weights: list[torch.Tensor], outs: list[int], eps: float,
+                     k_pools: list[torch.Tensor], v_pools: list[torch.Tensor], heads: int, kv_heads: int,
+                     head_dim: int, qk_dtype: torch.dtype, act_dtype: torch.dtype,
+                     head: tuple = ()) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A round's set-up and `layers_int4` in one call, from host lists (csrc/layers.cpp): the
+    same values as the Python set-up (the inputs, embedding rows, q-scaled rope tables, buffers
+    and attention index), so the same bits. spans: four numbers a lane (first row, first
+    position, rows, pages), its pages' ids in `pages`; rope: `RopeTable.scaled_table`'s.
+    head = (final norm, codes, scales, n, passes, pick_below) or (). Returns (the final hidden
+    rows, normed with a head, else the unnormed residual stream; the logits, or an empty
+    tensor without a head; each row's pick as `head_picks` gives it where pick_below > 0,
+    else [])."""
+    return torch.ops.prefixd.layers_int4_rows(embed, tokens, spans, pages, page_size, rope, weights, outs, eps,
+                                              k_pools, v_pools, heads, kv_heads, head_dim, qk_dtype, act_dtype,
+                                              *head)
 
 
 def attention_index(spans) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -28,6 +28,9 @@ from prefixd.gpu.config import ModelConfig
 from prefixd.gpu.kv_pool import KVPool
 from prefixd.gpu.linear import Int4Weight, Int8Weight, Weight, fuse, invariant_rows, linear, matmul, quantize_int4, quantize_int8
 from prefixd.gpu.rope import RopeTable, rotate, rotation_tables
+
+if TYPE_CHECKING:
+    from prefixd.scheduler.records import LaneWork
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,9 @@ class LlamaModel:
         # compare the two)
         self.one_call = mode == "int4" and not config.qk_norm and not config.attention_bias and all(
             isinstance(w, Int4Weight) for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        # ... and its set-up in that call too, from the lanes' lists (`forward_host`), where the
+        # rope tables are q-scaled (a power-of-two scale) and attention is the CPU kernels'
+        self.host_set_up = self.device.type == "cpu" and not self.attention_tiles and math.frexp(self.scale)[0] == 0.5
         self._one_call_weights: tuple[list[torch.Tensor], list[int]] = ([], [])
         for layer in self.layers if self.one_call else ():
             for norm, w in ((layer.input_norm, layer.qkv), (None, layer.o), (layer.post_norm, layer.gate_up),
@@ -212,16 +218,48 @@ class LlamaModel:
         return self._forward(inputs, kv, head=False)[0]
 
     def forward_logits(self, inputs: RoundInputs, kv: KVPool, pick_below: int = 0) -> tuple[
-            torch.Tensor, torch.Tensor | None, tuple[list[bool], list[int]] | None]:
+            torch.Tensor, torch.Tensor | None, list[int] | None]:
         """`forward`, and every row's logits where mode int4's one call takes the head too (the
         runner asks when it wants every row's, as in a decode round), else None; the bits of
         `logits(forward(...))`. Beside those logits, with `pick_below` > 0, what the call saw of
-        each row as it stored it (`cpu_kernels.head_picks`): whether every logit is finite, and
-        the greedy pick among ids below `pick_below`; else None."""
+        each row as it stored it (`cpu_kernels.head_picks`): the greedy pick among ids below
+        `pick_below`, or -1 where a logit of the row is not finite; else None."""
         return self._forward(inputs, kv, head=True, pick_below=pick_below)
 
+    @property
+    def host_rounds(self) -> bool:
+        """Whether `forward_host` runs a round (mode int4's one call, its set-up in the call)."""
+        return self.one_call and self.host_set_up
+
+    def forward_host(self, lanes: Sequence[LaneWork], kv: KVPool, head: bool, pick_below: int = 0) -> tuple[
+            torch.Tensor, torch.Tensor | None, list[int] | None]:
+        """`forward` (head False) or `forward_logits` (head True) of a round of `lanes` with no
+        image rows, where `host_rounds`: the round's set-up is built in the one call from the
+        lanes' own lists (`cpu_kernels.layers_int4_rows`), not op by op from `RoundInputs`,
+        with the same values, so the same bits."""
+        c = self.config
+        tokens: list[int] = []
+        spans: list[int] = []
+        pages: list[int] = []
+        top = 0
+        for w in lanes:
+            spans += (len(tokens), w.start, len(w.tokens), len(w.page_table))
+            pages += w.page_table
+            tokens += w.tokens
+            top = max(top, w.start + len(w.tokens) - 1)
+        rope = self.rope.scaled_table(c.num_heads, c.num_kv_heads, self.scale, top)
+        w = self.lm_head
+        takes_head = head and isinstance(w, Int8Weight)
+        hidden, logits, picks = cpu_kernels.layers_int4_rows(
+            self.embed, tokens, spans, pages, kv.page_size, rope, *self._one_call_weights, c.rms_norm_eps, kv.k, kv.v,
+            c.num_heads, c.num_kv_heads, c.head_dim, self.dtype if kv.codes8 else kv.dtype, self.dtype,
+            head=(self.final_norm, w.codes, w.scales, w.shape[0], w.passes, pick_below) if takes_head else ())
+        if not takes_head:
+            return rms_norm(hidden, self.final_norm, c.rms_norm_eps), None, None
+        return hidden, logits, picks if pick_below > 0 else None
+
     def _forward(self, inputs: RoundInputs, kv: KVPool, head: bool, pick_below: int = 0) -> tuple[
-            torch.Tensor, torch.Tensor | None, tuple[list[bool], list[int]] | None]:
+            torch.Tensor, torch.Tensor | None, list[int] | None]:
         c = self.config
         h = self.embed_rows(inputs)  # (rows, hidden) fp32, a fresh tensor: updated in place
         rnd = _Round(self, inputs, self.dtype if kv.codes8 else kv.dtype, h.shape[0])  # q and k: bf16 beside 8-bit pages

@@ -66,15 +66,24 @@ class RopeTable:
         build takes a dozen: on the CPU a decode round's share of them was about 0.1 ms."""
         if top is None:
             top = int(positions.max()) if positions.numel() else -1
+        both, heads_of = self._scaled_tables(heads, kv_heads, scale, top)
+        rows = both[:, positions].index_select(2, heads_of)  # (2, rows, heads + kv_heads, width)
+        return rows[0], rows[1]
+
+    def scaled_table(self, heads: int, kv_heads: int, scale: float, top: int) -> torch.Tensor:
+        """What `q_scaled` gathers from, covering position `top`: (2: cos | sin, positions, 2: q's
+        scaled | kv's, width) fp32, contiguous; row r's table for head h is [:, position of r,
+        0 if h < heads else 1] (csrc/layers.cpp's `layers_int4_rows` copies it so)."""
+        return self._scaled_tables(heads, kv_heads, scale, top)[0]
+
+    def _scaled_tables(self, heads: int, kv_heads: int, scale: float, top: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.cover(top)
         key = (heads, kv_heads, scale)
         if key not in self._scaled:
             cos, sin = rotation_tables(self.cos, self.sin)  # (size, 2 * half): the full width
             both = torch.stack([torch.stack([cos * scale, cos], 1), torch.stack([sin * scale, sin], 1)])
             self._scaled[key] = (both, torch.tensor([0] * heads + [1] * kv_heads, device=self.device))
-        both, heads_of = self._scaled[key]  # (2: cos | sin, size, 2: scaled | not, width); head -> which
-        rows = both[:, positions].index_select(2, heads_of)  # (2, rows, heads + kv_heads, width)
-        return rows[0], rows[1]
+        return self._scaled[key]  # (2: cos | sin, size, 2: scaled | not, width); head -> which
 
     def lookup(self, positions: torch.Tensor, top: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each (rows, 1, rotary_dim/2) fp32, for a (rows,) position tensor.

@@ -23,6 +23,7 @@ failure of the forward itself raises: the device, not one lane, failed.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from contextlib import nullcontext
 from typing import Any, Sequence
@@ -255,23 +256,32 @@ class ModelRunner:
             t0 = time.perf_counter()
             rows = program.run(runnable.lanes)  # every bucket row's logits
             wanted, where = self._wanted_rows(runnable, [program.row(i, 0) for i in range(len(runnable.lanes))])
-            logits = rows.index_select(0, wanted) if where else None
+            logits = rows.index_select(0, self._long(wanted)) if where else None
             self._sample(runnable, logits, where, results)
             forward_s = time.perf_counter() - t0
         elif runnable.lanes:
-            inputs = self._inputs(runnable)
+            # the model builds the round's set-up itself from the lanes (mode int4's one call), or
+            # takes it from the runner's RoundInputs
+            host = getattr(self.model, "host_rounds", False) and self.drafts is None and not any(
+                w.images for w in runnable.lanes)
+            inputs = None if host else self._inputs(runnable)
             t0 = time.perf_counter()
             carries = self.drafts.carries(runnable.lanes) if self.drafts is not None else {}
-            wanted, where = self._wanted_rows(runnable, [span.row for span in inputs.spans])
+            first_rows = list(itertools.accumulate((len(w.tokens) for w in runnable.lanes[:-1]), initial=0))
+            wanted, where = self._wanted_rows(runnable, first_rows)
+            every = len(where) == first_rows[-1] + len(runnable.lanes[-1].tokens)
             logits = picks = None
-            if len(where) == inputs.num_rows and hasattr(self.model, "forward_logits"):
+            if host:
+                hidden, logits, picks = self.model.forward_host(runnable.lanes, self.kv, head=every,
+                                                                pick_below=self._tokenizer_vocab)
+            elif every and hasattr(self.model, "forward_logits"):
                 # every row's logits, in row order (a decode round): the model may take the head in
                 # its call, and pick greedy tokens and screen the rows as it stores them
                 hidden, logits, picks = self.model.forward_logits(inputs, self.kv, pick_below=self._tokenizer_vocab)
             else:
                 hidden = self.model.forward(inputs, self.kv)
             if logits is None and where:
-                logits = self.model.logits(hidden.index_select(0, wanted))
+                logits = self.model.logits(hidden.index_select(0, self._long(wanted)))
             self._sample(runnable, logits, where, results, picks)
             if self.drafts is not None:
                 self._propose(runnable.lanes, inputs, hidden, carries, results)
@@ -279,11 +289,15 @@ class ModelRunner:
         return tuple(results[w.lane] for w in work), forward_s
 
     def _sample(self, plan: RoundPlan, logits: torch.Tensor | None, where: dict,
-                results: dict[int, LaneResult], picks: tuple[list[bool], list[int]] | None = None) -> None:
+                results: dict[int, LaneResult], picks: list[int] | None = None) -> None:
         """Each lane's result from the logits of its wanted rows (`_wanted_rows`); `picks`: each
-        row's finite flag and greedy pick where the model's call made them (`forward_logits`),
-        so that neither the screen nor a `greedy_alone` lane reads the row again."""
-        finite, greedy = picks if picks is not None else (_finite_rows(logits) if logits is not None else [], None)
+        row's greedy pick, -1 where the row is not finite, where the model's call made them as
+        it stored the logits (`forward_logits`), so that neither the screen nor a `greedy_alone`
+        lane reads the row again."""
+        if picks is not None:
+            finite, greedy = [p >= 0 for p in picks], picks
+        else:
+            finite, greedy = (_finite_rows(logits) if logits is not None else []), None
         with held_masks():  # next masks are built once every lane has sampled (constrain.py)
             results.update((w.lane, self._lane_result(w, logits, where, finite, greedy)) for w in plan.lanes)
 
@@ -369,7 +383,7 @@ class ModelRunner:
                 idx = torch.arange(span.row + lo - w.start, span.row + hi - w.start, device=self.device)
                 yield idx, rows.to(self.device)
 
-    def _wanted_rows(self, plan: RoundPlan, first_rows: Sequence[int]) -> tuple[torch.Tensor, dict]:
+    def _wanted_rows(self, plan: RoundPlan, first_rows: Sequence[int]) -> tuple[list[int], dict]:
         """Round rows that need logits (lane i's rows start at first_rows[i]), and (lane, row) ->
         index into them."""
         where: dict[tuple[int, int], int] = {}
@@ -378,7 +392,10 @@ class ModelRunner:
             for r in sorted({*w.sample_rows, *w.logits_rows, *w.digest_rows}):
                 where[(w.lane, r)] = len(rows)
                 rows.append(first + r)
-        return torch.tensor(rows, dtype=torch.long, device=self.device), where
+        return rows, where
+
+    def _long(self, ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def _image_error(self, w: LaneWork) -> str | None:
         """Why the lane's image rows cannot enter the forward, or None."""

@@ -455,34 +455,42 @@ except ValueError as exc:
     assert not list(tmp_path.glob("*.so"))
 
 
-def one_call_and_loop(model, request, monkeypatch, **runner_args):
+def one_call_and_loop(model, request, monkeypatch, host=True, **runner_args):
     """Two int4 runners of `model` ("tiny_llama" or "default"), the first running a round's
-    layers in one call, the second the Python loop (`one_call = False`), and the list each call
-    of `cpu_kernels.layers_int4` appends to: whether it took the head too."""
+    layers in one call, its set-up built in the call from the lanes (`forward_host`) or, with
+    `host` False, op by op in Python (`RoundInputs`, as a round with image rows takes it), the
+    second the Python loop (`one_call = False`), and the list each one call appends to:
+    whether it took the head too."""
     from tests.gpu.runner_helpers import make_runner
 
     spec = request.getfixturevalue("tiny_llama_dir" if model == "tiny_llama" else "default_gguf")
     calls = []
-    real = cpu_kernels.layers_int4
+    real, real_rows = cpu_kernels.layers_int4, cpu_kernels.layers_int4_rows
     monkeypatch.setattr(cpu_kernels, "layers_int4", lambda *a, head=None: (calls.append(head is not None),
                                                                             real(*a, head=head))[1])
+    monkeypatch.setattr(cpu_kernels, "layers_int4_rows", lambda *a, head=(): (calls.append(bool(head)),
+                                                                               real_rows(*a, head=head))[1])
     runners = [make_runner(spec, torch.bfloat16, mode="int4", **runner_args) for _ in range(2)]
+    runners[0].model.host_set_up = host
     runners[1].model.one_call = False
-    assert runners[0].model.one_call
+    assert runners[0].model.one_call and runners[0].model.host_rounds == host and not runners[1].model.host_rounds
     return runners, calls
 
 
+@pytest.mark.parametrize("host", [True, False], ids=["set-up in the call", "set-up in Python"])
 @pytest.mark.parametrize("model", ["tiny_llama", "default"])
-def test_a_rounds_layers_in_one_call_have_the_python_loops_bits(model, request, monkeypatch):
+def test_a_rounds_layers_in_one_call_have_the_python_loops_bits(model, host, request, monkeypatch):
     """Mode int4 runs a round's decoder layers as one call of the CPU kernels (csrc/layers.cpp):
     its logits and K/V are the Python loop's (`one_call = False`), bit for bit, over prefill
     chunks of three lanes, then decode rounds of all three together; every round wants every
-    row's logits, so its call takes the final norm and the head too. The tiny model's pages are
-    bf16 (head_dim 16), the default model's 8-bit."""
+    row's logits, so its call takes the final norm and the head too. The round's set-up (input
+    rows, rope tables, buffers, attention index) is built in the call from the lanes' lists, or
+    in Python from `RoundInputs`: the same bits. The tiny model's pages are bf16 (head_dim 16),
+    the default model's 8-bit."""
     from prefixd.scheduler.records import RoundPlan
     from tests.gpu.runner_helpers import kv_equal, lane_pages, prompt, run_chunks, work
 
-    runners, calls = one_call_and_loop(model, request, monkeypatch, num_lanes=3, num_pages=60)
+    runners, calls = one_call_and_loop(model, request, monkeypatch, host=host, num_lanes=3, num_pages=60)
     outs = []
     for runner in runners:
         logits = [run_chunks(runner, lane, prompt(19 + 7 * lane, seed=lane), lane_pages(lane), (8, 11 + 7 * lane))
@@ -579,8 +587,9 @@ def test_the_heads_watch_is_each_rows_finite_flag_and_lowest_argmax_on_every_pat
         for limit in (n, 977, 480, 32, 1, 0):
             finite, best = torch.empty(12, dtype=torch.uint8), torch.empty(12, dtype=torch.long)
             out = cpu_kernels.matmul(x, packed, scales, n, path, passes=passes, watch=(finite, best, limit))
-            flags, picks = cpu_kernels.head_picks(finite, best)
-            assert flags == torch.isfinite(out).all(dim=1).tolist() == [r != 7 for r in range(12)], (path, limit)
+            picks = cpu_kernels.head_picks(finite, best)
+            assert finite.bool().tolist() == torch.isfinite(out).all(dim=1).tolist() == [r != 7 for r in range(12)]
+            assert picks[7] == -1, "a row not finite has no pick"
             if limit == 0:
                 continue
             want = out[:, :limit].numpy().argmax(axis=1).tolist()
@@ -593,11 +602,12 @@ def test_the_heads_watch_is_each_rows_finite_flag_and_lowest_argmax_on_every_pat
     for path in kernel_paths():
         finite, best = torch.empty(12, dtype=torch.uint8), torch.empty(12, dtype=torch.long)
         cpu_kernels.matmul(x, packed, spoiled, n, path, passes=passes, watch=(finite, best, n))
-        assert cpu_kernels.head_picks(finite, best)[0] == [False] * 12, path
+        assert finite.tolist() == [0] * 12 and cpu_kernels.head_picks(finite, best) == [-1] * 12, path
 
 
+@pytest.mark.parametrize("host", [True, False], ids=["set-up in the call", "set-up in Python"])
 @pytest.mark.parametrize("model", ["tiny_llama", "default"])
-def test_greedy_lanes_take_the_heads_picks_and_every_lane_samples_as_the_loop_does(model, request, monkeypatch):
+def test_greedy_lanes_take_the_heads_picks_and_every_lane_samples_as_the_loop_does(model, host, request, monkeypatch):
     """Where the one call takes the head it also picks each row's greedy token and screens the
     row as it stores it: a greedy lane with nothing else to apply (no penalty, grammar or
     logprobs) takes that pick without reading its logits, and the runner does not screen the
@@ -615,7 +625,7 @@ def test_greedy_lanes_take_the_heads_picks_and_every_lane_samples_as_the_loop_do
                                                                        real_sample(self, row, pos))[1])
     monkeypatch.setattr(runner_module, "_finite_rows", lambda logits: (screened.append(len(logits)),
                                                                      real_screen(logits))[1])
-    runners, calls = one_call_and_loop(model, request, monkeypatch, num_lanes=3, num_pages=60)
+    runners, calls = one_call_and_loop(model, request, monkeypatch, host=host, num_lanes=3, num_pages=60)
     params = (SamplingParams(), SamplingParams(repetition_penalty=1.3), SamplingParams(temperature=0.8, seed=5))
     outs = []
     for runner in runners:

@@ -308,6 +308,112 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
   }
 }
 
+// A round's set-up and its layers in one call, from the host's lists (model.LlamaModel's
+// `forward_host`): what the Python set-up builds op by op before `layers_int4` (runner._inputs,
+// embed_rows, model._Round, cpu_kernels.attention_index), built here with the same values, so
+// the call's bits are the same. Each lane is four numbers of `spans` (its first row, its first
+// position, its rows, its pages) and its pages' ids in `pages`, in order; `rope` is
+// RopeTable.scaled_table's (2: cos | sin, positions, 2: q's scaled | kv's, width). Returns the
+// final hidden rows (normed, with a head; else the residual stream, unnormed), the logits (with
+// a head; else an empty tensor), and with `pick_below` > 0 each row's greedy pick among the
+// ids below it (-1 where any logit of the row is not finite).
+std::tuple<at::Tensor, at::Tensor, std::vector<int64_t>> layers_int4_rows(
+    const at::Tensor& embed, c10::IntArrayRef tokens, c10::IntArrayRef spans, c10::IntArrayRef pages,
+    int64_t page_size, const at::Tensor& rope, at::TensorList weights, c10::IntArrayRef outs, double eps,
+    at::TensorList k_pools, at::TensorList v_pools, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    at::ScalarType qk_dtype, at::ScalarType act_dtype, const std::optional<at::Tensor>& final_norm,
+    const std::optional<at::Tensor>& head_codes, const std::optional<at::Tensor>& head_scales, int64_t head_n,
+    int64_t head_passes, int64_t pick_below) {
+  const int64_t rows = static_cast<int64_t>(tokens.size()), lanes = static_cast<int64_t>(spans.size()) / 4;
+  TORCH_CHECK(static_cast<int64_t>(spans.size()) == 4 * lanes && lanes > 0 && rows > 0 && page_size > 0,
+              "layers_int4_rows: four numbers a lane (first row, first position, rows, pages), and rows");
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() &&
+                  (embed.scalar_type() == at::kBFloat16 || embed.scalar_type() == at::kFloat),
+              "layers_int4_rows: embed must be contiguous bf16 or fp32 (vocab, hidden)");
+  TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.dim() == 4 && rope.size(0) == 2 && rope.size(2) == 2 &&
+                  rope.is_contiguous(),
+              "layers_int4_rows: rope must be contiguous fp32 (2, positions, 2, width)");
+  TORCH_CHECK(outs.size() >= 3 && outs[2] % 2 == 0, "layers_int4_rows: the first layer's gate_up width must be even");
+  const int64_t vocab = embed.size(0), hidden = embed.size(1), width = rope.size(3), covered = rope.size(1);
+  const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat);
+
+  // the rows' positions, K/V slots and the attention index (runner._inputs, attention_index)
+  int64_t most_pages = 1;
+  for (int64_t s = 0; s < lanes; ++s) most_pages = std::max(most_pages, spans[4 * s + 3]);
+  at::Tensor slots = at::empty({rows}, at::kLong), spans_t = at::empty({lanes, 3}, at::kLong);
+  at::Tensor tables = at::zeros({lanes, most_pages}, at::kInt);
+  std::vector<int64_t> positions(static_cast<size_t>(rows));
+  int64_t* slot = slots.mutable_data_ptr<int64_t>();
+  int64_t* span = spans_t.mutable_data_ptr<int64_t>();
+  int32_t* table = tables.mutable_data_ptr<int32_t>();
+  int64_t row = 0, page_at = 0;
+  for (int64_t s = 0; s < lanes; ++s) {
+    const int64_t first = spans[4 * s], start = spans[4 * s + 1], n = spans[4 * s + 2], np = spans[4 * s + 3];
+    TORCH_CHECK(first == row && n > 0 && start >= 0 && np >= 0 && page_at + np <= static_cast<int64_t>(pages.size()) &&
+                    (start + n - 1) / page_size < np && start + n <= covered,
+                "layers_int4_rows: lane ", s, "'s rows do not follow the last, or its pages or rope table do not cover them");
+    span[3 * s] = first, span[3 * s + 1] = start, span[3 * s + 2] = n;
+    for (int64_t i = 0; i < np; ++i) table[s * most_pages + i] = static_cast<int32_t>(pages[page_at + i]);
+    for (int64_t i = 0; i < n; ++i, ++row) {
+      const int64_t pos = start + i;
+      positions[row] = pos;
+      slot[row] = pages[page_at + pos / page_size] * page_size + pos % page_size;
+    }
+    page_at += np;
+  }
+  TORCH_CHECK(row == rows, "layers_int4_rows: the lanes hold ", row, " rows, the tokens ", rows);
+
+  // the rows' input embeddings as fp32 (embed_rows: exact), and the q-scaled rope tables (q_scaled: copies)
+  at::Tensor h = at::empty({rows, hidden}, f32);
+  float* hp = h.mutable_data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = tokens[r];
+    TORCH_CHECK(0 <= t && t < vocab, "layers_int4_rows: token ", t, " outside the vocabulary of ", vocab);
+    if (embed.scalar_type() == at::kBFloat16) {
+      const at::BFloat16* e = embed.const_data_ptr<at::BFloat16>() + t * hidden;
+      for (int64_t i = 0; i < hidden; ++i) hp[r * hidden + i] = static_cast<float>(e[i]);
+    } else {
+      std::memcpy(hp + r * hidden, embed.const_data_ptr<float>() + t * hidden, hidden * sizeof(float));
+    }
+  }
+  const int64_t all_heads = heads + kv_heads;
+  at::Tensor tables_rope = at::empty({2, rows, all_heads, width}, f32);
+  float* tp = tables_rope.mutable_data_ptr<float>();
+  const float* rp = rope.const_data_ptr<float>();
+  for (int64_t c = 0; c < 2; ++c)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < all_heads; ++k)
+        std::memcpy(tp + ((c * rows + r) * all_heads + k) * width,
+                    rp + ((c * covered + positions[r]) * 2 + (k < heads ? 0 : 1)) * width, width * sizeof(float));
+
+  // the round's buffers (model._Round)
+  at::Tensor qk = at::zeros({rows + 1, all_heads, head_dim}, at::TensorOptions().dtype(qk_dtype));
+  at::Tensor attn = at::zeros({rows + 1, heads * head_dim}, f32);
+  at::Tensor act = at::empty({rows, outs[2] / 2}, at::TensorOptions().dtype(act_dtype));
+
+  const bool head = final_norm.has_value();
+  std::optional<at::Tensor> normed, logits, finite, best;
+  if (head) {
+    normed = at::empty_like(h);
+    logits = at::empty({rows, head_n}, f32);
+    if (pick_below > 0) {
+      finite = at::empty({rows}, at::kByte);
+      best = at::empty({rows}, at::kLong);
+    }
+  }
+  layers_int4(h, weights, outs, eps, qk, attn, act, tables_rope[0], tables_rope[1], k_pools, v_pools, slots, spans_t,
+              tables, heads, final_norm, head_codes, head_scales, head_n, head_passes, normed, logits, finite, best,
+              pick_below);
+  std::vector<int64_t> picks;
+  if (finite.has_value()) {
+    const uint8_t* f = finite->const_data_ptr<uint8_t>();
+    const uint64_t* b = reinterpret_cast<const uint64_t*>(best->const_data_ptr<int64_t>());
+    for (int64_t r = 0; r < rows; ++r) picks.push_back(f[r] ? static_cast<int64_t>(0xffffffffu - (b[r] & 0xffffffffu)) : -1);
+  }
+  if (!head) return {h, at::empty({0}, f32), picks};
+  return {*normed, *logits, picks};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(prefixd, m) {
@@ -318,4 +424,15 @@ TORCH_LIBRARY_FRAGMENT(prefixd, m) {
         "Tensor(h!)? logits=None, Tensor(i!)? finite=None, Tensor(j!)? best=None, int head_limit=0) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(prefixd, CPU, m) { m.impl("layers_int4", &layers_int4); }
+TORCH_LIBRARY_FRAGMENT(prefixd, m) {
+  m.def("layers_int4_rows(Tensor embed, int[] tokens, int[] spans, int[] pages, int page_size, Tensor rope, "
+        "Tensor[] weights, int[] outs, float eps, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, int heads, "
+        "int kv_heads, int head_dim, ScalarType qk_dtype, ScalarType act_dtype, Tensor? final_norm=None, "
+        "Tensor? head_codes=None, Tensor? head_scales=None, int head_n=0, int head_passes=1, int pick_below=0) "
+        "-> (Tensor, Tensor, int[])");
+}
+
+TORCH_LIBRARY_IMPL(prefixd, CPU, m) {
+  m.impl("layers_int4", &layers_int4);
+  m.impl("layers_int4_rows", &layers_int4_rows);
+}
