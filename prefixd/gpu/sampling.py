@@ -232,6 +232,9 @@ class LaneSampler:
         self.first_position = len(history)
         self.last_logprob: TokenLogprob | None = None  # of the last sampled token, when params.logprobs is set
         self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        # on the CPU a token is recorded through numpy's view of the same memory: a torch index
+        # assignment was a sixth of a one-lane decode round's host work
+        self._seen_host = self._seen.numpy() if self._seen.device.type == "cpu" else None
         if history:
             ids = torch.tensor(list(history), dtype=torch.long)
             if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
@@ -274,7 +277,10 @@ class LaneSampler:
         """Add a token chosen elsewhere (e.g. an accepted draft) to the repetition history."""
         if not 0 <= token < self.vocab_size:
             raise ValueError(f"token {token} outside [0, {self.vocab_size})")
-        self._seen[token] = True
+        if self._seen_host is not None:
+            self._seen_host[token] = True
+        else:
+            self._seen[token] = True
         if self.constraint is not None:
             self.constraint.advance(token)
 
