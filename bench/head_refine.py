@@ -84,6 +84,7 @@ def measure(*, tokens: int, window: int, margins: Sequence[float]) -> tuple[str,
         return out
 
     model.logits = logits  # every row through the separate head (the one-call head has its bits)
+    model.host_set_up = False  # the runner's rounds through RoundInputs and the two calls below
     model.forward_logits = lambda inputs, kv, pick_below=0: (model.forward(inputs, kv), None, None)
     reference = RunnerLogits(ref_ckpt, mode="invariant", dtype=torch.float32, window=window)
     names = ["full (mode int4)", "coarse alone", *(f"T = {t:g}" for t in margins)]
