@@ -57,9 +57,10 @@ int64_t int4_tasks(const Int4Weight& w, int64_t rows);
 
 // What the tiles learn of each out row's final outputs as they store them (while they are in the
 // first-level cache), for the head's call: `finite` (set by the caller) is cleared where any
-// output is an inf or a NaN; `best` (0 from the caller) rises to the key (`pick_key`) of the
-// largest output below `limit` and its lowest index. Tiles of one row on several threads raise
-// it atomically: the largest key wins whatever their order, so the result is the row's own.
+// output is an inf or a NaN; `best` (0 from the caller) rises to the key of the largest output
+// below `limit` at its lowest index (the value's order key above the index's complement:
+// int4_mm.cpp's `watch_result`). Tiles of one row on several threads raise it atomically: the
+// largest key wins whatever their order, so the result is the row's own.
 struct RowWatch {
   uint8_t* finite;
   uint64_t* best;
