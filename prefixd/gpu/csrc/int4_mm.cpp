@@ -563,20 +563,8 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   const bool vnni = path == "vnni" || (path == "auto" && have_vnni());
   TORCH_CHECK(!vnni || have_vnni(), "int4_mm: this CPU has no AVX-512 VNNI");
 
-  // the out rows' watch (`prefixd_cpu::RowWatch`), as the head's call keeps it: for the tests of both paths
-  TORCH_CHECK(finite.has_value() == best.has_value(), "int4_mm: finite and best go together");
-  std::optional<prefixd_cpu::RowWatch> watch;
-  if (finite.has_value()) {
-    TORCH_CHECK(finite->scalar_type() == at::kByte && finite->dim() == 1 && finite->size(0) == m &&
-                    finite->is_contiguous() && best->scalar_type() == at::kLong && best->dim() == 1 &&
-                    best->size(0) == m && best->is_contiguous() && 0 <= limit && limit <= n,
-                "int4_mm: finite (uint8 (M,)) and best (int64 (M,)), with 0 <= limit <= n");
-    uint8_t* f = finite->mutable_data_ptr<uint8_t>();
-    uint64_t* b = reinterpret_cast<uint64_t*>(best->mutable_data_ptr<int64_t>());
-    std::fill(f, f + m, uint8_t{1});
-    std::fill(b, b + m, uint64_t{0});
-    watch = prefixd_cpu::RowWatch{f, b, limit};
-  }
+  // the out rows' watch, as the head's call keeps it: for the tests of both paths
+  const std::optional<prefixd_cpu::RowWatch> watch = prefixd_cpu::row_watch(finite, best, m, n, limit, "int4_mm");
   if (m == 0) return at::empty({m, n}, x.options().dtype(at::kFloat));
   const at::Tensor xc = x.contiguous();
   const int64_t gx = kx / GROUP, rows_q = passes * m;  // the product's rows: one per pass of each row of x
@@ -634,6 +622,22 @@ void int4_quantize_passes(const float* x, int64_t begin, int64_t end, int64_t kx
 }
 
 int64_t int4_tasks(const Int4Weight& w, int64_t rows) { return (rows + ROW_CHUNK - 1) / ROW_CHUNK * w.nblocks; }
+
+std::optional<RowWatch> row_watch(const std::optional<at::Tensor>& finite, const std::optional<at::Tensor>& best,
+                                  int64_t rows, int64_t n, int64_t limit, const char* who) {
+  TORCH_CHECK(finite.has_value() == best.has_value(), who, ": finite and best go together");
+  if (!finite.has_value()) return std::nullopt;
+  TORCH_CHECK(finite->scalar_type() == at::kByte && finite->dim() == 1 && finite->size(0) == rows &&
+                  finite->is_contiguous() && best->scalar_type() == at::kLong && best->dim() == 1 &&
+                  best->size(0) == rows && best->is_contiguous() && 0 <= limit && limit <= n &&
+                  limit < (int64_t{1} << 32),
+              who, ": finite (uint8 (", rows, ",)) and best (int64 (", rows, ",)), with 0 <= limit <= ", n);
+  uint8_t* f = finite->mutable_data_ptr<uint8_t>();
+  uint64_t* b = reinterpret_cast<uint64_t*>(best->mutable_data_ptr<int64_t>());
+  std::fill(f, f + rows, uint8_t{1});
+  std::fill(b, b + rows, uint64_t{0});
+  return RowWatch{f, b, limit};
+}
 
 void int4_tiles(const Int4Weight& w, const int8_t* xq, const float* d, const float* s, int64_t rows, int64_t kx,
                 float* out, bool accumulate, int64_t begin, int64_t end, bool paired, const RowWatch* watch) {

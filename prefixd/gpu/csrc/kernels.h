@@ -12,6 +12,7 @@
 #include <climits>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -66,6 +67,12 @@ struct RowWatch {
   uint64_t* best;
   int64_t limit;
 };
+
+// The watch of `rows` out rows of `n` outputs held in `finite` and `best`, checked (uint8 (rows,)
+// and int64 (rows,), 0 <= limit <= n) and set to their starting values; none where neither is
+// given. `who` names the caller in its errors.
+std::optional<RowWatch> row_watch(const std::optional<at::Tensor>& finite, const std::optional<at::Tensor>& best,
+                                  int64_t rows, int64_t n, int64_t limit, const char* who);
 
 void int4_tiles(const Int4Weight& w, const int8_t* xq, const float* d, const float* s, int64_t rows, int64_t kx,
                 float* out, bool accumulate, int64_t begin, int64_t end, bool paired = false,

@@ -106,21 +106,10 @@ void layers_int4(at::Tensor& h, at::TensorList weights, c10::IntArrayRef outs, d
                     logits->size(0) == rows && logits->size(1) == head_n,
                 "layers_int4: logits must be contiguous fp32 (R, head_n)");
   }
-  // the head's watch (`prefixd_cpu::RowWatch`): each row's finite flag and best pick, as its tiles store it
-  TORCH_CHECK(finite.has_value() == best.has_value(), "layers_int4: finite and best go together");
-  std::optional<prefixd_cpu::RowWatch> watch;
-  if (finite.has_value()) {
-    TORCH_CHECK(head && finite->scalar_type() == at::kByte && finite->dim() == 1 && finite->size(0) == rows &&
-                    finite->is_contiguous() && best->scalar_type() == at::kLong && best->dim() == 1 &&
-                    best->size(0) == rows && best->is_contiguous() && 0 <= head_limit && head_limit <= head_n &&
-                    head_limit < (int64_t{1} << 32),
-                "layers_int4: finite (uint8 (R,)) and best (int64 (R,)) go beside a head, with 0 <= head_limit <= head_n");
-    uint8_t* f = finite->mutable_data_ptr<uint8_t>();
-    uint64_t* b = reinterpret_cast<uint64_t*>(best->mutable_data_ptr<int64_t>());
-    std::fill(f, f + rows, uint8_t{1});
-    std::fill(b, b + rows, uint64_t{0});
-    watch = prefixd_cpu::RowWatch{f, b, head_limit};
-  }
+  // the head's watch: each row's finite flag and best pick, as its tiles store it
+  TORCH_CHECK(head || !finite.has_value(), "layers_int4: finite and best go beside a head");
+  const std::optional<prefixd_cpu::RowWatch> watch =
+      prefixd_cpu::row_watch(finite, best, rows, head_n, head_limit, "layers_int4");
   std::vector<Int4Weight> ws;
   std::vector<const float*> norms;
   for (int64_t i = 0; i < layers; ++i) {
